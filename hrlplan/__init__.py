@@ -1,0 +1,2 @@
+"""hrlplan: plan and run hybrid-parallel transformer training."""
+__version__ = "0.1.0"

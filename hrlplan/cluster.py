@@ -1,0 +1,295 @@
+"""Cluster spec and probe.
+
+The probe runs inside a process group (gloo on CPU, NCCL on GPU): every rank measures its own
+device, pairs of ranks measure point-to-point bandwidth with send/recv, and the results are gathered
+over the process group to rank 0 (no shared file system needed). Presets describe clusters that
+are planned for without being probed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+SCHEMA_VERSION = 1
+GB = 1e9
+
+
+@dataclass
+class DeviceInfo:
+    rank: int
+    node: int
+    local_rank: int
+    hostname: str
+    kind: str             # cuda | cpu
+    name: str             # e.g. "NVIDIA H100 80GB HBM3", "cpu"
+    memory_bytes: int
+    peak_flops: float     # measured (probe) or nominal (preset) dense matmul FLOP/s
+    threads: int = 1
+
+
+@dataclass
+class ClusterSpec:
+    name: str
+    devices: List[DeviceInfo]
+    backend: str = "gloo"
+    source: str = "probe"         # probe | preset | file
+    # Measured matrices (bytes/s, seconds), rank x rank; None for presets, which give per-link values.
+    bandwidth: Optional[List[List[float]]] = None
+    latency: Optional[List[List[float]]] = None
+    intra_node_bw: List[float] = field(default_factory=list)   # per node, bytes/s
+    inter_node_bw: float = 25 * GB
+    intra_node_latency: float = 2e-6
+    inter_node_latency: float = 5e-6
+    calibration: Dict[str, Any] = field(default_factory=dict)  # filled by `hrlplan calibrate`
+    schema_version: int = SCHEMA_VERSION
+
+    # ------------------------------------------------------------ queries
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def nnodes(self) -> int:
+        return len({d.node for d in self.devices})
+
+    def node_sizes(self) -> List[int]:
+        sizes: Dict[int, int] = {}
+        for d in self.devices:
+            sizes[d.node] = sizes.get(d.node, 0) + 1
+        return [sizes[n] for n in sorted(sizes)]
+
+    def device_types(self) -> List[str]:
+        return sorted({d.name for d in self.devices})
+
+    def bw(self, i: int, j: int) -> float:
+        """Point-to-point bandwidth between ranks i and j, bytes/s."""
+        if i == j:
+            return float("inf")
+        if self.bandwidth is not None:
+            return self.bandwidth[i][j]
+        di, dj = self.devices[i], self.devices[j]
+        if di.node == dj.node:
+            return self.intra_node_bw[di.node]
+        return self.inter_node_bw
+
+    def lat(self, i: int, j: int) -> float:
+        if i == j:
+            return 0.0
+        if self.latency is not None:
+            return self.latency[i][j]
+        same = self.devices[i].node == self.devices[j].node
+        return self.intra_node_latency if same else self.inter_node_latency
+
+    def group_bw(self, ranks: List[int]) -> float:
+        """Slowest link inside a group: the bandwidth a ring collective over it runs at."""
+        if len(ranks) < 2:
+            return float("inf")
+        return min(self.bw(a, b) for a in ranks for b in ranks if a != b)
+
+    # ------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ClusterSpec":
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"cluster.json schema_version {version} is not supported (expected {SCHEMA_VERSION}); "
+                             "re-run `hrlplan probe-cluster`")
+        d = dict(d)
+        d["devices"] = [DeviceInfo(**x) for x in d["devices"]]
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ClusterSpec":
+        spec = cls.from_dict(json.loads(Path(path).read_text()))
+        spec.source = "file"
+        return spec
+
+    def summary(self) -> str:
+        types = ", ".join(f"{sum(d.name == t for d in self.devices)}x {t}" for t in self.device_types())
+        return f"{self.name}: {self.world_size} workers on {self.nnodes} node(s) ({types}), backend {self.backend}"
+
+
+# ---------------------------------------------------------------- presets
+def spec_from_preset(cfg: Any) -> ClusterSpec:
+    """A ClusterSpec from cluster.node_groups (conf/cluster/*.yaml presets)."""
+    groups = list(cfg["node_groups"])
+    if not groups:
+        raise ValueError(f"cluster '{cfg['name']}': probe=false needs node_groups (or spec_file)")
+    devices: List[DeviceInfo] = []
+    intra: List[float] = []
+    node = 0
+    for g in groups:
+        for _ in range(int(g["count"])):
+            for local in range(int(g["devices_per_node"])):
+                devices.append(DeviceInfo(
+                    rank=len(devices), node=node, local_rank=local, hostname=f"node{node:04d}", kind="cuda",
+                    name=str(g["device"]), memory_bytes=int(float(g["memory_gb"]) * 2**30),
+                    peak_flops=float(g["tflops"]) * 1e12))
+            intra.append(float(g["intra_node_GBps"]) * GB)
+            node += 1
+    return ClusterSpec(
+        name=str(cfg["name"]), devices=devices, backend="nccl", source="preset", intra_node_bw=intra,
+        inter_node_bw=float(cfg["inter_node_GBps"]) * GB,
+        intra_node_latency=float(cfg["intra_node_latency_us"]) * 1e-6,
+        inter_node_latency=float(cfg["inter_node_latency_us"]) * 1e-6)
+
+
+# ---------------------------------------------------------------- probing
+def default_nproc_per_node(setting: Any = "auto") -> int:
+    if setting not in (None, "auto"):
+        return int(setting)
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _measure_device(local_rank: int, matmul_n: int, repeats: int) -> Dict[str, Any]:
+    import torch
+
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank)
+        props = torch.cuda.get_device_properties(dev)
+        n, dtype = 8192, torch.bfloat16
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(max(repeats, 10)):
+            a @ b
+        torch.cuda.synchronize(dev)
+        dt = (time.perf_counter() - t0) / max(repeats, 10)
+        return dict(kind="cuda", name=props.name, memory_bytes=int(props.total_memory),
+                    peak_flops=2 * n**3 / dt, threads=1)
+    n = matmul_n
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):  # best of: the machine is shared and noisy
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world, 1)
+    return dict(kind="cpu", name="cpu", memory_bytes=int(mem), peak_flops=2 * n**3 / best,
+                threads=torch.get_num_threads())
+
+
+def _round_robin(n: int) -> List[List[tuple]]:
+    """Circle-method rounds: every pair once, each rank in at most one pair per round."""
+    ids = list(range(n)) + ([None] if n % 2 else [])
+    m = len(ids)
+    rounds = []
+    for _ in range(m - 1):
+        rounds.append([(ids[i], ids[m - 1 - i]) for i in range(m // 2)
+                       if ids[i] is not None and ids[m - 1 - i] is not None])
+        ids = [ids[0]] + [ids[-1]] + ids[1:-1]
+    return rounds
+
+
+def _ping_pong(me: int, peer: int, nbytes: int, repeats: int, device) -> tuple:
+    import torch
+    import torch.distributed as dist
+
+    def exchange(t, reps):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if me < peer:
+                dist.send(t, peer)
+                dist.recv(t, peer)
+            else:
+                dist.recv(t, peer)
+                dist.send(t, peer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
+    small = torch.zeros(1, dtype=torch.uint8, device=device)
+    big = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    exchange(big, 1)  # warm-up: connection setup
+    latency = exchange(small, repeats) / 2
+    round_trip = exchange(big, repeats)
+    return 2 * nbytes / round_trip, latency
+
+
+def probe_distributed(cfg: Any, name: str = "local") -> Optional[ClusterSpec]:
+    """Collective: call on every rank of an initialised process group; rank 0 gets the spec."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = dist.get_backend()
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    info = _measure_device(local_rank, int(cfg["probe_matmul_n"]), int(cfg["probe_repeats"]))
+    info.update(rank=rank, local_rank=local_rank, hostname=socket.gethostname())
+    infos: List[Dict[str, Any]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(infos, info)
+    hosts = list(dict.fromkeys(i["hostname"] for i in infos))
+    for i in infos:
+        i["node"] = hosts.index(i["hostname"])
+
+    # Pairs on one node are all measured; across nodes only the nodes' first ranks, whose figure
+    # then stands for every pair of those two nodes (a full matrix on 1000 GPUs would take hours).
+    leaders = {i["node"]: i["rank"] for i in sorted(infos, key=lambda x: -x["rank"])}
+    nbytes = int(float(cfg["probe_p2p_mb"]) * 2**20)
+    measured: Dict[tuple, tuple] = {}
+    for pairs in _round_robin(world):
+        for a, b in pairs:
+            same = infos[a]["node"] == infos[b]["node"]
+            if rank in (a, b) and (same or (leaders[infos[a]["node"]] == a and leaders[infos[b]["node"]] == b)):
+                peer = b if rank == a else a
+                measured[(a, b)] = _ping_pong(rank, peer, nbytes, int(cfg["probe_repeats"]), device)
+        dist.barrier()
+    gathered: List[Dict[tuple, tuple]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, measured)
+    if rank != 0:
+        return None
+    pair_values: Dict[tuple, tuple] = {}
+    for part in gathered:
+        for (a, b), (bw, lat) in part.items():
+            old = pair_values.get((a, b))
+            pair_values[(a, b)] = (min(bw, old[0]), max(lat, old[1])) if old else (bw, lat)
+    node_pair = {(infos[a]["node"], infos[b]["node"]): v for (a, b), v in pair_values.items()
+                 if infos[a]["node"] != infos[b]["node"]}
+    bw = [[0.0] * world for _ in range(world)]  # diagonal unused (bw() says inf)
+    lat = [[0.0] * world for _ in range(world)]
+    for a in range(world):
+        for b in range(world):
+            if a == b:
+                continue
+            key = (min(a, b), max(a, b))
+            na, nb = infos[key[0]]["node"], infos[key[1]]["node"]
+            v = pair_values.get(key) or node_pair.get((na, nb)) or node_pair.get((nb, na))
+            bw[a][b], lat[a][b] = v
+    devices = [DeviceInfo(**{k: i[k] for k in DeviceInfo.__dataclass_fields__}) for i in infos]
+    intra = []
+    for node in range(len(hosts)):
+        vals = [bw[a.rank][b.rank] for a in devices for b in devices
+                if a.node == b.node == node and a.rank != b.rank]
+        intra.append(min(vals) if vals else 0.0)  # 0: a one-worker node has no intra link
+    inter = [v[0] for v in node_pair.values()]
+    return ClusterSpec(name=name, devices=devices, backend=backend, source="probe", bandwidth=bw, latency=lat,
+                       intra_node_bw=intra, inter_node_bw=min(inter) if inter else 25 * GB)
+
+
+def load_or_probe_in_job(cfg: Any) -> Optional[ClusterSpec]:
+    """Inside a running job (every rank calls this): a preset, a spec file, or a collective probe."""
+    if cfg.get("spec_file"):
+        return ClusterSpec.load(cfg["spec_file"])
+    if not cfg.get("probe", True):
+        return spec_from_preset(cfg)
+    return probe_distributed(cfg, name=str(cfg.get("name", "local")))

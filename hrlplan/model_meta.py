@@ -1,0 +1,215 @@
+"""Model introspection: parameters, FLOPs and activation memory per block, on the meta device.
+
+No weights are materialised and no hub is contacted: a model is built from its config (a shipped
+arch YAML, a local directory with config.json, a config file, or an id already in the HF cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+SCHEMA_VERSION = 1
+
+
+class ModelResolutionError(ValueError):
+    pass
+
+
+@dataclass
+class ModelMeta:
+    name: str
+    family: str                      # hf | hrm
+    model_type: str
+    n_layer: int                     # pipeline-splittable blocks
+    hidden_size: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    total_params: int                # sum of numel, tied weights once
+    embedding_params: int            # pinned to the first stage
+    head_params: int                 # final norm + output head (0 for a tied head's weight)
+    block_params: List[int]
+    block_matmul_params: List[int]   # weights that take part in matmuls
+    head_matmul_params: int          # the output projection (counted even when tied)
+    block_flops_fwd_per_token: List[float]
+    head_flops_fwd_per_token: float
+    block_activation_bytes_per_token: List[float]   # 16-bit activations kept for backward
+    head_activation_bytes_per_token: float
+    tied_embeddings: bool
+    first_stage_modules: List[str]
+    last_stage_modules: List[str]
+    block_modules: List[str]
+    # How many times each block runs per forward pass (HRM's recurrent cycles); 1 for LMs.
+    block_repeats: int = 1
+    schema_version: int = SCHEMA_VERSION
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def matmul_params(self) -> int:
+        return sum(self.block_matmul_params) + self.head_matmul_params
+
+    def training_flops_per_token(self) -> float:
+        """Forward + backward (3x forward): 6*N_matmul + 12*n_layer*seq_len*d_model for LMs."""
+        return 3.0 * (self.block_repeats * sum(self.block_flops_fwd_per_token) + self.head_flops_fwd_per_token)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ModelMeta":
+        version = d.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"model_meta schema_version {version} is not supported (expected {SCHEMA_VERSION}); "
+                             "re-run `hrlplan introspect-model`")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelMeta":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ---------------------------------------------------------------- resolving a model id
+def conf_dir() -> Path:
+    """The shipped Hydra config tree (conf/ beside the package, or $HRLPLAN_CONF)."""
+    env = os.environ.get("HRLPLAN_CONF")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+
+
+def shipped_archs() -> List[str]:
+    return sorted(p.stem for p in (conf_dir() / "arch").glob("*.yaml"))
+
+
+def load_shipped_arch(name: str) -> Dict[str, Any]:
+    """A conf/arch/<name>.yaml merged over its schema defaults (without Hydra)."""
+    import yaml
+
+    from hrlplan.config import GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
+
+    raw = yaml.safe_load((conf_dir() / "arch" / f"{name}.yaml").read_text()) or {}
+    schemas = {"gpt2_schema": GPT2ArchConfig, "llama_schema": LlamaArchConfig, "hrm_schema": HRMArchConfig}
+    defaults = [d for d in raw.pop("defaults", []) if isinstance(d, str) and d in schemas]
+    base = asdict(schemas[defaults[0]]()) if defaults else {}
+    base.update(raw)
+    return base
+
+
+def resolve_arch(model_id: str) -> Dict[str, Any]:
+    """Turn a user's --model-id into an arch dict (the same shape as cfg.arch)."""
+    if model_id in shipped_archs():
+        return load_shipped_arch(model_id)
+    path = Path(model_id)
+    if path.is_dir() and (path / "config.json").exists():
+        return {"name": path.name, "family": "hf", "model_id": str(path)}
+    if path.is_file() and path.suffix in (".yaml", ".yml", ".json"):
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ModelResolutionError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+        if "model_type" not in data:
+            raise ModelResolutionError(f"{path}: no 'model_type' key (e.g. model_type: gpt2)")
+        data.setdefault("family", "hrm" if data["model_type"].startswith("hrm") else "hf")
+        data.setdefault("name", path.stem)
+        return data
+    try:  # an id already in the local HF cache; never downloads
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(model_id, local_files_only=True)
+        return {"name": model_id.split("/")[-1], "family": "hf", "model_id": model_id}
+    except Exception:
+        pass
+    raise ModelResolutionError(
+        f"model '{model_id}' is not a shipped arch, a local directory with config.json, a config file, "
+        f"or an id in the local Hugging Face cache (no downloads here). Shipped archs: {', '.join(shipped_archs())}")
+
+
+# ---------------------------------------------------------------- introspection
+def introspect(arch: Dict[str, Any], seq_len: int | None = None) -> ModelMeta:
+    """Model meta for an arch dict (cfg.arch, or resolve_arch(model_id))."""
+    arch = dict(arch)
+    if arch.get("family") == "hrm":
+        from hrlplan.models.hrm import introspect_hrm
+
+        return introspect_hrm(arch, seq_len)
+    return _introspect_hf(arch, seq_len)
+
+
+def _linear_weight_numel(module) -> int:
+    import torch.nn as nn
+    from transformers.pytorch_utils import Conv1D
+
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Conv1D)))
+
+
+def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
+    import torch
+
+    from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
+
+    config = hf_config_from_arch(arch)
+    with torch.device("meta"):
+        model = build_hf_model(config)
+    layout = hf_layout(model)
+    base = layout.base
+    blocks = list(getattr(base, layout.blocks_attr))
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    seq = int(seq_len or getattr(config, "n_positions", None) or config.max_position_embeddings)
+    vocab = config.vocab_size
+
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    embedding = sum(p.numel() for n in layout.embed_names for p in getattr(base, n).parameters())
+    final_norm = sum(p.numel() for n in layout.final_names for p in getattr(base, n).parameters())
+    lm_head = model.get_output_embeddings()
+    tied = lm_head.weight is getattr(base, layout.embed_names[0]).weight
+    head = final_norm + (0 if tied else sum(p.numel() for p in lm_head.parameters()))
+    head_matmul = lm_head.weight.numel()
+
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    gated = arch.get("model_type", config.model_type) != "gpt2"
+    block_params, block_matmul, block_flops, block_act = [], [], [], []
+    for block in blocks:
+        block_params.append(sum(p.numel() for p in block.parameters()))
+        mm = _linear_weight_numel(block)
+        block_matmul.append(mm)
+        # 2 FLOPs per weight per token, plus QK^T and AV: 2*2*seq*(heads*head_dim) per token.
+        block_flops.append(2.0 * mm + 4.0 * seq * heads * head_dim)
+        # Korthikanti et al. (2022), 16-bit activations, no recomputation: attention 11h + 5*a*s,
+        # layer norms 4h, MLP 3h + 4*I (6*I for gated MLPs with two up projections).
+        mlp = 3 * hidden + (6 if gated else 4) * intermediate
+        block_act.append(float(11 * hidden + 5 * heads * seq + 4 * hidden + mlp))
+
+    prefix = layout.prefix
+    return ModelMeta(
+        name=str(arch.get("name", config.model_type)),
+        family="hf",
+        model_type=config.model_type,
+        n_layer=len(blocks),
+        hidden_size=hidden,
+        num_heads=heads,
+        seq_len=seq,
+        vocab_size=vocab,
+        total_params=total,
+        embedding_params=embedding,
+        head_params=head,
+        block_params=block_params,
+        block_matmul_params=block_matmul,
+        head_matmul_params=head_matmul,
+        block_flops_fwd_per_token=block_flops,
+        head_flops_fwd_per_token=2.0 * head_matmul,
+        block_activation_bytes_per_token=block_act,
+        # final norm input (2h) + logits in fp32 for the loss (4*vocab)
+        head_activation_bytes_per_token=float(2 * hidden + 4 * vocab),
+        tied_embeddings=bool(tied),
+        first_stage_modules=[f"{prefix}.{n}" for n in layout.embed_names],
+        last_stage_modules=[f"{prefix}.{n}" for n in layout.final_names] + ["lm_head"],
+        block_modules=[f"{prefix}.{layout.blocks_attr}.{i}" for i in range(len(blocks))],
+    )

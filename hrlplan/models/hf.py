@@ -1,0 +1,126 @@
+"""Hugging Face causal LMs: config from an arch dict, and a pipeline stage cut out of the model.
+
+A stage keeps the full model's parameter names (`transformer.h.5.attn...`), so checkpoints and
+gradients line up with a one-process run of the same model, whatever the layer split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_NOT_HF_KEYS = {"name", "family", "model_type", "model_id", "pretrained"}
+
+
+def hf_config_from_arch(arch: Dict[str, Any]):
+    from transformers import AutoConfig
+
+    if arch.get("model_id"):
+        # A local directory or an id already in the HF cache; never downloads.
+        return AutoConfig.from_pretrained(arch["model_id"], local_files_only=True)
+    kwargs = {k: v for k, v in arch.items() if k not in _NOT_HF_KEYS and v is not None}
+    if arch["model_type"] == "gpt2" and kwargs.get("vocab_size", 50257) <= 50256:
+        # GPT-2's special token id 50256 must lie inside a shrunken vocabulary.
+        kwargs.setdefault("bos_token_id", kwargs["vocab_size"] - 1)
+        kwargs.setdefault("eos_token_id", kwargs["vocab_size"] - 1)
+    return AutoConfig.for_model(arch["model_type"], **kwargs)
+
+
+def build_hf_model(config, pretrained_from: Optional[str] = None):
+    from transformers import AutoModelForCausalLM
+
+    if pretrained_from:
+        return AutoModelForCausalLM.from_pretrained(pretrained_from, config=config, local_files_only=True)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@dataclass
+class HFLayout:
+    base: nn.Module          # model.transformer / model.model
+    prefix: str              # "transformer" / "model"
+    blocks_attr: str         # "h" / "layers"
+    embed_names: List[str]   # children of base pinned to the first stage
+    final_names: List[str]   # children of base (with parameters) pinned to the last stage
+
+
+def hf_layout(model) -> HFLayout:
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix)
+    blocks_attr = next(n for n, m in base.named_children() if isinstance(m, nn.ModuleList))
+    embed_names, final_names = [], []
+    seen_blocks = False
+    for name, child in base.named_children():
+        if name == blocks_attr:
+            seen_blocks = True
+        elif isinstance(child, nn.Embedding):
+            embed_names.append(name)
+        elif seen_blocks and any(True for _ in child.parameters()):
+            final_names.append(name)
+    return HFLayout(base, prefix, blocks_attr, embed_names, final_names)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+class HFStage(nn.Module):
+    """Embedding (first stage), a contiguous span of blocks, final norm + head (last stage)."""
+
+    def __init__(self, model, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        layout = hf_layout(model)
+        self.model_type = model.config.model_type
+        self.prefix, self.blocks_attr = layout.prefix, layout.blocks_attr
+        self.first, self.last = first, last
+        self.layer_range = (start, end)
+        base = nn.Module()
+        if first:
+            for name in layout.embed_names:
+                setattr(base, name, getattr(layout.base, name))
+            if hasattr(layout.base, "drop"):
+                base.drop = layout.base.drop
+        blocks = getattr(layout.base, layout.blocks_attr)
+        setattr(base, layout.blocks_attr, nn.ModuleDict({str(i): blocks[i] for i in range(start, end)}))
+        if hasattr(layout.base, "rotary_emb"):
+            base.rotary_emb = layout.base.rotary_emb
+        if last:
+            for name in layout.final_names:
+                setattr(base, name, getattr(layout.base, name))
+            self.lm_head = model.get_output_embeddings()
+        setattr(self, layout.prefix, base)
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        if self.first:
+            if self.model_type == "gpt2":
+                h = base.drop(base.wte(x) + base.wpe(positions))
+            else:
+                h = base.embed_tokens(x)
+        else:
+            h = x
+        rotary = base.rotary_emb(h, positions) if hasattr(base, "rotary_emb") else None
+        for block in getattr(base, self.blocks_attr).values():
+            if rotary is not None:
+                out = block(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            else:
+                out = block(h)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.last:
+            norm = base.ln_f if hasattr(base, "ln_f") else base.norm
+            h = self.lm_head(norm(h))
+        return h
+
+
+def build_stage_modules(model, spans: List[tuple]) -> List[HFStage]:
+    """Cut `model` into stages; spans are (start, end) block ranges, end exclusive, in order."""
+    n = len(spans)
+    return [HFStage(model, s, e, first=(i == 0), last=(i == n - 1)) for i, (s, e) in enumerate(spans)]

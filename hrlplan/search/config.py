@@ -1,0 +1,49 @@
+"""Planner configuration schemas (the `planner/` Hydra group). Plain dataclasses: no Hydra needed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class PlannerConfigBase:
+    name: str = "exact"
+    seed: int = 0
+    max_pp: int = 64                 # upper bound on pipeline stages considered
+    max_tp: int = 8                  # tp never crosses a node
+    microbatch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    memory_margin: float = 0.9       # plan against this fraction of device memory
+    dp_overlap: bool = True          # DP gradient all-reduce overlapped with backward
+    schedules: List[str] = field(default_factory=list)  # empty: the train.schedule only
+    calibrate: bool = False          # measure blocks/p2p on the devices before planning
+
+
+@dataclass
+class ExactPlannerConfig(PlannerConfigBase):
+    name: str = "exact"
+    max_evaluations: int = 2_000_000  # gives up (saying so) beyond this many candidate layouts
+
+
+@dataclass
+class HRLPlannerConfig(PlannerConfigBase):
+    name: str = "hrl"
+    samples: int = 256               # plans sampled at inference; the best by simulated time wins
+    train_steps: int = 300           # policy-gradient updates when training for this instance
+    batch_size: int = 32             # episodes per update
+    lr: float = 3e-3
+    entropy_coef: float = 0.01
+    hidden: int = 64
+    checkpoint_dir: Optional[str] = None  # trained policies; None: the shipped generalist policy
+    train_if_missing: bool = True
+
+
+@dataclass
+class ManualPlannerConfig(PlannerConfigBase):
+    name: str = "manual"
+    plan_file: Optional[str] = None
+
+
+@dataclass
+class RandomPlannerConfig(PlannerConfigBase):
+    name: str = "random"
+    samples: int = 256
