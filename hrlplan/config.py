@@ -218,3 +218,17 @@ def register_configs() -> None:
     cs.store(group="train", name="train_schema", node=TrainConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+def compose(overrides: List[str] = (), resolve: bool = True) -> Any:
+    """Compose conf/config.yaml with overrides outside @hydra.main (tests, notebooks, tools)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hrlplan.model_meta import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=list(overrides))
+    cfg = apply_top_level_aliases(cfg)
+    return OmegaConf.to_container(cfg, resolve=True) if resolve else cfg

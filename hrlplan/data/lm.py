@@ -1,0 +1,60 @@
+"""Token batches for the language models, a pure function of (seed, step).
+
+Every rank can produce the batch for any step without coordination, so data-parallel replicas
+take their own rows and a resumed run continues with exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+
+
+class SyntheticTokens:
+    """Arithmetic progressions mod vocab with a random start and stride: learnable, so loss falls."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, max_stride: int = 8):
+        self.vocab_size, self.seq_len, self.seed, self.max_stride = vocab_size, seq_len, seed, max_stride
+
+    def batch(self, step: int, batch_size: int, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
+        start = torch.randint(0, self.vocab_size, (batch_size, 1), generator=g)
+        stride = torch.randint(1, self.max_stride + 1, (batch_size, 1), generator=g)
+        seq = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+class TokenWindows:
+    """Random windows of a tokenised corpus (train or validation split)."""
+
+    def __init__(self, train: torch.Tensor, val: torch.Tensor, seq_len: int, seed: int):
+        self.tokens = {"train": train, "val": val}
+        self.seq_len, self.seed = seq_len, seed
+        for split, toks in self.tokens.items():
+            if toks.numel() <= seq_len + 1:
+                raise ValueError(f"the {split} split has {toks.numel()} tokens, fewer than data.seq_len+1={seq_len + 1}")
+
+    def batch(self, step: int, batch_size: int, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
+        toks = self.tokens[split]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
+        starts = torch.randint(0, toks.numel() - self.seq_len - 1, (batch_size,), generator=g)
+        rows = torch.stack([toks[s:s + self.seq_len + 1] for s in starts.tolist()])
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def build_lm_data(data_cfg: Dict[str, Any], vocab_size: int, seed: int):
+    name = data_cfg["name"]
+    if name == "synthetic":
+        return SyntheticTokens(vocab_size, int(data_cfg["seq_len"]), seed, int(data_cfg.get("synthetic_max_stride", 8)))
+    if name == "code":
+        from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
+
+        path = data_cfg.get("path") or "data/code"
+        corpus = CodeCorpus.load(prepare_code_corpus(path, int(data_cfg.get("vocab_size", 4096)),
+                                                     int(data_cfg.get("max_files", 2000)), seed))
+        if corpus.vocab_size > vocab_size:
+            raise ValueError(f"data: the tokenizer at {path} has {corpus.vocab_size} tokens but arch.vocab_size is "
+                             f"{vocab_size}; set arch.vocab_size={corpus.vocab_size} (or larger)")
+        return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data_cfg["seq_len"]), seed)
+    raise ValueError(f"data.name={name!r} is not a language-model data set; choose synthetic or code "
+                     "(sudoku is for arch=hrm)")

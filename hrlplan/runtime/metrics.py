@@ -1,0 +1,128 @@
+"""Metrics: one logger per job on one rank, writing metrics.jsonl and a W&B run (offline by default).
+
+W&B never blocks or fails the run: offline mode needs no network, and any W&B error downgrades
+the logger to the local file with one warning. The run id is stable per run directory, so a
+resumed or requeued job continues the same W&B run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+def stable_run_id(run_dir: str | os.PathLike) -> str:
+    path = Path(run_dir) / "wandb_run_id.txt"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id)
+    os.replace(tmp, path)
+    return run_id
+
+
+class MetricsLogger:
+    """Logs to <run_dir>/metrics.jsonl and W&B. Create it on every rank; only `enabled` ranks write."""
+
+    def __init__(self, run_dir: str | os.PathLike, config: Dict[str, Any], logger_cfg: Dict[str, Any],
+                 enabled: bool = True, job_type: str = "train", name: Optional[str] = None, echo: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.echo = echo
+        self.wandb = None
+        self.file = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        mode = str(logger_cfg.get("mode", "offline"))
+        if mode == "disabled":
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
+                group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
+                name=name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
+                resume="allow")
+        except Exception as e:  # never let logging take the training down
+            warnings.warn(f"W&B could not start ({e}); metrics go to {self.run_dir / 'metrics.jsonl'} only")
+            self.wandb = None
+
+    def log(self, metrics: Dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.echo:
+            shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
+            print(f"step {step:>5} | {shown}", file=sys.stderr, flush=True)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_type: str, name: Optional[str] = None) -> None:
+        if not self.enabled or self.wandb is None:
+            return
+        import wandb
+
+        art = wandb.Artifact(name or Path(path).stem.replace(".", "-"), type=artifact_type)
+        art.add_file(str(path))
+        self.wandb.log_artifact(art)
+
+    def log_table(self, key: str, columns: List[str], rows: List[List[Any]]) -> None:
+        if not self.enabled or self.wandb is None:
+            return
+        import wandb
+
+        self.wandb.log({key: wandb.Table(columns=columns, data=[[_plain(x) for x in r] for r in rows])})
+
+    def log_image(self, key: str, figure_or_path: Any) -> None:
+        if not self.enabled or self.wandb is None:
+            return
+        import wandb
+
+        self.wandb.log({key: wandb.Image(figure_or_path)})
+
+    def summary(self, values: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        path = self.run_dir / "summary.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        old.update({k: _plain(v) for k, v in values.items()})
+        path.write_text(json.dumps(old, indent=1))
+        if self.wandb is not None:
+            self.wandb.summary.update(values)
+
+    def finish(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _fmt(v: Any) -> str:
+    v = _plain(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> List[Dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

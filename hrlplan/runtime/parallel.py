@@ -1,0 +1,120 @@
+"""Parallelisms over a DeviceMesh, applied as separate functions (torchtitan style).
+
+The mesh is (pp, dp, tp) with the plan's own rank layout: mesh[g, d, t] = device_groups[g][d*tp + t],
+so a planner can place device groups on any ranks (heterogeneous clusters).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hrlplan.plan import Plan
+
+
+def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    tp = plan.stages[0].tp
+    dp = plan.dp
+    layout = torch.tensor(plan.device_groups, dtype=torch.int).reshape(plan.pp, dp, tp)
+    return DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def rank_coords(plan: Plan, rank: int) -> Dict[str, int]:
+    """(pp group, dp index, tp index) of a rank."""
+    tp = plan.stages[0].tp
+    for g, group in enumerate(plan.device_groups):
+        if rank in group:
+            pos = group.index(rank)
+            return {"pp": g, "dp": pos // tp, "tp": pos % tp}
+    raise ValueError(f"rank {rank} is not in any device group of the plan (world_size {plan.world_size})")
+
+
+def apply_data_parallel(part: nn.Module, dp_mesh: DeviceMesh, mode: str, block_container: Optional[nn.Module],
+                        mp_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """FSDP2 (fully_shard, per block then the stage root) or replicate, over the dp sub-mesh.
+
+    DistributedDataParallel is not used: it crashes under torch pipelining (parameter-index rebuild
+    across micro-batches), while FSDP2 and replicate_with_fsdp match a one-process run exactly.
+    """
+    if dp_mesh.size() == 1:
+        return part
+    if mode == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(part, mesh=dp_mesh)
+    if mode != "fsdp":
+        raise ValueError(f"train.dp_mode={mode!r}: choose fsdp or replicate")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+    if block_container is not None:
+        for block in block_container.children():
+            # Keep parameters gathered between micro-batches: pipelining runs many forwards per step.
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    return part
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TiedEmbeddingSync:
+    """Keeps a tied input embedding / output head identical when they live on different stages.
+
+    Torch pipelining has no notion of tied weights across stages; as in Megatron, the first and
+    last stage each hold a copy (equal at init) and sum their gradients before every update.
+    """
+
+    def __init__(self, plan: Plan, rank: int, tied: bool):
+        self.param: Optional[nn.Parameter] = None
+        self.group = None
+        first_group = plan.device_groups[plan.stage_group(0)]
+        last_group = plan.device_groups[plan.stage_group(plan.num_stages - 1)]
+        self.active = tied and first_group != last_group
+        if not self.active:
+            return
+        for pos in range(len(first_group)):  # every rank creates every group, in the same order
+            ranks = sorted({first_group[pos], last_group[pos]})
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.group = group
+
+    def bind(self, parts: Dict[int, nn.Module], plan: Plan) -> None:
+        if not self.active:
+            return
+        if 0 in parts:
+            self.param = parts[0].base.wte.weight if hasattr(parts[0].base, "wte") else parts[0].base.embed_tokens.weight
+        last = plan.num_stages - 1
+        if last in parts:
+            self.param = parts[last].lm_head.weight
+
+    def is_duplicate(self, param: nn.Parameter, parts: Dict[int, nn.Module], plan: Plan) -> bool:
+        """The head's copy is left out of the gradient norm (the embedding's copy counts once)."""
+        return self.active and (plan.num_stages - 1) in parts and param is self.param
+
+    def sync_grads(self) -> None:
+        if self.active and self.param is not None and self.param.grad is not None:
+            dist.all_reduce(_local(self.param.grad), group=self.group)
+
+
+def clip_grad_norm(params: List[nn.Parameter], max_norm: float, pp_group, skip: List[nn.Parameter]) -> torch.Tensor:
+    """Global gradient norm over all pipeline stages (and dp/tp shards), then clip in place."""
+    skip_ids = {id(p) for p in skip}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip_ids]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+    else:
+        norm = torch.zeros(())
+    sq = (norm.float() ** 2).reshape(1)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()[0]
+    if max_norm and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
