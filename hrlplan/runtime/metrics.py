@@ -37,10 +37,12 @@ class MetricsLogger:
         self.echo = echo
         self.wandb = None
         self.file = None
+        self.text_log = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.text_log = open(self.run_dir / "train.log", "a", buffering=1)
         mode = str(logger_cfg.get("mode", "offline"))
         if mode == "disabled":
             return
@@ -67,6 +69,14 @@ class MetricsLogger:
         if self.echo:
             shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
             print(f"step {step:>5} | {shown}", file=sys.stderr, flush=True)
+        self.text_log.write(f"step {step:>5} | " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) + "\n")
+
+    def note(self, text: str) -> None:
+        """A line for the human-readable train.log (and the console)."""
+        if not self.enabled:
+            return
+        print(f"[hrlplan] {text}", file=sys.stderr, flush=True)
+        self.text_log.write(text + "\n")
 
     def log_artifact(self, path: str | os.PathLike, artifact_type: str, name: Optional[str] = None) -> None:
         if not self.enabled or self.wandb is None:
@@ -104,7 +114,8 @@ class MetricsLogger:
     def finish(self) -> None:
         if self.file is not None:
             self.file.close()
-            self.file = None
+            self.text_log.close()
+            self.file = self.text_log = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -174,9 +174,11 @@ class PipelineTrainer:
         flops_per_token = self.cfg.get("_flops_per_token")
         peak = self.cfg.get("_peak_flops")
         history = []
+        first_step_at = None
         while self.step < total:
             out = self.train_step(self.step)
             self.step += 1
+            first_step_at = first_step_at or time.time()
             tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
             metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
                        "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
@@ -190,7 +192,7 @@ class PipelineTrainer:
                 self.save()
             if stopping:
                 break
-        return {"final_step": self.step, "history": history}
+        return {"final_step": self.step, "history": history, "first_step_at": first_step_at}
 
 
 def full_vocab(arch: Dict[str, Any]) -> int:

@@ -1,0 +1,57 @@
+"""`hrlplan probe-cluster`: run the collective probe in local workers (or in the current torchrun job)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+from typing import Any, Dict, Optional
+
+from hrlplan.config import ClusterConfig
+
+
+def _probe_worker(cluster_cfg: Dict[str, Any], out: str) -> Optional[Dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from hrlplan.cluster import probe_distributed
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    try:
+        spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")))
+        if spec is not None:
+            spec.save(out)
+            return spec.to_dict()
+        return None
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_cluster_cli(args: argparse.Namespace) -> None:
+    from hrlplan.cluster import ClusterSpec, default_nproc_per_node, spec_from_preset
+    from launch.local import in_distributed_job, launch_workers
+
+    if args.preset:
+        from hrlplan.config import compose
+
+        cfg = compose([f"cluster={args.preset}"])
+        spec = spec_from_preset(cfg["cluster"])
+        spec.save(args.out)
+        print(spec.summary())
+        return
+    cluster_cfg = asdict(ClusterConfig())
+    if in_distributed_job():  # torchrun on every node: one file, gathered over the process group
+        result = _probe_worker(cluster_cfg, args.out)
+    else:
+        nproc = default_nproc_per_node(args.nproc_per_node)
+        result = launch_workers(_probe_worker, (cluster_cfg, args.out), nproc, name="probe")[0]
+    if result is not None:
+        spec = ClusterSpec.from_dict(result)
+        print(spec.summary())
+        print(json.dumps({"devices": [(d.rank, d.name, round(d.peak_flops / 1e9, 1)) for d in spec.devices],
+                          "bandwidth_GBps": [[round(x / 1e9, 2) for x in row] for row in spec.bandwidth or []]}))
+        print(f"wrote {args.out}")

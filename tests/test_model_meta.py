@@ -1,0 +1,67 @@
+"""Introspection on the meta device: parameter counts, per-block sums, FLOPs, clear errors."""
+import pytest
+import torch
+
+from hrlplan.model_meta import ModelMeta, ModelResolutionError, introspect, resolve_arch
+
+PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "llama-7b": 6_738_415_616}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "llama-7b", "llama-tiny", "gpt2-tiny"])
+def test_parts_add_up_to_total(name):
+    meta = introspect(resolve_arch(name))
+    assert meta.total_params == meta.embedding_params + sum(meta.block_params) + meta.head_params
+    assert len(meta.block_params) == meta.n_layer == len(meta.block_modules)
+    if name in PUBLISHED:
+        assert meta.total_params == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_total_equals_sum_of_numel_of_a_real_model(name):
+    from hrlplan.models.hf import build_hf_model, hf_config_from_arch
+
+    arch = resolve_arch(name)
+    model = build_hf_model(hf_config_from_arch(arch))
+    assert introspect(arch).total_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name,seq", [("gpt2", 1024), ("gpt2-medium", 512), ("llama-7b", 4096), ("llama-tiny", 64)])
+def test_training_flops_formula(name, seq):
+    meta = introspect(resolve_arch(name), seq_len=seq)
+    expected = 6 * meta.matmul_params + 12 * meta.n_layer * seq * meta.hidden_size
+    assert meta.training_flops_per_token() == pytest.approx(expected, rel=0.01)
+    # N_matmul: blocks and output head, not the embedding lookups
+    assert meta.matmul_params < meta.total_params + meta.head_matmul_params
+
+
+def test_gpt2_pins_embeddings_and_head():
+    meta = introspect(resolve_arch("gpt2"))
+    assert meta.first_stage_modules == ["transformer.wte", "transformer.wpe"]
+    assert meta.last_stage_modules == ["transformer.ln_f", "lm_head"]
+    assert meta.tied_embeddings and meta.head_params == 2 * 768  # tied head weight counted once
+
+
+def test_meta_round_trips(tmp_path):
+    meta = introspect(resolve_arch("gpt2-tiny"))
+    meta.save(tmp_path / "m.json")
+    assert ModelMeta.load(tmp_path / "m.json") == meta
+
+
+def test_unknown_model_lists_shipped_archs():
+    with pytest.raises(ModelResolutionError, match="gpt2-medium"):
+        resolve_arch("no-such-model-xyz")
+
+
+def test_local_directory_with_config_json(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=100, n_positions=64).save_pretrained(tmp_path)
+    meta = introspect(resolve_arch(str(tmp_path)))
+    assert meta.n_layer == 3
+
+
+def test_cli_writes_model_meta(tmp_path):
+    from hrlplan.cli import main
+
+    main(["introspect-model", "--model-id", "gpt2", "--out", str(tmp_path / "meta.json")])
+    assert ModelMeta.load(tmp_path / "meta.json").total_params == PUBLISHED["gpt2"]

@@ -1,0 +1,84 @@
+"""Plan schema: each invalid plan is rejected with one message naming the field; valid plans round-trip."""
+import copy
+
+import pytest
+import yaml
+
+from hrlplan.cluster import ClusterSpec, DeviceInfo
+from hrlplan.plan import Plan, PlanError, check_fits, homogeneous_plan
+
+
+def good():
+    return homogeneous_plan("gpt2-tiny", 6, [(0, 4), (4, 6)], dp=2, tp=1, microbatch_size=1, num_microbatches=4,
+                            schedule="1f1b")
+
+
+def mutate(fn):
+    d = copy.deepcopy(good().to_dict())
+    fn(d)
+    return d
+
+
+def test_round_trip_through_yaml(tmp_path):
+    plan = good()
+    plan.save(tmp_path / "plan.yaml")
+    again = Plan.load(tmp_path / "plan.yaml")
+    assert again == plan
+    assert again.layout() == "E+h0-h3 | h4-h5+H"
+
+
+CASES = {
+    "overlapping layers": (lambda d: d["stages"][1].update(layers=[3, 6]), "stages[1].layers", "block 3"),
+    "uncovered layers": (lambda d: d["stages"][1].update(layers=[4, 5]), "stages", "blocks 5 are not covered"),
+    "layers outside model": (lambda d: d["stages"][1].update(layers=[4, 9]), "stages[1].layers", "outside"),
+    "embedding not first": (lambda d: (d["stages"][0].update(embedding=False), d["stages"][1].update(embedding=True)),
+                            "stages[1].embedding", "first stage"),
+    "head not last": (lambda d: d["stages"][0].update(head=True), "stages[0].head", "last stage"),
+    "ranks != world size": (lambda d: d.update(world_size=8), "world_size", "world_size is 8"),
+    "microbatches not dividing": (lambda d: d.update(global_batch_size=10), "num_microbatches", "global batch 10"),
+    "fewer microbatches than stages": (lambda d: d.update(num_microbatches=1, global_batch_size=2),
+                                       "num_microbatches", "fewer than the 2 pipeline stages"),
+    "non-uniform nproc-per-node": (lambda d: d["meta"]["launch"].update(
+        nnodes=2, nproc_per_node=2, per_node_visible_devices=["0,1,2", "0"]), "meta.launch.per_node_visible_devices",
+        "same --nproc-per-node"),
+    "unknown schedule": (lambda d: d.update(schedule="pipedream"), "schedule", "unknown schedule 'pipedream'"),
+    "missing key": (lambda d: d.pop("pp"), "pp", "missing"),
+    "unknown key": (lambda d: d.update(ppp=2), "ppp", "unknown key"),
+    "tp*dp != ranks": (lambda d: d["stages"][0].update(tp=2), "stages[0].ranks", "tp*dp"),
+    "unequal groups": (lambda d: d["device_groups"][1].append(9), "device_groups", "equal size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_invalid_plan_names_the_field(case):
+    fn, field, words = CASES[case]
+    with pytest.raises(PlanError) as e:
+        Plan.from_yaml(yaml.safe_dump(mutate(fn)))
+    assert e.value.field == field, str(e.value)
+    assert words in str(e.value)
+    assert str(e.value).startswith("plan.yaml: ")
+
+
+def _cluster(n, mem):
+    return ClusterSpec(name="t", devices=[DeviceInfo(rank=r, node=0, local_rank=r, hostname="h", kind="cuda",
+                                                     name="GPU", memory_bytes=mem, peak_flops=1e12) for r in range(n)],
+                       intra_node_bw=[1e9])
+
+
+def test_memory_over_device_is_rejected_with_rank():
+    plan = good()
+    plan.meta["predicted"] = {"memory_bytes_per_rank": [1 * 2**30, 1 * 2**30, 5 * 2**30, 1 * 2**30]}
+    with pytest.raises(PlanError, match=r"rank 2 \(GPU\) is predicted to need 5.00 GiB but has 4.00 GiB"):
+        check_fits(plan, _cluster(4, 4 * 2**30))
+
+
+def test_world_size_mismatch_names_both_numbers():
+    with pytest.raises(PlanError, match="needs 4 ranks but the job has 2"):
+        check_fits(good(), _cluster(2, 2**34))
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    with pytest.raises(PlanError, match="not valid YAML"):
+        Plan.from_yaml("pp: [1, 2")
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "nope.yaml")
