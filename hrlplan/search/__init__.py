@@ -1,0 +1,111 @@
+"""Planners: exact (enumeration + min-max DP), hrl (hierarchical policy), random, manual.
+
+    plan, info = make_plan(meta, cluster, planner_cfg, train_cfg)
+
+planner_cfg is a plain dict of a planner dataclass (hrlplan.search.config); train_cfg needs
+global_batch_size, schedule, stages_per_rank, microbatches ("auto" or an int), dtype, dp_mode.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Tuple
+
+from hrlplan.cost.model import Layout
+from hrlplan.cost.simulator import Simulator
+from hrlplan.errors import UserError
+from hrlplan.plan import Plan, check_fits
+from hrlplan.search.common import Scored, cost_options, describe, why_better
+from hrlplan.search.space import SearchSpace, _plain, to_plan
+
+PLANNERS = ("exact", "hrl", "random", "manual")
+
+
+def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]) -> Tuple[Plan, Dict[str, Any]]:
+    """Returns (validated Plan, info dict for plan_info.json)."""
+    cfg = dict(planner_cfg)
+    name = str(cfg.get("name", "exact"))
+    if name not in PLANNERS:
+        raise UserError(f"planner.name '{name}' is unknown; choose one of {', '.join(PLANNERS)}")
+    t0 = time.perf_counter()
+    sim = Simulator(meta, cluster, cost_options(cfg, train_cfg))
+    if name == "manual":
+        return _manual(meta, cluster, cfg, sim, t0)
+    space = SearchSpace(meta, cluster, cfg, train_cfg)
+    if name == "exact":
+        from hrlplan.search.exact import search_exact
+
+        out = search_exact(sim, space, cfg)
+    elif name == "random":
+        from hrlplan.search.random_search import search_random
+
+        out = search_random(sim, space, cfg)
+    else:
+        from hrlplan.search.hrl import search_hrl
+
+        out = search_hrl(sim, space, cfg)
+    tracker = out.pop("tracker")
+    if tracker.best is None:
+        why = tracker.first_reason or "no configuration satisfies the batch/micro-batch constraints"
+        raise UserError(f"no feasible plan for {meta.name} on {cluster.summary()}: {why}. Try a smaller "
+                        "global_batch_size or microbatch sizes, bfloat16, more devices, or a larger planner.max_pp")
+    best = tracker.best
+    detail = sim.evaluate(best.layout, detail=True)
+    planner_meta = {"name": name, "evaluations": out.get("evaluations", sim.evaluations),
+                    "time_s": time.perf_counter() - t0, "seed": cfg.get("seed", 0),
+                    **{k: v for k, v in out.items() if k not in ("evaluations", "time_s", "history")}}
+    plan = to_plan(meta, cluster, best.layout, detail, planner_meta)
+    if cluster.source in ("probe", "file") and plan.world_size != cluster.world_size:
+        raise AssertionError(f"planner used {plan.world_size} of {cluster.world_size} probed workers")
+    info = _info(meta, cluster, sim, best, detail, tracker.runner_up, planner_meta, out.get("history"))
+    return plan, info
+
+
+def _info(meta, cluster, sim, best: Scored, detail, runner_up, planner_meta, history=None) -> Dict[str, Any]:
+    info = {
+        "model": meta.name, "cluster": cluster.summary(), "planner": planner_meta,
+        "chosen": {"summary": describe(best.layout), "step_time_s": detail.step_time_s,
+                   "bubble_fraction": detail.bubble_fraction, "breakdown": detail.breakdown, "stages": detail.stages},
+        "runner_up": None,
+        "why": why_better(sim, best, runner_up),
+    }
+    if runner_up is not None:
+        r = sim.evaluate(runner_up.layout, detail=True)
+        info["runner_up"] = {"summary": describe(runner_up.layout), "step_time_s": r.step_time_s,
+                             "breakdown": r.breakdown, "layout": {"spans": runner_up.layout.spans,
+                                                                   "groups": runner_up.layout.groups}}
+    if history:
+        info["best_step_time_history"] = history[-200:]
+    return _plain(info)
+
+
+def layout_of(plan: Plan) -> Layout:
+    """A plan back in the simulator's terms (plan ranks -> cluster devices via meta.launch)."""
+    devices = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
+    groups = tuple(tuple(devices[r] for r in g) for g in plan.device_groups)
+    return Layout(spans=tuple(tuple(s.layers) for s in plan.stages), groups=groups, tp=plan.stages[0].tp,
+                  dp=plan.dp, microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+                  schedule=plan.schedule, stages_per_rank=plan.stages_per_rank)
+
+
+def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
+    if not cfg.get("plan_file"):
+        raise UserError("planner=manual needs planner.plan_file=<plan.yaml>")
+    plan = Plan.load(cfg["plan_file"])
+    result = sim.evaluate(layout_of(plan), detail=True)
+    if result.feasible:
+        predicted = plan.meta.setdefault("predicted", {})
+        predicted.update({"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
+                          "memory_bytes_per_rank": [int(result.memory_bytes.get(d, 0)) for d in
+                                                    ((plan.meta.get("launch") or {}).get("rank_to_device")
+                                                     or range(plan.world_size))],
+                          "breakdown": _plain({k: v for k, v in result.breakdown.items()
+                                               if k != "memory_bytes_per_device"})})
+    plan.meta["planner"] = {"name": "manual", "evaluations": 1, "time_s": time.perf_counter() - t0,
+                            "plan_file": str(cfg["plan_file"]),
+                            "simulator": "fits" if result.feasible else result.reason}
+    check_fits(plan, cluster, source=str(cfg["plan_file"]))
+    info = {"model": meta.name, "cluster": cluster.summary(), "planner": plan.meta["planner"],
+            "chosen": {"summary": describe(layout_of(plan)), "step_time_s": result.step_time_s,
+                       "breakdown": result.breakdown, "stages": result.stages},
+            "runner_up": None, "why": {"text": "a manual plan: no search was run"}}
+    return plan, _plain(info)

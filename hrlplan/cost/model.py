@@ -1,0 +1,227 @@
+"""Per-stage costs: compute, tensor-parallel and point-to-point communication, data-parallel
+gradient synchronisation, and the memory a stage's ranks hold.
+
+Compute is FLOPs divided by (peak FLOP/s x efficiency). The efficiency is the device's sustained
+fraction of peak -- nominal preset figures are discounted more than measured ones -- times a
+saturation factor that penalises small micro-batches (kernels are latency-bound below a few
+hundred tokens). `cluster.calibration` overrides the figures (see CALIBRATION_KEYS).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Keys read from ClusterSpec.calibration (written by `hrlplan calibrate` or by hand):
+CALIBRATION_KEYS = {
+    "compute_efficiency": "float, or {device name: float}: sustained fraction of peak_flops",
+    "half_saturation_tokens": "float, or {device name: float}: tokens per micro-batch at which a "
+                              "device reaches half its sustained throughput",
+    "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
+    "step_time_scale": "float: measured/predicted step time of a reference run (multiplies every time)",
+    "workspace_bytes": "float, or {device name: float}: framework overhead per rank",
+}
+
+STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A plan in the simulator's terms: cluster device ids, not launch ranks.
+
+    groups[g] lists the devices of pipeline position g, data-parallel major (d * tp + t).
+    spans[k] is virtual stage k's [start, end) of blocks; stage k runs on group stage_group(k).
+    """
+    spans: Tuple[Tuple[int, int], ...]
+    groups: Tuple[Tuple[int, ...], ...]
+    tp: int
+    dp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    stages_per_rank: int = 1
+
+    @property
+    def pp(self) -> int:
+        return len(self.groups)
+
+    def stage_group(self, k: int) -> int:
+        if self.stages_per_rank == 1:
+            return k
+        if self.schedule == "zero_bubble" and self.stages_per_rank == 2:
+            return k if k < self.pp else 2 * self.pp - 1 - k
+        return k % self.pp
+
+
+@dataclass
+class CostOptions:
+    bytes_per_value: int = 4           # 4 float32, 2 bfloat16 (activations, messages, TP/DP payloads)
+    dp_mode: str = "fsdp"              # fsdp | replicate
+    dp_overlap: bool = True
+    memory_margin: float = 0.9
+
+
+def _per_device(value, name: str, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, dict):
+        return float(value.get(name, value.get("default", default)))
+    return float(value)
+
+
+class DeviceModel:
+    """Throughput, links and memory of a cluster's devices, with calibration applied."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        cal = cluster.calibration or {}
+        measured = cluster.source in ("probe", "file")
+        self.flops: List[float] = []
+        self.half_tokens: List[float] = []
+        self.workspace: List[float] = []
+        for d in cluster.devices:
+            default_eff = 0.7 if measured else 0.5
+            eff = _per_device(cal.get("compute_efficiency"), d.name, default_eff)
+            self.flops.append(d.peak_flops * eff)
+            self.half_tokens.append(_per_device(cal.get("half_saturation_tokens"), d.name,
+                                                256.0 if d.kind == "cuda" else 8.0))
+            self.workspace.append(_per_device(cal.get("workspace_bytes"), d.name,
+                                              1.0 * GiB if d.kind == "cuda" else 0.1 * GiB))
+        self.bw_eff = float(cal.get("bandwidth_efficiency", 0.8))
+        self.time_scale = float(cal.get("step_time_scale", 1.0))
+        self._bw_cache: Dict[Tuple[int, int], float] = {}
+
+    def memory_limit(self, dev: int, margin: float) -> float:
+        return self.cluster.devices[dev].memory_bytes * margin
+
+    def throughput(self, dev: int, tokens: float) -> float:
+        """Sustained FLOP/s on a micro-batch of `tokens` tokens."""
+        return self.flops[dev] * tokens / (tokens + self.half_tokens[dev])
+
+    def bw(self, a: int, b: int) -> float:
+        key = (a, b)
+        if key not in self._bw_cache:
+            self._bw_cache[key] = self.cluster.bw(a, b) * self.bw_eff
+        return self._bw_cache[key]
+
+    def ring_bw_lat(self, ranks: Sequence[int]) -> Tuple[float, float]:
+        """Bandwidth and per-hop latency of a ring over `ranks` (in ring order): its slowest hop."""
+        if len(ranks) < 2:
+            return float("inf"), 0.0
+        hops = list(zip(ranks, list(ranks[1:]) + [ranks[0]]))
+        return (min(self.bw(a, b) for a, b in hops), max(self.cluster.lat(a, b) for a, b in hops))
+
+
+def all_reduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring all-reduce: 2(n-1)/n of the payload over the slowest link, 2(n-1) latency hops."""
+    if n < 2:  # (nbytes may be an array: the planners evaluate every layer span at once)
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
+
+
+@dataclass
+class StageCost:
+    fwd: float            # one micro-batch's forward on the stage's slowest rank (incl. TP comm)
+    bwd: float            # backward (input + weight gradients)
+    compute_fwd: float    # forward compute alone
+    tp_comm_fwd: float    # forward TP all-reduces alone (backward has as many)
+    send: float           # activation to the next stage (the gradient back costs the same)
+    activation: float     # bytes one micro-batch leaves on each rank until its backward
+    static_memory: float  # weights, grads, optimizer states, workspace per rank
+    dp_sync: float        # gradient synchronisation after the step's last backward
+    params: int           # parameters the stage holds (all its ranks together)
+
+
+class StageCostModel:
+    """Costs of (virtual stage k, layer span, device group) for one model and cluster."""
+
+    def __init__(self, meta, cluster, opts: CostOptions, devices: Optional[DeviceModel] = None):
+        self.meta = meta
+        self.opts = opts
+        self.dev = devices or DeviceModel(cluster)
+        rep = meta.block_repeats
+        self._pf = [0.0]  # prefix sums over blocks: flops, activations, params, largest block
+        self._pa = [0.0]
+        self._pp = [0]
+        for fl, act, par in zip(meta.block_flops_fwd_per_token, meta.block_activation_bytes_per_token, meta.block_params):
+            self._pf.append(self._pf[-1] + fl * rep)
+            self._pa.append(self._pa[-1] + act * rep)
+            self._pp.append(self._pp[-1] + par)
+        # numpy copies: `stage` accepts arrays of starts/ends and costs every span in one call
+        self._pf_arr, self._pa_arr, self._pp_arr = (np.array(x, dtype=float) for x in (self._pf, self._pa, self._pp))
+
+    # ------------------------------------------------------------ pieces shared with the planners
+    def _prefix(self, which: str, index):
+        arr = getattr(self, which + ("_arr" if isinstance(index, np.ndarray) else ""))
+        return arr[index]
+
+    def span_flops(self, start, end, first: bool, last: bool):
+        return self._prefix("_pf", end) - self._prefix("_pf", start) + (self.meta.head_flops_fwd_per_token if last else 0.0)
+
+    def span_params(self, start, end, first: bool, last: bool, pp: int):
+        p = self._prefix("_pp", end) - self._prefix("_pp", start)
+        if first:
+            p += self.meta.embedding_params
+        if last:
+            p += self.meta.head_params
+            if self.meta.tied_embeddings and not first:
+                p += self.meta.head_matmul_params  # the tied head needs its own copy on another stage
+        return p
+
+    def group_links(self, group: Sequence[int], tp: int, dp: int):
+        """(tp ring bw, lat), (dp ring bw, lat) for a group laid out dp-major."""
+        tp_ring = [self.dev.ring_bw_lat(group[d * tp:(d + 1) * tp]) for d in range(dp)]
+        dp_ring = [self.dev.ring_bw_lat(group[t::tp]) for t in range(tp)]
+        tp_bw = min(b for b, _ in tp_ring)
+        tp_lat = max(la for _, la in tp_ring)
+        dp_bw = min(b for b, _ in dp_ring)
+        dp_lat = max(la for _, la in dp_ring)
+        return (tp_bw, tp_lat), (dp_bw, dp_lat)
+
+    def p2p(self, group_a: Sequence[int], group_b: Sequence[int], nbytes: float) -> float:
+        """Every rank of group a sends its copy to the same-index rank of group b, in parallel."""
+        worst = 0.0
+        for a, b in zip(group_a, group_b):
+            if a == b:
+                continue
+            t = nbytes / self.dev.bw(a, b) + self.dev.cluster.lat(a, b)
+            worst = max(worst, t)
+        return worst
+
+    def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
+              microbatch_size: int, pp: int, links=None) -> StageCost:
+        meta, o = self.meta, self.opts
+        tokens = microbatch_size * meta.seq_len
+        flops = tokens * self.span_flops(start, end, first, last) / tp
+        slowest = min(self.dev.throughput(d, tokens) for d in group)
+        compute_fwd = flops / slowest
+        (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
+        act_msg = tokens * meta.hidden_size * o.bytes_per_value
+        n_blocks = (end - start) * meta.block_repeats
+        # Megatron TP: two all-reduces of the activations per block in forward, two in backward.
+        tp_comm = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
+        fwd = compute_fwd + tp_comm
+        bwd = 2.0 * compute_fwd + tp_comm
+        scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
+        act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
+        activation = tokens * act_per_token * scale / tp
+        params = self.span_params(start, end, first, last, pp)
+        per_rank = params / tp
+        if o.dp_mode == "fsdp" and dp > 1:
+            # FSDP2: grads/optimizer states sharded; unsharded compute weights live during the step.
+            static = per_rank * (STATE_BYTES_PER_PARAM - 4) / dp + per_rank * o.bytes_per_value
+            # all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
+            sync_bytes = per_rank * o.bytes_per_value
+        else:
+            static = per_rank * STATE_BYTES_PER_PARAM
+            sync_bytes = per_rank * o.bytes_per_value
+        workspace = max(self.dev.workspace[d] for d in group)
+        static += workspace
+        dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
+        return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
+                         activation=activation, static_memory=static, dp_sync=dp_sync, params=params)
+
+    def activation_message(self, microbatch_size: int) -> float:
+        return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value

@@ -1,0 +1,135 @@
+"""The simulator: step time with a breakdown and peak memory per device for a Layout, or the
+reason it cannot run (naming the device)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
+from hrlplan.cost.timeline import simulate_timeline
+
+ZB_INPUT_GRAD_SHARE = 0.5   # zero-bubble splits backward into input-gradient (B) and weight-gradient (W)
+
+
+@dataclass
+class SimResult:
+    feasible: bool
+    step_time_s: float                       # inf when infeasible
+    reason: str = ""
+    bubble_fraction: float = 0.0
+    memory_bytes: Dict[int, float] = field(default_factory=dict)   # cluster device id -> peak bytes
+    breakdown: Dict[str, Any] = field(default_factory=dict)
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+
+
+class Simulator:
+    """Bound to one (model, cluster, options): planners call `evaluate` thousands of times."""
+
+    def __init__(self, meta, cluster, opts: Optional[CostOptions] = None):
+        self.meta = meta
+        self.cluster = cluster
+        self.opts = opts or CostOptions()
+        self.devices = DeviceModel(cluster)
+        self.costs = StageCostModel(meta, cluster, self.opts, self.devices)
+        self.evaluations = 0
+        self._links: Dict[tuple, Any] = {}
+
+    def links(self, group, tp, dp):
+        key = (tuple(group), tp, dp)
+        if key not in self._links:
+            self._links[key] = self.costs.group_links(group, tp, dp)
+        return self._links[key]
+
+    def evaluate(self, layout: Layout, detail: bool = False) -> SimResult:
+        self.evaluations += 1
+        meta, o = self.meta, self.opts
+        n = len(layout.spans)
+        last = n - 1
+        groups = [layout.groups[layout.stage_group(k)] for k in range(n)]
+        stage_costs = []
+        for k, (start, end) in enumerate(layout.spans):
+            g = groups[k]
+            stage_costs.append(self.costs.stage(start, end, k == 0, k == last, g, layout.tp, layout.dp,
+                                                layout.microbatch_size, layout.pp,
+                                                links=self.links(g, layout.tp, layout.dp)))
+        msg = self.costs.activation_message(layout.microbatch_size)
+        sends = [self.costs.p2p(groups[k], groups[k + 1], msg) if k < last else 0.0 for k in range(n)]
+        zb = layout.schedule == "zero_bubble"
+        fwd = [c.fwd for c in stage_costs]
+        bwd = [c.bwd * (ZB_INPUT_GRAD_SHARE if zb else 1.0) for c in stage_costs]
+        wgt = [c.bwd * (1.0 - ZB_INPUT_GRAD_SHARE) if zb else 0.0 for c in stage_costs]
+        act = [c.activation for c in stage_costs]
+        tl = simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
+                               fwd, bwd, wgt, sends, sends, act)
+
+        # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
+        pos_sync = [0.0] * layout.pp
+        pos_static = [0.0] * layout.pp
+        for k, c in enumerate(stage_costs):
+            pos = layout.stage_group(k)
+            pos_sync[pos] += c.dp_sync
+            pos_static[pos] += c.static_memory
+        finish = []
+        exposed = []
+        for pos in range(layout.pp):
+            hidden = min(pos_sync[pos], tl.last_backward[pos]) if o.dp_overlap else 0.0
+            exposed.append(pos_sync[pos] - hidden)
+            finish.append(tl.end[pos] + exposed[-1])
+        scale = self.devices.time_scale
+        step = max(finish) * scale
+
+        # Memory: static + activations the schedule holds + the largest transient (one block's forward).
+        memory: Dict[int, float] = {}
+        worst: Optional[tuple] = None
+        for pos, group in enumerate(layout.groups):
+            need = pos_static[pos] + tl.peak_activation[pos]
+            for d in group:
+                memory[d] = need
+                limit = self.devices.memory_limit(d, o.memory_margin)
+                if need > limit and (worst is None or need / limit > worst[0]):
+                    worst = (need / limit, pos, d, need, limit)
+        if worst is not None:
+            _, pos, d, need, limit = worst
+            dev = self.cluster.devices[d]
+            stage_ids = [k for k in range(n) if layout.stage_group(k) == pos]
+            reason = (f"out of memory on device {d} ({dev.name}, {dev.hostname} local {dev.local_rank}): "
+                      f"stage(s) {stage_ids} need {need / GiB:.2f} GiB > {o.memory_margin:g} x "
+                      f"{dev.memory_bytes / GiB:.2f} GiB")
+            return SimResult(False, float("inf"), reason=reason, memory_bytes=memory)
+
+        pipeline = tl.makespan
+        bubble = 1.0 - sum(tl.busy) / (pipeline * layout.pp) if pipeline > 0 else 0.0
+        res = SimResult(True, step, bubble_fraction=max(bubble, 0.0), memory_bytes=memory)
+        if detail:
+            m = layout.num_microbatches
+            crit = max(range(layout.pp), key=lambda p: tl.busy[p])
+            crit_stages = [k for k in range(n) if layout.stage_group(k) == crit]
+            res.breakdown = {
+                "step_time_s": step,
+                "pipeline_s": pipeline * scale,
+                "compute_s": sum(3 * m * stage_costs[k].compute_fwd for k in crit_stages) * scale,
+                "tp_comm_s": sum(2 * m * stage_costs[k].tp_comm_fwd for k in crit_stages) * scale,
+                "p2p_comm_s": 2 * sum(sends) * scale,
+                "dp_comm_s": max(pos_sync) * scale,
+                "dp_comm_exposed_s": max(exposed) * scale,
+                "bubble_s": (pipeline - tl.busy[crit]) * scale,
+                "bubble_fraction": res.bubble_fraction,
+                "bottleneck_position": crit,
+                "memory_bytes_per_device": {str(d): v for d, v in sorted(memory.items())},
+            }
+            for k, c in enumerate(stage_costs):
+                res.stages.append({
+                    "stage": k, "layers": list(layout.spans[k]), "position": layout.stage_group(k),
+                    "devices": list(groups[k]), "device_type": self.cluster.devices[groups[k][0]].name,
+                    "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
+                    "dp_sync_s": c.dp_sync * scale, "params": c.params,
+                    "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
+                    "busy_s": tl.busy[layout.stage_group(k)] * scale,
+                    "peak_memory_bytes": pos_static[layout.stage_group(k)] + tl.peak_activation[layout.stage_group(k)],
+                })
+        return res
+
+
+def simulate(meta, cluster, layout: Layout, opts: Optional[CostOptions] = None) -> SimResult:
+    """One-off evaluation with the full breakdown."""
+    return Simulator(meta, cluster, opts).evaluate(layout, detail=True)

@@ -1,0 +1,203 @@
+"""Event-timeline simulation of one pipeline step, micro-batch by micro-batch and stage by stage.
+
+Each pipeline position (a device group) executes a fixed list of operations -- F (forward), B
+(backward; for zero-bubble only the input-gradient half) and W (weight gradient, zero-bubble) --
+in the order the schedule prescribes. An operation starts when its device group is free and its
+inputs have arrived (the previous stage's activation or the next stage's gradient, plus the
+point-to-point delay). The order lists depend only on (schedule, pp, stages per rank,
+micro-batches), so they are built once and cached together with a topological order of every
+operation; simulating a plan is then one pass over that order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Sequence, Tuple
+
+F, B, W = 0, 1, 2
+# Fraction of a stage's activations that zero-bubble keeps after B for the later W pass (the
+# inputs of the weight-gradient matmuls).
+ZB_W_ACTIVATION_SHARE = 0.3
+
+
+def virtual_stage(schedule: str, pp: int, stages_per_rank: int, position: int, chunk: int) -> int:
+    """Which model stage a position runs as its chunk-th stage (mirrors Plan.stage_group)."""
+    if stages_per_rank == 1:
+        return position
+    if schedule == "zero_bubble" and stages_per_rank == 2:
+        return position if chunk == 0 else 2 * pp - 1 - position
+    return chunk * pp + position
+
+
+def _interleaved_sequence(pp: int, v: int, m: int, backward: bool) -> List[Tuple[int, int]]:
+    """Megatron's order of (chunk, micro-batch) on one position: groups of pp micro-batches per chunk."""
+    seq = []
+    for t in range(m * v):
+        group = t // pp
+        chunk = group % v
+        if backward:
+            chunk = v - 1 - chunk
+        mb = (t // (pp * v)) * pp + t % pp
+        if mb < m:
+            seq.append((chunk, mb))
+    # m not a multiple of pp: the formula skips some micro-batches; append them in order.
+    for chunk in (range(v - 1, -1, -1) if backward else range(v)):
+        for mb in range(m):
+            if (chunk, mb) not in seq:
+                seq.append((chunk, mb))
+    return seq
+
+
+def _v_shape_sequences(pp: int, m: int, pos: int):
+    """ZBV: order a position's two stages by when their inputs could first arrive (unit forward,
+    double backward), which interleaves the V's down and up legs."""
+    n = 2 * pp
+    stages = (pos, n - 1 - pos)
+    fops = sorted(((F, k, j) for k in stages for j in range(m)), key=lambda o: (o[1] + o[2], o[2]))
+    bops = sorted(((B, k, j) for k in stages for j in range(m)), key=lambda o: (n + o[2] + 2 * (n - 1 - o[1]), o[2]))
+    return fops, bops
+
+
+def _position_ops(schedule: str, pp: int, v: int, m: int, pos: int, warmup: int) -> List[Tuple[int, int, int]]:
+    if schedule == "zero_bubble" and v == 2:
+        fops, bops = _v_shape_sequences(pp, m, pos)
+    else:
+        fseq = _interleaved_sequence(pp, v, m, backward=False)
+        bseq = _interleaved_sequence(pp, v, m, backward=True)
+        fops = [(F, virtual_stage(schedule, pp, v, pos, c), j) for c, j in fseq]
+        bops = [(B, virtual_stage(schedule, pp, v, pos, c), j) for c, j in bseq]
+    if schedule == "gpipe":
+        return fops + bops
+    zero_bubble = schedule == "zero_bubble"
+    ops: List[Tuple[int, int, int]] = list(fops[:warmup])
+    deferred: List[Tuple[int, int, int]] = []
+    fi, bi = warmup, 0
+    # ZB-H1: weight gradients of the first (pp - pos - 1) micro-batches wait for the cool-down,
+    # where they fill the gaps left while gradients travel back.
+    defer = max(pp - pos - 1, 0)
+    while bi < len(bops):
+        if fi < len(fops):
+            ops.append(fops[fi])
+            fi += 1
+        ops.append(bops[bi])
+        if zero_bubble:
+            deferred.append((W,) + bops[bi][1:])
+            if fi >= len(fops):  # cool-down: spread the deferred W's over the remaining B's
+                remaining = len(bops) - bi
+                for _ in range(-(-len(deferred) // remaining)):
+                    ops.append(deferred.pop(0))
+            elif len(deferred) > defer:
+                ops.append(deferred.pop(0))
+        bi += 1
+    ops.extend(deferred)
+    return ops
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The cached, duration-independent part of a schedule."""
+    position_ops: Tuple[Tuple[Tuple[int, int, int], ...], ...]
+    order: Tuple[Tuple[int, int, int, int], ...]   # (position, kind, stage, micro-batch), topological
+
+
+def _topological(position_ops: Sequence[Sequence[Tuple[int, int, int]]], n_stages: int) -> List[tuple] | None:
+    done = set()
+    ptr = [0] * len(position_ops)
+    order = []
+    progress = True
+    while progress:
+        progress = False
+        for pos, ops in enumerate(position_ops):
+            while ptr[pos] < len(ops):
+                kind, k, j = ops[ptr[pos]]
+                if kind == F:
+                    dep = (F, k - 1, j) if k > 0 else None
+                elif kind == B:
+                    dep = (B, k + 1, j) if k < n_stages - 1 else (F, k, j)
+                else:
+                    dep = (B, k, j)
+                if dep is not None and dep not in done:
+                    break
+                done.add((kind, k, j))
+                order.append((pos, kind, k, j))
+                ptr[pos] += 1
+                progress = True
+    return order if all(p == len(ops) for p, ops in zip(ptr, position_ops)) else None
+
+
+@lru_cache(maxsize=512)
+def structure(schedule: str, pp: int, stages_per_rank: int, m: int) -> Structure:
+    v = stages_per_rank
+    n_stages = pp * v
+    if v == 1:
+        warm = [min(pp - pos - 1, m) for pos in range(pp)]
+    elif schedule == "zero_bubble" and v == 2:
+        warm = [min(2 * (pp - pos) - 1, m * v) for pos in range(pp)]
+    else:  # Megatron's interleaved warm-up
+        warm = [min((pp - pos - 1) * 2 + (v - 1) * pp, m * v) for pos in range(pp)]
+    # A warm-up too short for an unusual (pp, v, m) would deadlock the static order: lengthen it
+    # for the positions that are stuck until the order is executable.
+    for _ in range(4 * m * v + 4):
+        ops = [_position_ops(schedule, pp, v, m, pos, warm[pos]) for pos in range(pp)]
+        order = _topological(ops, n_stages)
+        if order is not None:
+            return Structure(tuple(tuple(o) for o in ops), tuple(order))
+        warm = [min(w + 1, m * v) for w in warm]
+    raise RuntimeError(f"no executable order for {schedule} pp={pp} v={v} m={m}")
+
+
+@dataclass
+class TimelineResult:
+    makespan: float                 # last operation's end, over every position
+    end: List[float]                # per position
+    busy: List[float]               # per position: compute time
+    peak_activation: List[float]    # per position: activation bytes held at the worst moment
+    last_backward: List[float]      # per position: duration of its final B (+W) (overlap window)
+
+
+def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
+                      fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[float],
+                      send_fwd: Sequence[float], send_bwd: Sequence[float],
+                      activation: Sequence[float]) -> TimelineResult:
+    """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
+    activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
+    bytes one micro-batch keeps on k until its backward."""
+    st = structure(schedule, pp, stages_per_rank, m)
+    n = pp * stages_per_rank
+    last = n - 1
+    f_end = [[0.0] * m for _ in range(n)]
+    b_end = [[0.0] * m for _ in range(n)]
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    held = [0.0] * pp
+    peak = [0.0] * pp
+    last_b = [0.0] * pp
+    zb = schedule == "zero_bubble"
+    keep = ZB_W_ACTIVATION_SHARE if zb else 0.0
+    for pos, kind, k, j in st.order:
+        if kind == F:
+            ready = f_end[k - 1][j] + send_fwd[k - 1] if k > 0 else 0.0
+            dur = fwd[k]
+            held[pos] += activation[k]
+            if held[pos] > peak[pos]:
+                peak[pos] = held[pos]
+        elif kind == B:
+            ready = b_end[k + 1][j] + send_bwd[k] if k < last else f_end[k][j]
+            dur = bwd[k]
+        else:
+            ready = b_end[k][j]
+            dur = wgt[k]
+        start = free[pos] if free[pos] > ready else ready
+        end = start + dur
+        free[pos] = end
+        busy[pos] += dur
+        if kind == F:
+            f_end[k][j] = end
+        elif kind == B:
+            b_end[k][j] = end
+            held[pos] -= activation[k] * (1.0 - keep)
+            last_b[pos] = dur
+        else:
+            held[pos] -= activation[k] * keep
+            last_b[pos] += dur
+    return TimelineResult(makespan=max(free), end=free, busy=busy, peak_activation=peak, last_backward=last_b)

@@ -1,0 +1,77 @@
+"""What every planner shares: scored candidates, the best-and-runner-up record, explanations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.simulator import SimResult, Simulator
+
+
+def cost_options(planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]) -> CostOptions:
+    return CostOptions(bytes_per_value=2 if str(train_cfg.get("dtype", "float32")) == "bfloat16" else 4,
+                       dp_mode=str(train_cfg.get("dp_mode", "fsdp")),
+                       dp_overlap=bool(planner_cfg.get("dp_overlap", True)),
+                       memory_margin=float(planner_cfg.get("memory_margin", 0.9)))
+
+
+@dataclass
+class Scored:
+    layout: Layout
+    result: SimResult
+    config: Any = None
+
+    @property
+    def time(self) -> float:
+        return self.result.step_time_s
+
+
+@dataclass
+class Tracker:
+    """Keeps the best candidate and the best one with a different high-level shape (the runner-up
+    a user would otherwise have picked), plus the first infeasibility reason seen."""
+    best: Optional[Scored] = None
+    runner_up: Optional[Scored] = None
+    infeasible: int = 0
+    first_reason: str = ""
+    history: List[float] = field(default_factory=list)
+
+    @staticmethod
+    def shape(s: Scored):
+        lay = s.layout
+        return (lay.pp, lay.tp, lay.dp, lay.microbatch_size, lay.schedule, lay.groups)
+
+    def offer(self, s: Scored) -> None:
+        if not s.result.feasible:
+            self.infeasible += 1
+            self.first_reason = self.first_reason or s.result.reason
+            return
+        if self.best is None or s.time < self.best.time:
+            if self.best is not None and self.shape(self.best) != self.shape(s):
+                self.runner_up = self.best
+            self.best = s
+        elif self.shape(s) != self.shape(self.best) and (self.runner_up is None or s.time < self.runner_up.time):
+            self.runner_up = s
+        self.history.append(self.best.time)
+
+
+def describe(layout: Layout) -> str:
+    spans = ",".join(str(b - a) for a, b in layout.spans)
+    return (f"pp={layout.pp} tp={layout.tp} dp={layout.dp} mb={layout.microbatch_size}x{layout.num_microbatches} "
+            f"{layout.schedule} layers/stage=[{spans}]")
+
+
+def why_better(sim: Simulator, best: Scored, other: Optional[Scored]) -> Dict[str, Any]:
+    if other is None:
+        return {"text": "no other feasible layout shape exists for this model and cluster"}
+    b = sim.evaluate(best.layout, detail=True)
+    o = sim.evaluate(other.layout, detail=True)
+    keys = ["compute_s", "tp_comm_s", "p2p_comm_s", "dp_comm_exposed_s", "bubble_s"]
+    diffs = {k: o.breakdown[k] - b.breakdown[k] for k in keys}
+    ranked = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))
+    parts = [f"{k[:-2].replace('_', ' ')} {'-' if d > 0 else '+'}{abs(d) * 1e3:.3g} ms" for k, d in ranked[:3] if abs(d) > 0]
+    gain = o.step_time_s / b.step_time_s - 1 if b.step_time_s > 0 else 0.0
+    text = (f"{describe(best.layout)} takes {b.step_time_s * 1e3:.4g} ms per step vs the runner-up "
+            f"{describe(other.layout)} at {o.step_time_s * 1e3:.4g} ms ({gain:+.1%} slower); against it the chosen "
+            f"plan has " + ", ".join(parts))
+    return {"text": text, "component_savings_s": diffs, "runner_up_step_time_s": o.step_time_s}

@@ -1,0 +1,204 @@
+"""The search space shared by every planner: device pools, device-group orders, (pp, tp, dp),
+micro-batching -- and turning a chosen Layout into a validated, launchable Plan.
+
+Launch rule: torchrun starts the same --nproc-per-node on every node, so a plan uses whole nodes
+(or the same number of devices on each node) and a pipeline group is either a slice of one node
+or a set of whole nodes. Tensor parallelism never crosses a node.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from hrlplan.cost.model import Layout
+from hrlplan.plan import Plan, homogeneous_plan
+
+MAX_TYPE_ORDERS = 24
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The devices a plan may use: whole nodes, `nproc` devices each, in node order."""
+    nodes: Tuple[int, ...]
+    nproc: int
+    label: str
+
+    def size(self) -> int:
+        return len(self.nodes) * self.nproc
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything but the layer split: the high-level decision."""
+    pool: Pool
+    type_order: Tuple[str, ...]
+    pp: int
+    tp: int
+    dp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    stages_per_rank: int
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+
+class SearchSpace:
+    def __init__(self, meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]):
+        self.meta, self.cluster = meta, cluster
+        self.cfg, self.train = planner_cfg, train_cfg
+        self.node_devices: Dict[int, List[int]] = {}
+        for d in sorted(cluster.devices, key=lambda d: (d.node, d.local_rank)):
+            self.node_devices.setdefault(d.node, []).append(d.rank)
+        self.node_type = {n: cluster.devices[ds[0]].name for n, ds in self.node_devices.items()}
+        self.schedules = list(planner_cfg.get("schedules") or []) or [train_cfg.get("schedule", "1f1b")]
+        self.stages_per_rank = int(train_cfg.get("stages_per_rank", 1) or 1)
+        self.global_batch = int(train_cfg["global_batch_size"])
+        mbs = train_cfg.get("microbatches", "auto")
+        self.fixed_microbatches = None if mbs in (None, "auto") else int(mbs)
+        self.pools = self._pools()
+
+    # ------------------------------------------------------------ pools and orders
+    def _pools(self) -> List[Pool]:
+        sizes = {len(v) for v in self.node_devices.values()}
+        nodes = tuple(sorted(self.node_devices))
+        must_use_all = self.cluster.source in ("probe", "file")
+        if len(sizes) != 1 and must_use_all:
+            raise ValueError(f"cluster '{self.cluster.name}' has nodes with {sorted(sizes)} workers; a probed "
+                             "job launches the same nproc-per-node everywhere, so every node must have the same count")
+        nproc = min(sizes)
+        pools = [Pool(nodes, nproc, "all")]
+        types = sorted(set(self.node_type.values()))
+        if not must_use_all and len(types) > 1:  # presets: leaving a slow type out may win
+            for t in types:
+                sub = tuple(n for n in nodes if self.node_type[n] == t)
+                pools.append(Pool(sub, nproc, f"only {t}"))
+        return pools
+
+    def type_orders(self, pool: Pool) -> List[Tuple[str, ...]]:
+        types = sorted({self.node_type[n] for n in pool.nodes})
+        return list(itertools.islice(itertools.permutations(types), MAX_TYPE_ORDERS))
+
+    def ordered_devices(self, pool: Pool, type_order: Sequence[str]) -> List[int]:
+        """Pool devices with node types in pipeline order; nodes keep their order within a type (so
+        neighbouring groups share nodes and fast links)."""
+        rank = {t: i for i, t in enumerate(type_order)}
+        nodes = sorted(pool.nodes, key=lambda n: (rank[self.node_type[n]], n))
+        return [d for n in nodes for d in self.node_devices[n][:pool.nproc]]
+
+    # ------------------------------------------------------------ structural choices
+    def parallel_degrees(self, pool: Pool) -> Iterator[Tuple[int, int, int]]:
+        n = pool.size()
+        max_pp = int(self.cfg.get("max_pp", 64))
+        max_tp = int(self.cfg.get("max_tp", 8))
+        for pp in range(1, min(max_pp, n) + 1):
+            if n % pp or pp * self.stages_per_rank > self.meta.n_layer:
+                continue
+            group = n // pp
+            if not (group % pool.nproc == 0 or pool.nproc % group == 0):
+                continue  # a group must be a slice of one node or whole nodes
+            for tp in range(1, min(max_tp, pool.nproc, group) + 1):
+                if group % tp or pool.nproc % tp or (tp > 1 and self.meta.num_heads % tp):
+                    continue
+                yield pp, tp, group // tp
+
+    def microbatchings(self, pp: int, dp: int, schedule: str) -> List[Tuple[int, int]]:
+        if self.global_batch % dp:
+            return []
+        per_replica = self.global_batch // dp
+        if self.fixed_microbatches is not None:
+            m = self.fixed_microbatches
+            options = [(per_replica // m, m)] if per_replica % m == 0 else []
+        else:
+            divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+            wanted = [int(x) for x in self.cfg.get("microbatch_sizes") or []]
+            sizes = [d for d in divisors if d in wanted] or divisors
+            options = [(mb, per_replica // mb) for mb in sizes]
+        out = []
+        for mb, m in options:
+            if pp > 1 and m < pp:
+                continue
+            if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
+                continue
+            out.append((mb, m))
+        return out
+
+    def configs(self) -> Iterator[Config]:
+        for pool in self.pools:
+            for order in self.type_orders(pool):
+                for pp, tp, dp in self.parallel_degrees(pool):
+                    for schedule in self.schedules:
+                        v = self.stages_per_rank if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+                        if pp == 1:
+                            v = 1
+                        for mb, m in self.microbatchings(pp, dp, schedule):
+                            yield Config(pool, order, pp, tp, dp, mb, m, schedule, v)
+
+    def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
+        devs = self.ordered_devices(c.pool, c.type_order)
+        size = c.tp * c.dp
+        return tuple(tuple(devs[g * size:(g + 1) * size]) for g in range(c.pp))
+
+    def layout(self, c: Config, spans: Sequence[Tuple[int, int]]) -> Layout:
+        return Layout(spans=tuple((int(a), int(b)) for a, b in spans), groups=self.groups(c), tp=c.tp, dp=c.dp,
+                      microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
+                      schedule=c.schedule, stages_per_rank=c.stages_per_rank)
+
+
+# ---------------------------------------------------------------- Layout -> Plan
+def launch_for(cluster, layout: Layout) -> Tuple[Dict[str, Any], Dict[int, int]]:
+    """meta.launch (uniform nproc-per-node) and the map cluster device -> plan rank.
+
+    Plan ranks follow torchrun's order: node_rank-major, then local rank over the node's visible
+    devices. Nodes the plan leaves out are not launched at all.
+    """
+    used = sorted({d for g in layout.groups for d in g})
+    by_node: Dict[int, List[int]] = {}
+    for d in used:
+        by_node.setdefault(cluster.devices[d].node, []).append(d)
+    counts = {len(v) for v in by_node.values()}
+    if len(counts) != 1:
+        raise ValueError(f"layout uses {sorted(counts)} devices on different nodes; not launchable uniformly")
+    nproc = counts.pop()
+    rank_of: Dict[int, int] = {}
+    visible, hosts = [], []
+    for node in sorted(by_node):
+        devs = sorted(by_node[node], key=lambda d: cluster.devices[d].local_rank)
+        visible.append(",".join(str(cluster.devices[d].local_rank) for d in devs))
+        hosts.append(cluster.devices[devs[0]].hostname)
+        for d in devs:
+            rank_of[d] = len(rank_of)
+    launch = {"nnodes": len(by_node), "nproc_per_node": nproc, "per_node_visible_devices": visible,
+              "hosts": hosts, "rank_to_device": [d for d, _ in sorted(rank_of.items(), key=lambda x: x[1])]}
+    return launch, rank_of
+
+
+def to_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str, Any]) -> Plan:
+    launch, rank_of = launch_for(cluster, layout)
+    rank_order = [rank_of[d] for g in layout.groups for d in g]
+    memory = [0.0] * len(rank_of)
+    for d, r in rank_of.items():
+        memory[r] = float(result.memory_bytes.get(d, 0.0))
+    breakdown = {k: v for k, v in result.breakdown.items() if k != "memory_bytes_per_device"}
+    predicted = {"step_time_s": float(result.step_time_s), "bubble_fraction": float(result.bubble_fraction),
+                 "memory_bytes_per_rank": [int(x) for x in memory], "breakdown": _plain(breakdown)}
+    plan_meta = {"launch": launch, "predicted": predicted, "planner": _plain(planner_meta),
+                 "cluster": cluster.name, "device_types_per_stage": [cluster.devices[g[0]].name for g in layout.groups]}
+    return homogeneous_plan(meta.name, meta.n_layer, list(layout.spans), dp=layout.dp, tp=layout.tp,
+                            microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
+                            schedule=layout.schedule, stages_per_rank=layout.stages_per_rank, meta=plan_meta,
+                            rank_order=rank_order)
+
+
+def _plain(x: Any) -> Any:
+    """YAML-safe: numpy scalars and tuples to Python floats and lists."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        return x.item()
+    return x
