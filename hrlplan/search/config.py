@@ -21,20 +21,24 @@ class PlannerConfigBase:
 @dataclass
 class ExactPlannerConfig(PlannerConfigBase):
     name: str = "exact"
-    max_evaluations: int = 2_000_000  # gives up (saying so) beyond this many candidate layouts
+    max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
 
 
 @dataclass
 class HRLPlannerConfig(PlannerConfigBase):
     name: str = "hrl"
     samples: int = 256               # plans sampled at inference; the best by simulated time wins
-    train_steps: int = 300           # policy-gradient updates when training for this instance
+    train_steps: int = 30            # policy-gradient updates on this instance before sampling (0: zero-shot)
     batch_size: int = 32             # episodes per update
     lr: float = 3e-3
     entropy_coef: float = 0.01
     hidden: int = 64
     checkpoint_dir: Optional[str] = None  # trained policies; None: the shipped generalist policy
     train_if_missing: bool = True
+    use_pretrained: bool = True      # start from the shipped generalist when no checkpoint_dir is given
+    refine: bool = True              # hill-climb the best sampled plan's stage boundaries
+    refine_evaluations: int = 64     # simulator calls the hill-climb may spend
+    progress: bool = True            # tqdm bar (with the current best) while training
 
 
 @dataclass
@@ -46,4 +50,4 @@ class ManualPlannerConfig(PlannerConfigBase):
 @dataclass
 class RandomPlannerConfig(PlannerConfigBase):
     name: str = "random"
-    samples: int = 256
+    samples: int = 256               # simulator evaluations (the benchmark sets hrl's count)

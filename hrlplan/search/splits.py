@@ -20,6 +20,10 @@ INF = float("inf")
 def in_flight(schedule: str, pp: int, stages_per_rank: int, m: int) -> Tuple[float, ...]:
     """Peak micro-batches whose activations a virtual stage holds (unit-time run of the schedule)."""
     n = pp * stages_per_rank
+    if schedule == "gpipe":
+        return tuple(float(m) for _ in range(n))
+    if schedule == "1f1b" and stages_per_rank == 1:
+        return tuple(float(min(m, pp - k)) for k in range(n))
     zb = schedule == "zero_bubble"
     counts = []
     for k in range(n):
@@ -43,6 +47,7 @@ class SplitTables:
         valid = ends > starts
         flight = in_flight(config.schedule, config.pp, config.stages_per_rank, config.num_microbatches)
         layout_probe = space.layout(config, [(0, 0)] * n)
+        self.stage_group = [layout_probe.stage_group(k) for k in range(n)]
         self.time = np.full((n, L + 1, L + 1), INF)
         self.static = np.zeros(n)
         for k in range(n):

@@ -1,0 +1,78 @@
+"""The two policies and the learned baseline.
+
+Both policies are scorers over a variable set of legal actions (a pointer-network style head):
+the high-level one scores every legal Config -- (pp, tp, dp, micro-batch size and count, device
+pool and group order) -- the low-level one scores each boundary offset of the next stage. Illegal
+actions are never scored (masking), so the same weights serve any model and cluster.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+
+from hrlplan.search.hrl.features import CONFIG_DIM, INSTANCE_DIM, OFFSET_DIM, STEP_DIM
+
+CHECKPOINT_NAME = "hrl_policy.pth"
+
+
+def _mlp(inp: int, hidden: int, out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inp, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, out))
+
+
+class HierarchicalPolicy(nn.Module):
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.hidden = hidden
+        self.high = _mlp(INSTANCE_DIM + CONFIG_DIM, hidden, 1)
+        self.low = _mlp(INSTANCE_DIM + STEP_DIM + OFFSET_DIM, hidden, 1)
+        self.baseline = _mlp(INSTANCE_DIM + CONFIG_DIM, hidden, 1)
+        # Learnable priors (residual policy): prefer configs whose bound x bubble estimate is low and
+        # whose memory estimate fits, and the boundary hint itself. Training adjusts both the scales
+        # and the networks' corrections; an untrained policy is therefore already sensible.
+        self.high_prior = nn.Parameter(torch.tensor([8.0, 2.0]))
+        self.low_prior = nn.Parameter(torch.tensor(2.0))
+
+    def high_logits(self, inst: torch.Tensor, configs: torch.Tensor) -> torch.Tensor:
+        """inst [I], configs [C, CONFIG_DIM] -> [C]"""
+        x = torch.cat([inst.expand(configs.shape[0], -1), configs], dim=1)
+        prior = -self.high_prior[0] * configs[:, 7] - self.high_prior[1] * torch.relu(configs[:, 10] - 1.0)
+        return self.high(x).squeeze(-1) + prior
+
+    def low_logits(self, inst: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """steps [S, STEP_DIM], offsets [S, O, OFFSET_DIM], mask [S, O] -> masked logits [S, O]"""
+        s, o = offsets.shape[:2]
+        x = torch.cat([inst.expand(s, o, -1), steps[:, None, :].expand(s, o, -1), offsets], dim=2)
+        logits = self.low(x).squeeze(-1) + self.low_prior * offsets[..., 3]
+        return logits.masked_fill(~mask, float("-inf"))
+
+    def value(self, inst: torch.Tensor, config_rows: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([inst.expand(config_rows.shape[0], -1), config_rows], dim=1)
+        return self.baseline(x).squeeze(-1)
+
+
+def save_policy(policy: HierarchicalPolicy, directory: str | Path, extra: Dict[str, Any] | None = None) -> Path:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    target = path / CHECKPOINT_NAME
+    # fp16 weights keep the shipped generalist well under 1 MB; they are cast back on load
+    state = {k: v.half() for k, v in policy.state_dict().items()}
+    torch.save({"state": state, "hidden": policy.hidden, "extra": extra or {}}, target)
+    return target
+
+
+def load_policy(directory: str | Path) -> HierarchicalPolicy:
+    path = Path(directory)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    policy = HierarchicalPolicy(int(blob["hidden"]))
+    policy.load_state_dict({k: v.float() for k, v in blob["state"].items()})
+    return policy
+
+
+def pretrained_dir() -> Path:
+    return Path(__file__).resolve().parent / "pretrained"
