@@ -1,0 +1,114 @@
+"""`hrlplan train-hrl | plan-hrl | show-plan` (argparse namespaces from hrlplan/cli.py)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hrlplan.cost.simulator import Simulator
+from hrlplan.errors import UserError
+from hrlplan.plan import Plan
+from hrlplan.search import make_plan
+from hrlplan.search.common import Tracker, cost_options, describe
+from hrlplan.search.hrl.agent import PlanningEnv, initial_policy, train_on
+from hrlplan.search.hrl.policy import save_policy
+from hrlplan.search.instances import load_cluster, load_meta, planner_and_train_cfg
+from hrlplan.search.space import SearchSpace
+
+GiB = 2 ** 30
+
+
+def _inputs(args, name="hrl"):
+    cluster = load_cluster(args.cluster)
+    meta = load_meta(args.model_meta)
+    planner_cfg, train_cfg = planner_and_train_cfg(args.planner_cfg, name)
+    return cluster, meta, planner_cfg, train_cfg
+
+
+def train_hrl(args) -> None:
+    cluster, meta, cfg, train = _inputs(args)
+    cfg = dict(cfg, checkpoint_dir=None)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    env = PlanningEnv(sim, SearchSpace(meta, cluster, cfg, train))
+    seed = int(cfg["seed"])
+    gen = torch.Generator().manual_seed(seed)
+    policy, source = initial_policy(cfg)
+    tracker = Tracker()
+    t0 = time.perf_counter()
+    train_on(env, policy, cfg, tracker, int(cfg["train_steps"]), gen, progress=bool(cfg.get("progress", True)))
+    best = tracker.best
+    summary = {"model": meta.name, "cluster": cluster.summary(), "started_from": source,
+               "train_steps": cfg["train_steps"], "evaluations": sim.evaluations,
+               "train_time_s": round(time.perf_counter() - t0, 3),
+               "best_step_time_s": best.time if best else None, "best": describe(best.layout) if best else None}
+    path = save_policy(policy, args.out_dir, extra={"model": meta.name, "cluster": cluster.name})
+    summary["checkpoint"] = str(path)
+    print(json.dumps(summary, indent=1))
+
+
+def plan_hrl(args) -> None:
+    cluster, meta, cfg, train = _inputs(args)
+    explicit = set()
+    if args.planner_cfg:
+        import yaml
+
+        data = yaml.safe_load(Path(args.planner_cfg).read_text()) or {}
+        explicit = set(data.get("planner", data))
+    if args.checkpoint_dir:
+        if not Path(args.checkpoint_dir).exists():
+            raise UserError(f"--checkpoint-dir {args.checkpoint_dir} does not exist; train one with `hrlplan train-hrl`")
+        cfg["checkpoint_dir"] = args.checkpoint_dir
+        if "train_steps" not in explicit:
+            cfg["train_steps"] = 0  # a trained policy plans directly
+    cfg["name"] = "hrl"
+    plan, info = make_plan(meta, cluster, cfg, train)
+    plan.save(args.out)
+    Path(args.out_info).write_text(json.dumps(info, indent=1))
+    p = plan.meta["predicted"]
+    print(f"{plan.layout()}\npredicted step {p['step_time_s'] * 1e3:.4g} ms, bubble {p['bubble_fraction']:.1%}; "
+          f"wrote {args.out} and {args.out_info}")
+
+
+def show_plan(args) -> None:
+    plan = Plan.load(args.plan)
+    info_path = Path(args.info) if args.info else Path(args.plan).with_name("plan_info.json")
+    info = json.loads(info_path.read_text()) if info_path.exists() else None
+    print(render(plan, info))
+
+
+def render(plan: Plan, info=None) -> str:
+    launch = plan.meta.get("launch", {})
+    pred = plan.meta.get("predicted", {})
+    lines = [plan.layout(),
+             f"{plan.model}: pp={plan.pp} dp={plan.dp} micro-batches {plan.num_microbatches} x {plan.microbatch_size} "
+             f"(global {plan.global_batch_size}), {plan.schedule}, {plan.stages_per_rank} stage(s)/rank; launch "
+             f"{launch.get('nnodes', 1)} node(s) x {launch.get('nproc_per_node', plan.world_size)} procs"]
+    if pred:
+        lines.append(f"predicted step {pred.get('step_time_s', 0) * 1e3:.4g} ms, bubble {pred.get('bubble_fraction', 0):.1%}")
+    stage_info = {s["stage"]: s for s in (info or {}).get("chosen", {}).get("stages", [])}
+    mem = pred.get("memory_bytes_per_rank") or []
+    header = f"{'stage':>5} {'blocks':>10} {'n':>3} {'tp':>3} {'dp':>3} {'ranks':>14} {'device':>12} " \
+             f"{'fwd ms':>9} {'bwd ms':>9} {'mem GiB':>8}"
+    lines += ["", header, "-" * len(header)]
+    for i, s in enumerate(plan.stages):
+        si = stage_info.get(i, {})
+        ranks = f"{min(s.ranks)}-{max(s.ranks)}" if len(s.ranks) > 1 else str(s.ranks[0])
+        peak = max((mem[r] for r in s.ranks if r < len(mem)), default=0) / GiB
+        lines.append(f"{i:>5} {s.token():>10} {s.num_layers:>3} {s.tp:>3} {s.dp:>3} {ranks:>14} "
+                     f"{str(si.get('device_type', '?'))[:12]:>12} {si.get('fwd_s', float('nan')) * 1e3:>9.3f} "
+                     f"{si.get('bwd_s', float('nan')) * 1e3:>9.3f} {peak:>8.2f}")
+    if info:
+        b = info.get("chosen", {}).get("breakdown", {})
+        if b:
+            lines.append("")
+            lines.append("breakdown: " + ", ".join(f"{k} {b[k] * 1e3:.3g} ms" for k in
+                                                   ("compute_s", "tp_comm_s", "p2p_comm_s", "dp_comm_exposed_s", "bubble_s")
+                                                   if k in b))
+        why = (info.get("why") or {}).get("text")
+        if why:
+            lines += ["", "why: " + why]
+    else:
+        lines += ["", "(no plan_info.json beside the plan: no breakdown or runner-up to show)"]
+    return "\n".join(lines)

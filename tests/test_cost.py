@@ -1,0 +1,105 @@
+"""Cost model: analytic bubbles, bottlenecks, micro-batch effects, memory per schedule, OOM reasons."""
+import pytest
+
+from hrlplan.cluster import ClusterSpec, DeviceInfo
+from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.simulator import Simulator
+from hrlplan.cost.timeline import simulate_timeline
+from hrlplan.model_meta import ModelMeta
+
+GiB = 2 ** 30
+
+
+def toy_meta(n_layer=8, hidden=256, seq=128, vocab=1000) -> ModelMeta:
+    block = 12 * hidden * hidden
+    return ModelMeta(
+        name="toy", family="hf", model_type="gpt2", n_layer=n_layer, hidden_size=hidden, num_heads=4, seq_len=seq,
+        vocab_size=vocab, total_params=n_layer * block + 2 * vocab * hidden, embedding_params=vocab * hidden,
+        head_params=vocab * hidden, block_params=[block] * n_layer, block_matmul_params=[block] * n_layer,
+        head_matmul_params=vocab * hidden, block_flops_fwd_per_token=[2.0 * block] * n_layer,
+        head_flops_fwd_per_token=0.0, block_activation_bytes_per_token=[34.0 * hidden] * n_layer,
+        head_activation_bytes_per_token=0.0, tied_embeddings=False, first_stage_modules=["wte"],
+        last_stage_modules=["lm_head"], block_modules=[f"h.{i}" for i in range(n_layer)])
+
+
+def toy_cluster(n=4, flops=None, memory=16 * GiB, names=None) -> ClusterSpec:
+    flops = flops or [1e12] * n
+    devs = [DeviceInfo(rank=i, node=0, local_rank=i, hostname="n0", kind="cuda", name=(names or ["g"] * n)[i],
+                       memory_bytes=memory, peak_flops=flops[i]) for i in range(n)]
+    return ClusterSpec(name="toy", devices=devs, backend="nccl", source="preset", intra_node_bw=[1e12],
+                       intra_node_latency=0.0, inter_node_latency=0.0)
+
+
+def pipeline(spans, m, schedule="1f1b", mb=1, n=None):
+    n = n or len(spans)
+    return Layout(spans=tuple(spans), groups=tuple((i,) for i in range(n)), tp=1, dp=1, microbatch_size=mb,
+                  num_microbatches=m, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 32), (4, 5)])
+def test_equal_stages_reproduce_analytic_bubble(schedule, p, m):
+    r = simulate_timeline(schedule, p, 1, m, [1.0] * p, [2.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [1.0] * p)
+    bubble = 1 - 3.0 * m / r.makespan
+    assert bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+def test_simulator_bubble_fraction_equal_stages():
+    sim = Simulator(toy_meta(), toy_cluster(), CostOptions(memory_margin=1.0))
+    res = sim.evaluate(pipeline([(0, 2), (2, 4), (4, 6), (6, 8)], m=8))
+    assert res.feasible
+    assert res.bubble_fraction == pytest.approx(3 / 11, rel=0.02)  # p2p delays add a little
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    base = simulate_timeline("1f1b", 4, 1, 8, [1.0] * 4, [2.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 4, [1.0] * 4)
+    inter = simulate_timeline("interleaved_1f1b", 4, 2, 8, [0.5] * 8, [1.0] * 8, [0.0] * 8, [0.0] * 8, [0.0] * 8, [1.0] * 8)
+    zb = simulate_timeline("zero_bubble", 4, 1, 8, [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4, [1.0] * 4)
+    assert inter.makespan < base.makespan and zb.makespan < base.makespan
+
+
+def test_slower_device_makes_its_stage_the_bottleneck():
+    meta = toy_meta()
+    fast = Simulator(meta, toy_cluster()).evaluate(pipeline([(0, 2), (2, 4), (4, 6), (6, 8)], m=8), detail=True)
+    slow = Simulator(meta, toy_cluster(flops=[1e12, 1e12, 2.5e11, 1e12])).evaluate(
+        pipeline([(0, 2), (2, 4), (4, 6), (6, 8)], m=8), detail=True)
+    assert slow.breakdown["bottleneck_position"] == 2
+    assert slow.step_time_s > 2 * fast.step_time_s
+    busiest = max(slow.stages, key=lambda s: s["fwd_s"])
+    assert busiest["stage"] == 2
+
+
+def test_more_microbatches_shrink_the_bubble():
+    sim = Simulator(toy_meta(), toy_cluster())
+    spans = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    bubbles = [sim.evaluate(pipeline(spans, m=m)).bubble_fraction for m in (4, 8, 16, 32)]
+    assert all(a > b for a, b in zip(bubbles, bubbles[1:]))
+
+
+def test_gpipe_memory_grows_with_microbatches_1f1b_does_not():
+    sim = Simulator(toy_meta(), toy_cluster(memory=1000 * GiB))
+    spans = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    g = [sim.evaluate(pipeline(spans, m=m, schedule="gpipe")).memory_bytes[0] for m in (4, 8, 16)]
+    o = [sim.evaluate(pipeline(spans, m=m, schedule="1f1b")).memory_bytes[0] for m in (4, 8, 16)]
+    assert g[0] < g[1] < g[2]
+    assert o[0] == o[1] == o[2]
+    # 1F1B keeps p - i micro-batches on stage i
+    mems = sim.evaluate(pipeline(spans, m=16)).memory_bytes
+    assert mems[0] > mems[1] > mems[2] > mems[3]
+
+
+def test_out_of_memory_names_the_device():
+    cluster = toy_cluster(memory=16 * GiB, names=["big", "big", "tiny", "big"])
+    cluster.devices[2].memory_bytes = int(0.05 * GiB)
+    res = Simulator(toy_meta(), cluster).evaluate(pipeline([(0, 2), (2, 4), (4, 6), (6, 8)], m=8))
+    assert not res.feasible
+    assert "device 2" in res.reason and "tiny" in res.reason and "GiB" in res.reason
+
+
+def test_calibration_scales_step_time():
+    meta = toy_meta()
+    lay = pipeline([(0, 4), (4, 8)], m=4)
+    base = Simulator(meta, toy_cluster()).evaluate(lay).step_time_s
+    cl = toy_cluster()
+    cl.calibration = {"step_time_scale": 2.0}
+    assert Simulator(meta, cl).evaluate(lay).step_time_s == pytest.approx(2 * base)
