@@ -37,6 +37,7 @@ class HRLPlannerConfig(PlannerConfigBase):
     train_if_missing: bool = True
     use_pretrained: bool = True      # start from the shipped generalist when no checkpoint_dir is given
     refine: bool = True              # hill-climb the best sampled plan's stage boundaries
+    greedy_configs: int = 16         # greedy rollouts of the policy's top-scored configurations at inference
     refine_evaluations: int = 64     # simulator calls the hill-climb may spend
     progress: bool = True            # tqdm bar (with the current best) while training
 

@@ -1,0 +1,127 @@
+"""Planner benchmark: exact vs HRL vs random (equal simulator evaluations) on >= 24 instances.
+
+    python bench/planner.py [--quick] [--only SUBSTRING] [--train-steps N] [--out bench/results/planner.json]
+
+For each instance: exact optimum where tractable (proven_optimal), the HRL result (train_steps
+updates on the instance, then samples), random search with as many simulator evaluations as HRL
+used, the ratios exact/hrl and exact/random (1.0 = optimal), planning and training times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hrlplan.errors import UserError  # noqa: E402
+from hrlplan.search import make_plan  # noqa: E402
+from hrlplan.search.config import ExactPlannerConfig, HRLPlannerConfig, RandomPlannerConfig  # noqa: E402
+from hrlplan.search.instances import load_cluster, load_meta  # noqa: E402
+
+# (arch, cluster preset, global batch, schedule, stages per rank)
+INSTANCES = [
+    ("gpt2", "a100x8-1n", 64, "1f1b", 1),
+    ("gpt2", "a100x8-2n", 128, "gpipe", 1),
+    ("gpt2", "a100-v100-mix", 128, "1f1b", 1),
+    ("gpt2-medium", "a100x8-1n", 64, "1f1b", 1),
+    ("gpt2-medium", "a100x8-4n", 256, "interleaved_1f1b", 2),
+    ("gpt2-medium", "h800-h20-mix", 160, "1f1b", 1),
+    ("gpt2-xl", "a100x8-2n", 128, "1f1b", 1),
+    ("gpt2-xl", "a100-v100-mix", 256, "1f1b", 1),
+    ("gpt2-xl", "h100x8-4n", 256, "zero_bubble", 1),
+    ("gpt2-xl", "three-type-mix", 192, "1f1b", 1),
+    ("gpt2-xl", "h800-h20-mix", 320, "gpipe", 1),
+    ("llama-7b", "a100x8-1n", 64, "1f1b", 1),
+    ("llama-7b", "a100x8-4n", 256, "1f1b", 1),
+    ("llama-7b", "h100x8-4n", 256, "interleaved_1f1b", 2),
+    ("llama-7b", "a100-v100-mix", 256, "1f1b", 1),
+    ("llama-7b", "h800-h20-mix", 320, "1f1b", 1),
+    ("llama-7b", "three-type-mix", 384, "1f1b", 1),
+    ("llama-7b", "h100x8-16n", 512, "1f1b", 1),
+    ("llama-7b", "a100x8-32n", 1024, "1f1b", 1),
+    ("llama-70b", "a100x8-4n", 128, "1f1b", 1),
+    ("llama-70b", "h100x8-16n", 512, "1f1b", 1),
+    ("llama-70b", "h800-h20-mix", 320, "1f1b", 1),
+    ("llama-70b", "a100x8-32n", 1024, "1f1b", 1),
+    ("llama-70b", "h800-h20-256", 1024, "1f1b", 1),
+    ("llama-70b", "three-type-256", 1024, "1f1b", 1),
+    ("llama-70b", "a100x8-128n", 2048, "1f1b", 1),
+]
+
+
+def run(instance, train_steps: int, samples: int, seed: int) -> dict:
+    arch, preset, gbs, schedule, v = instance
+    meta, cluster = load_meta(arch), load_cluster(preset)
+    train = dict(global_batch_size=gbs, schedule=schedule, stages_per_rank=v, microbatches="auto",
+                 dtype="bfloat16", dp_mode="fsdp")
+    row = {"arch": arch, "cluster": preset, "gpus": cluster.world_size, "types": len(cluster.device_types()),
+           "schedule": schedule, "global_batch": gbs}
+    t = time.perf_counter()
+    exact, _ = make_plan(meta, cluster, asdict(ExactPlannerConfig()), train)
+    row.update(exact_s=exact.meta["predicted"]["step_time_s"], exact_time_s=time.perf_counter() - t,
+               exact_proven=exact.meta["planner"]["proven_optimal"], exact_layout=exact.layout())
+    hrl_cfg = dict(asdict(HRLPlannerConfig()), train_steps=train_steps, samples=samples, seed=seed, progress=False)
+    t = time.perf_counter()
+    hrl, _ = make_plan(meta, cluster, hrl_cfg, train)
+    p = hrl.meta["planner"]
+    row.update(hrl_s=hrl.meta["predicted"]["step_time_s"], hrl_total_s=time.perf_counter() - t,
+               hrl_train_s=p["train_time_s"], hrl_infer_s=p["inference_time_s"], evaluations=p["evaluations"],
+               hrl_layout=hrl.layout())
+    try:
+        rnd, _ = make_plan(meta, cluster, dict(asdict(RandomPlannerConfig()), samples=p["evaluations"], seed=seed), train)
+        row["random_s"] = rnd.meta["predicted"]["step_time_s"]
+    except UserError:  # random found no feasible plan at all
+        row["random_s"] = float("inf")
+    row["hrl_ratio"] = row["exact_s"] / row["hrl_s"]
+    row["random_ratio"] = row["exact_s"] / row["random_s"]
+    # zero-shot: the policy without any training on this instance
+    zs, _ = make_plan(meta, cluster, dict(hrl_cfg, train_steps=0), train)
+    row["zero_shot_ratio"] = row["exact_s"] / zs.meta["predicted"]["step_time_s"]
+    row["zero_shot_infer_s"] = zs.meta["planner"]["inference_time_s"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="first 6 instances, 10 training steps")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/planner.json")
+    args = ap.parse_args()
+    items = [i for i in INSTANCES if not args.only or args.only in " ".join(map(str, i))]
+    if args.quick:
+        items, args.train_steps = items[:6], min(args.train_steps, 10)
+    rows = []
+    head = (f"{'arch':<12}{'cluster':<16}{'gpus':>5}{'sched':>10}{'exact ms':>11}{'prov':>5}{'hrl/ex':>8}"
+            f"{'rnd/ex':>8}{'0shot':>7}{'evals':>7}{'train s':>8}{'infer s':>8}{'exact s':>8}")
+    print(head)
+    print("-" * len(head))
+    for inst in items:
+        r = run(inst, args.train_steps, args.samples, args.seed)
+        rows.append(r)
+        print(f"{r['arch']:<12}{r['cluster']:<16}{r['gpus']:>5}{r['schedule'][:9]:>10}{r['exact_s'] * 1e3:>11.1f}"
+              f"{'y' if r['exact_proven'] else 'n':>5}{r['hrl_ratio']:>8.3f}{r['random_ratio']:>8.3f}"
+              f"{r['zero_shot_ratio']:>7.3f}{r['evaluations']:>7}{r['hrl_train_s']:>8.1f}{r['hrl_infer_s']:>8.2f}"
+              f"{r['exact_time_s']:>8.2f}", flush=True)
+    tract = [r for r in rows if r["exact_proven"]]
+    summary = {
+        "instances": len(rows), "tractable": len(tract),
+        "hrl_min_ratio_tractable": min((r["hrl_ratio"] for r in tract), default=None),
+        "zero_shot_min_ratio_tractable": min((r["zero_shot_ratio"] for r in tract), default=None),
+        "hrl_beats_or_ties_random": sum(r["hrl_s"] <= r["random_s"] * (1 + 1e-12) for r in rows),
+        "max_hrl_train_s": max((r["hrl_train_s"] for r in rows), default=None),
+    }
+    print(json.dumps(summary, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "summary": summary, "args": vars(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
