@@ -19,6 +19,7 @@ Layout of <out_dir>:
 from __future__ import annotations
 
 import ast
+import contextlib
 import gzip
 import hashlib
 import json
@@ -199,11 +200,38 @@ def prepare_code_corpus(out_dir: str = "data/code", vocab_size: int = 4096, max_
     out_dir. `tokenizer` uses a local tokenizer instead of training one; `source` reads a
     directory of .py / CodeSearchNet-style .jsonl(.gz) / .parquet files instead of site-packages."""
     settings = _settings(vocab_size, max_files, seed, tokenizer, source, val_fraction)
-    meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            if json.load(f).get("settings") == settings:
-                return out_dir
+    # Every rank of a job may call this at once: one builds, the others wait and reuse it.
+    with build_lock(out_dir):
+        if _existing_settings(out_dir) == settings:
+            return out_dir
+        return _build(out_dir, settings, vocab_size, max_files, seed, tokenizer, source, val_fraction, log)
+
+
+def _existing_settings(out_dir: str) -> Optional[Dict[str, object]]:
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            return json.load(f).get("settings")
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def build_lock(out_dir: str):
+    """An exclusive lock file beside out_dir (flock: released even if the holder dies)."""
+    import fcntl
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(out_dir: str, settings: Dict[str, object], vocab_size: int, max_files: int, seed: int,
+           tokenizer: Optional[str], source: Optional[str], val_fraction: float, log) -> str:
     start = time.time()
     units = _source_units(source, max_files, seed)
     val_units = {u for u, _ in units if _in_validation(u, seed, val_fraction)}

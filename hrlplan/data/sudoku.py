@@ -65,6 +65,7 @@ def solve(grid: Sequence[int], limit: int = 2, forbid: Optional[Tuple[int, int]]
           rng: Optional[random.Random] = None) -> SolveResult:
     """Backtracking over 81 cells (0 = blank), fewest candidates first; `forbid=(cell, digit)`
     excludes one digit from one cell; `rng` randomises digit order (to make random grids)."""
+    grid = [int(v) for v in grid]   # numpy uint8 would overflow the bitmask arithmetic
     rows, cols, boxes = [0] * 9, [0] * 9, [0] * 9
     for i, v in enumerate(grid):
         if v:
@@ -139,7 +140,7 @@ def solvable_by_singles(grid: Sequence[int]) -> bool:
 
     for i, v in enumerate(grid):
         if v:
-            place(i, v)
+            place(i, int(v))
     progress = True
     while progress:
         progress = False
@@ -161,7 +162,7 @@ def solvable_by_singles(grid: Sequence[int]) -> bool:
 
 def is_valid_solution(grid: Sequence[int]) -> bool:
     """Every row, column and box holds 1..9 exactly once."""
-    return len(grid) == 81 and all(sorted(grid[i] for i in unit) == list(range(1, 10)) for unit in UNITS)
+    return len(grid) == 81 and all(sorted(int(grid[i]) for i in unit) == list(range(1, 10)) for unit in UNITS)
 
 
 def agrees_with(puzzle: Sequence[int], solution: Sequence[int]) -> bool:
@@ -352,6 +353,15 @@ def ensure_sudoku_dataset(path: str, seed: int = 0, log: Callable[[str], None] =
     """Return `path`, building it first when it is missing and its name is a preset."""
     if dataset_exists(path):
         return path
+    from hrlplan.data.code_corpus import build_lock
+
+    with build_lock(path):   # a concurrent job building the same preset finishes first
+        if dataset_exists(path):
+            return path
+        return _build_missing(path, seed, log)
+
+
+def _build_missing(path: str, seed: int, log: Callable[[str], None]) -> str:
     if resolve_preset(path) is None:
         raise FileNotFoundError(f"data_path '{path}' has no train/dataset.json and test/dataset.json, and its name is "
                                 f"not a Sudoku preset ({', '.join(PRESETS)}); build one with "

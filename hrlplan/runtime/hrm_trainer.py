@@ -188,9 +188,17 @@ def _data_path(cfg: Dict[str, Any]) -> str:
     return str(path)
 
 
-def _prepare_data(path: str, rank: int) -> Tuple[PuzzleSplit, PuzzleSplit]:
+def _say(logger, text: str) -> None:
+    """A human-readable line: Python logging, and the run's train.log when the logger keeps one."""
+    log.info(text)
+    note = getattr(logger, "note", None)
+    if callable(note):
+        note(text)
+
+
+def _prepare_data(path: str, rank: int, logger) -> Tuple[PuzzleSplit, PuzzleSplit]:
     if rank == 0:
-        ensure_sudoku_dataset(path, seed=0, log=log.info)
+        ensure_sudoku_dataset(path, seed=0, log=lambda text: _say(logger, text))
     if dist.is_initialized():
         dist.barrier()
     return PuzzleSplit(path, "train"), PuzzleSplit(path, "test")
@@ -218,7 +226,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
         raise UserError(f"global_batch_size={gbs} must be a multiple of the {world} data-parallel ranks")
     seed = int(train.get("seed", 0))
     device = _pick_device(str(train.get("device", "auto")))
-    train_split, test_split = _prepare_data(_data_path(cfg), rank)
+    train_split, test_split = _prepare_data(_data_path(cfg), rank, logger)
     meta = train_split.metadata
 
     steps_per_epoch = train_split.steps_per_epoch(gbs)
@@ -247,7 +255,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
     if device.type == "cuda":
         warning = check_hrm_fits(arch, gbs, torch.cuda.get_device_properties(device).total_memory, world, meta["seq_len"])
         if warning and rank == 0:
-            log.warning(warning)
+            _say(logger, f"warning: {warning}")
     model = _wrap(model, str(train.get("dp_mode", "fsdp")), device, world)
     compiled = maybe_compile(model, device)
     torch.manual_seed(seed + rank)   # ACT exploration differs per rank, as in HRM
@@ -273,7 +281,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
         os.makedirs(checkpoints, exist_ok=True)
         _write_sources(checkpoints, cfg)
         n_params = sum(p.numel() for p in model.parameters())
-        log.info(f"HRM: {n_params:,} parameters, {world} rank(s) on {device}, {train.get('dp_mode', 'fsdp')}, "
+        _say(logger, f"HRM: {n_params:,} parameters, {world} rank(s) on {device}, {train.get('dp_mode', 'fsdp')}, "
                  f"{epochs} epochs x {steps_per_epoch} steps = {total_steps} steps"
                  + (f", stopping at step {stop_at}" if stop_at < total_steps else "")
                  + (" (compiled)" if compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
@@ -282,7 +290,10 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
 
     bar = tqdm(total=stop_at, initial=step, desc="HRM", unit="step", disable=rank != 0)
     result: Dict[str, Any] = {}
+    history: List[Dict[str, float]] = []
     last_ckpt: Optional[str] = None
+    periodic: Optional[str] = None   # the latest interval checkpoint; replaced by the next one
+    first_step_at: Optional[float] = None
     carry = None
     local_bs = gbs // world
     started, start_step = time.time(), step
@@ -312,6 +323,8 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
                 sparse.zero_grad()
             step += 1
             bar.update(1)
+            if first_step_at is None:
+                first_step_at = time.time()
             if step % log_every == 0 or step == stop_at:
                 keys = sorted(metrics)
                 totals = _all_reduce_sum(torch.stack([metrics[k] for k in keys]).to(torch.float64)).cpu().tolist()
@@ -320,11 +333,16 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
                 train_metrics = {f"train/{k}": v / (gbs if k.endswith("loss") else count) for k, v in values.items()}
                 train_metrics.update({"train/lr": lr, "train/epoch": step / steps_per_epoch})
                 result.update(train_metrics)
+                history = (history + [dict(train_metrics, step=step)])[-100:]
                 if rank == 0:
                     logger.log(train_metrics, step=step)
                     bar.set_postfix(lm_loss=f"{train_metrics['train/lm_loss']:.3f}")
             if checkpoint_every and step % checkpoint_every == 0:
                 last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg, run_dir)
+                # Interval checkpoints are for resuming: keep the newest only (evaluation ones stay).
+                if periodic and periodic != last_ckpt and rank == 0:
+                    shutil.rmtree(periodic, ignore_errors=True)
+                periodic = last_ckpt
         finished_epoch = step // steps_per_epoch
         at_end = step >= stop_at
         if (finished_epoch % eval_interval == 0 and step % steps_per_epoch == 0) or at_end:
@@ -332,16 +350,18 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
             result.update(eval_metrics)
             if rank == 0:
                 logger.log(eval_metrics, step=step)
-                log.info(f"step {step} (epoch {finished_epoch}): eval exact_accuracy "
+                _say(logger, f"step {step} (epoch {finished_epoch}): eval exact_accuracy "
                          f"{eval_metrics.get('eval/exact_accuracy', float('nan')):.4f}")
             if last_ckpt is None or not last_ckpt.endswith(f"step_{step}"):
                 last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg, run_dir)
+            if periodic == last_ckpt:
+                periodic = None   # now an evaluation checkpoint: kept
         if at_end:
             break
     bar.close()
     elapsed = time.time() - started
-    result.update(step=step, total_steps=total_steps, checkpoint=last_ckpt,
-                  steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
+    result.update(step=step, final_step=step, total_steps=total_steps, checkpoint=last_ckpt, history=history,
+                  first_step_at=first_step_at, steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
     return result
 
 

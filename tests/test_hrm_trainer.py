@@ -1,0 +1,99 @@
+"""HRM training loop in one process (gloo, world size 1): loss, checkpoints, resume, evaluation."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hrlplan.data.sudoku import SudokuPreset, build_sudoku_dataset
+from hrlplan.runtime.hrm_trainer import evaluate_cli, find_checkpoint, lr_at, train_hrm
+
+ARCH = dict(name="hrm", family="hrm", hidden_size=16, H_layers=1, L_layers=1, num_heads=1, expansion=2,
+            puzzle_emb_ndim=16, H_cycles=2, L_cycles=2, halt_max_steps=2, halt_exploration_prob=0.1)
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.records = []
+
+    def log(self, metrics, step):
+        self.records.append((step, dict(metrics)))
+
+
+@pytest.fixture(scope="module")
+def sudoku_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "tiny-sudoku"
+    return build_sudoku_dataset(str(out), SudokuPreset(num_train=8, num_test=4, num_aug=1), seed=0, workers=1,
+                                progress=False, log=lambda _: None)
+
+
+@pytest.fixture
+def process_group(free_port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _cfg(data_path, **train):
+    base = dict(epochs=4, eval_interval=2, global_batch_size=4, lr=3e-3, puzzle_emb_lr=1e-2, weight_decay=0.1,
+                puzzle_emb_weight_decay=0.1, seed=0, checkpoint_interval=0, resume="none", steps=None,
+                warmup_steps=1, min_lr_ratio=0.1, device="cpu", dp_mode="fsdp")
+    base.update(train)
+    return {"arch": dict(ARCH), "train": base, "data": {"name": "sudoku", "path": data_path}}
+
+
+def test_train_hrm_few_steps_writes_a_checkpoint(sudoku_dir, tmp_path, process_group, capsys):
+    logger = RecordingLogger()
+    result = train_hrm(_cfg(sudoku_dir, steps=6), str(tmp_path), None, logger)
+    assert result["step"] == 6 and result["total_steps"] == 8   # 4 epochs x 2 batches, capped at 6
+    losses = [m["train/lm_loss"] for _, m in logger.records if "train/lm_loss" in m]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert "train/lr" in logger.records[-2][1] or "train/lr" in logger.records[-1][1]
+    evals = [m for _, m in logger.records if "eval/exact_accuracy" in m]
+    assert evals and 0.0 <= evals[-1]["eval/exact_accuracy"] <= 1.0
+    ckpt = result["checkpoint"]
+    assert os.path.basename(ckpt) == "step_6" and find_checkpoint(str(tmp_path)) == ckpt
+    for name in ("model.pt", "optimizer.pt", "train_state.json", "all_config.yaml", "hrm.py"):
+        assert os.path.isfile(os.path.join(ckpt, name))
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "all_config.yaml"))
+    state = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+    assert "model.inner.puzzle_emb.weights" in state
+    assert not any(n.endswith(".tmp-" + str(os.getpid())) for n in os.listdir(os.path.join(tmp_path, "checkpoints")))
+
+    # resume continues from step 6 to the end of the 4 epochs
+    logger2 = RecordingLogger()
+    result2 = train_hrm(_cfg(sudoku_dir, resume="auto", dp_mode="replicate"), str(tmp_path), None, logger2)
+    assert result2["step"] == 8 and [s for s, m in logger2.records if "train/lm_loss" in m] == [7, 8]
+
+    class Args:
+        checkpoint = str(tmp_path / "checkpoints")
+        data_path = None
+
+    evaluate_cli(Args())
+    assert "exact_accuracy" in capsys.readouterr().out
+
+
+def test_training_lowers_the_loss(sudoku_dir, tmp_path, process_group):
+    logger = RecordingLogger()
+    train_hrm(_cfg(sudoku_dir, epochs=6, eval_interval=6, lr=1e-2, warmup_steps=0), str(tmp_path), None, logger)
+    losses = [m["train/lm_loss"] for _, m in logger.records if "train/lm_loss" in m]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_missing_data_and_bad_batch_are_user_errors(sudoku_dir, tmp_path, process_group):
+    from hrlplan.errors import UserError
+
+    with pytest.raises(FileNotFoundError, match="build-sudoku"):
+        train_hrm(_cfg(str(tmp_path / "nope")), str(tmp_path), None, RecordingLogger())
+    with pytest.raises(UserError, match="epochs"):
+        train_hrm(_cfg(sudoku_dir, epochs=None), str(tmp_path), None, RecordingLogger())
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_ratio():
+    assert lr_at(0, 1.0, 10, 100, 0.1) == 0.0
+    assert lr_at(5, 1.0, 10, 100, 0.1) == 0.5
+    assert lr_at(10, 1.0, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_at(100, 1.0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_at(50, 1.0, 0, 100, 1.0) == 1.0   # HRM's lr_min_ratio=1.0: constant after warm-up
