@@ -12,7 +12,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hrlplan.job import run_from_hydra
+    from launch.job import run_from_hydra
 
     run_from_hydra(cfg)
 

@@ -252,7 +252,7 @@ def probe_distributed(cfg: Any, name: str = "local") -> Optional[ClusterSpec]:
             same = infos[a]["node"] == infos[b]["node"]
             if rank in (a, b) and (same or (leaders[infos[a]["node"]] == a and leaders[infos[b]["node"]] == b)):
                 peer = b if rank == a else a
-                measured[(a, b)] = _ping_pong(rank, peer, nbytes, int(cfg["probe_repeats"]), device)
+                measured[(min(a, b), max(a, b))] = _ping_pong(rank, peer, nbytes, int(cfg["probe_repeats"]), device)
         dist.barrier()
     gathered: List[Dict[tuple, tuple]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, measured)

@@ -214,7 +214,7 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if rank == 0 and logger is not None:
         history = summary.get("history", [])
         if history:
-            first_step_s = summary.get("first_step_at", time.time()) - config["_t0"]
+            first_step_s = (summary.get("first_step_at") or time.time()) - config.get("_t0", time.time())
             logger.summary({"final_loss": history[-1].get("train/lm_loss"), "final_step": summary.get("final_step"),
                             "time_to_first_step_s": first_step_s})
     if logger is not None:

@@ -11,17 +11,27 @@ import torch
 
 
 class SyntheticTokens:
-    """Arithmetic progressions mod vocab with a random start and stride: learnable, so loss falls."""
+    """Walks along one of `chains` fixed random permutations of the vocabulary, one chain per sequence.
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, max_stride: int = 8):
-        self.vocab_size, self.seq_len, self.seed, self.max_stride = vocab_size, seq_len, seed, max_stride
+    The next token is a function of the current token and the (hidden) chain: bigram statistics
+    give part of it and context the rest, so even a tiny model's loss falls within a few steps.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, chains: int = 4):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        g = torch.Generator().manual_seed(seed)
+        self.successor = torch.stack([torch.randperm(vocab_size, generator=g) for _ in range(chains)])
 
     def batch(self, step: int, batch_size: int, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
-        start = torch.randint(0, self.vocab_size, (batch_size, 1), generator=g)
-        stride = torch.randint(1, self.max_stride + 1, (batch_size, 1), generator=g)
-        seq = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        chain = torch.randint(0, self.successor.shape[0], (batch_size,), generator=g)
+        tok = torch.randint(0, self.vocab_size, (batch_size,), generator=g)
+        seq = [tok]
+        for _ in range(self.seq_len):
+            tok = self.successor[chain, tok]
+            seq.append(tok)
+        rows = torch.stack(seq, dim=1)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 class TokenWindows:
@@ -45,7 +55,7 @@ class TokenWindows:
 def build_lm_data(data_cfg: Dict[str, Any], vocab_size: int, seed: int):
     name = data_cfg["name"]
     if name == "synthetic":
-        return SyntheticTokens(vocab_size, int(data_cfg["seq_len"]), seed, int(data_cfg.get("synthetic_max_stride", 8)))
+        return SyntheticTokens(vocab_size, int(data_cfg["seq_len"]), seed, int(data_cfg.get("synthetic_chains", 4)))
     if name == "code":
         from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
 

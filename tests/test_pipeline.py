@@ -1,0 +1,27 @@
+"""Pipeline plans train exactly the model one process trains (same data, seed, optimizer)."""
+import pytest
+
+from _runs import reference_losses, run_plan
+
+pytestmark = pytest.mark.slow
+
+
+# Micro-batching sums gradients in another order than one big batch; fp32 noise of ~1e-7 grows
+# with Adam's step size, so these comparisons use a moderate lr (the tiny default 1e-2 is aggressive).
+LR = ["train.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_losses(steps=5, extra=LR)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_uneven_matches_one_process(tmp_path, reference, schedule):
+    losses = run_plan(tmp_path, [(0, 4), (4, 6)], dp=1, schedule=schedule, extra=LR)
+    assert losses == pytest.approx(reference, abs=1e-5)
+
+
+def test_pp2_dp2_matches_one_process(tmp_path, reference):
+    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=2, schedule="1f1b", microbatches=2, extra=LR)
+    assert losses == pytest.approx(reference, abs=1e-5)

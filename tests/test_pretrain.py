@@ -1,0 +1,72 @@
+"""`python pretrain.py` end to end with the tiny defaults, and resume after an interruption."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from _runs import pretrain
+from hrlplan.plan import Plan
+from hrlplan.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    proc = pretrain(run_dir, "train.steps=50")
+    return run_dir, proc
+
+
+def test_writes_every_artifact(default_run):
+    run_dir, _ = default_run
+    for name in ["cluster.json", "model_meta.json", "plan.yaml", "plan_info.json", ".hydra/config.yaml",
+                 "metrics.jsonl", "train.log"]:
+        assert (run_dir / name).exists(), name
+    plan = Plan.load(run_dir / "plan.yaml")
+    cluster = json.loads((run_dir / "cluster.json").read_text())
+    assert plan.world_size == len(cluster["devices"])
+    assert "predicted" in plan.meta and "launch" in plan.meta
+    assert (run_dir / "checkpoints" / "latest").exists()
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (ckpt / ".metadata").exists()
+    resolved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert resolved["arch"]["name"] == "gpt2-tiny"
+
+
+def test_loss_falls(default_run):
+    run_dir, _ = default_run
+    losses = [m["train/lm_loss"] for m in read_metrics(run_dir)]
+    assert len(losses) == 50
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_offline_wandb_run_holds_metrics(default_run):
+    run_dir, _ = default_run
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    blob = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in [b"train/lm_loss", b"train/lr", b"train/tokens_per_s", b"parallel-plan"]:
+        assert key in blob, key
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+    common = ["train.steps=8", "train.checkpoint_interval=0", "logger.mode=disabled"]
+    straight = tmp_path / "straight"
+    pretrain(straight, *common)
+    interrupted = tmp_path / "interrupted"
+    pretrain(interrupted, *common, "train.stop_after=4")
+    assert len(read_metrics(interrupted)) == 4
+    pretrain(interrupted, *common, "train.resume=auto")
+    full = {m["step"]: m["train/lm_loss"] for m in read_metrics(straight)}
+    resumed = {m["step"]: m["train/lm_loss"] for m in read_metrics(interrupted)}
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(full[step], abs=1e-6)
+
+
+def test_bad_override_gets_one_clear_message(tmp_path):
+    proc = pretrain(tmp_path / "bad", "train.stepz=3", check=False)
+    assert proc.returncode != 0
+    assert "stepz" in proc.stderr and "Traceback" not in proc.stderr
