@@ -312,13 +312,14 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
             (loss / local_bs).backward()
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            lr = lr_at(step, lrs[0], warmup, total_steps, min_ratio)
+            # HRM counts the step being taken (1-based), so the first update already has a learning rate.
+            lr = lr_at(step + 1, lrs[0], warmup, total_steps, min_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if sparse is not None:
-                sparse.param_groups[0]["lr"] = lr_at(step, lrs[1], warmup, total_steps, min_ratio)
+                sparse.param_groups[0]["lr"] = lr_at(step + 1, lrs[1], warmup, total_steps, min_ratio)
                 sparse.step()
                 sparse.zero_grad()
             step += 1
