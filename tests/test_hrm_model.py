@@ -115,3 +115,11 @@ def test_compile_only_on_cuda_without_disable_compile(monkeypatch):
 def test_bad_head_count_is_a_clear_error():
     with pytest.raises(ValueError, match="num_heads"):
         build_hrm(dict(TINY, hidden_size=30, num_heads=4))
+
+
+def test_shipped_arch_yaml_introspects_without_hydra():
+    from hrlplan.model_meta import load_shipped_arch
+
+    meta = introspect_hrm(load_shipped_arch("hrm"), None)   # puzzle_emb_ndim: ${.hidden_size}
+    assert meta.n_layer == 8 and meta.hidden_size == 512 and 26e6 < meta.total_params < 29e6
+    assert introspect_hrm(load_shipped_arch("hrm"), 900).seq_len == 901

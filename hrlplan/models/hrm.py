@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -53,10 +54,12 @@ class HRMConfig:
     @classmethod
     def from_arch(cls, arch: Dict[str, Any], **data_dims: Any) -> "HRMConfig":
         """cfg.arch (unknown keys such as name/family ignored) plus the data's seq_len/vocab/ids."""
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in dict(arch).items() if k in known and v is not None}
+        arch = dict(arch)
+        types = {f.name: type(f.default) for f in fields(cls)}
+        values = {k: _resolve(arch, v) for k, v in arch.items() if k in types and v is not None}
         values.update({k: v for k, v in data_dims.items() if v is not None})
-        return cls(**values)
+        # YAML read without Hydra may give "4" or 4 for a float field: cast to the schema's type.
+        return cls(**{k: types[k](v) if types[k] in (int, float) else v for k, v in values.items()})
 
     @property
     def puzzle_emb_len(self) -> int:
@@ -65,6 +68,15 @@ class HRMConfig:
     @property
     def positions(self) -> int:
         return self.seq_len + self.puzzle_emb_len
+
+
+def _resolve(arch: Dict[str, Any], value: Any) -> Any:
+    """Follow a `${.hidden_size}`-style reference (conf/arch/hrm.yaml read without Hydra)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\$\{\.?(\w+)\}", value.strip())
+        if m and m.group(1) in arch:
+            return _resolve(arch, arch[m.group(1)])
+    return value
 
 
 @dataclass
@@ -319,7 +331,8 @@ def introspect_hrm(arch: Dict[str, Any], seq_len: Optional[int] = None):
 
     config = HRMConfig.from_arch(arch, seq_len=seq_len)
     with torch.device("meta"):
-        model = build_hrm(dict(arch, seq_len=config.seq_len))
+        model = build_hrm(arch, seq_len=config.seq_len, vocab_size=config.vocab_size,
+                          num_puzzle_identifiers=config.num_puzzle_identifiers)
     inner = model.model.inner
     hidden, heads, vocab, S = config.hidden_size, config.num_heads, config.vocab_size, config.positions
     inter = swiglu_intermediate_size(hidden, config.expansion)
