@@ -283,7 +283,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
         n_params = sum(p.numel() for p in model.parameters())
         _say(logger, f"HRM: {n_params:,} parameters, {world} rank(s) on {device}, {train.get('dp_mode', 'fsdp')}, "
                  f"{epochs} epochs x {steps_per_epoch} steps = {total_steps} steps"
-                 + (f", stopping at step {stop_at}" if stop_at < total_steps else "")
+                 + (f", stopping at step {stop_at} (train.steps / train.stop_after)" if stop_at < total_steps else "")
                  + (" (compiled)" if compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
         logger.log({"num_params": n_params}, step=step)
     from tqdm import tqdm
