@@ -1,16 +1,20 @@
 """Job orchestration: probe -> introspect -> plan -> train, on every rank of a job.
 
-pretrain.py hands the composed config here. Three situations:
+pretrain.py hands the composed config here. It detects its situation:
 - a plain process: start the workers on this machine with the elastic launcher (launch/local.py);
 - under torchrun (or any launcher that set RANK/WORLD_SIZE/...): this process is a worker;
-- a SLURM task started by submitit: launch/slurm.py sets up the same environment, then as above.
-In a worker, every rank takes part in the probe, rank 0 introspects and plans, the plan is
-broadcast, and every rank builds its stage and trains.
+- a SLURM task started by submitit (hydra/launcher=submitit_slurm, or launch.slurm.submit), or
+  a task of a plain `srun python pretrain.py` (launch/sbatch/): launch/slurm.py sets up the same
+  environment from SLURM's, then as above. No torchrun inside a SLURM task.
+In a worker, every rank takes part in the probe, rank 0 introspects and plans (or reuses a cached
+plan, see plan_cache.py), the plan is broadcast, and every rank builds its stage and trains.
+Preemption (SLURM's USR2) stops training at a step boundary with a checkpoint, then requeues.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -19,57 +23,126 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hrlplan.errors import UserError
+from hrlplan.runtime import preempt
 
 ERROR_FILE = ".worker_error"
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
 TP_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was considered
 
 
 # ---------------------------------------------------------------- entry from Hydra
-def run_from_hydra(cfg) -> None:
+def run_from_hydra(cfg) -> Optional[Dict[str, Any]]:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from hrlplan.config import apply_top_level_aliases
+    from launch.slurm import in_submitit_task
 
     cfg = apply_top_level_aliases(cfg)
-    run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    run_dir = cfg.run_dir or hc.runtime.output_dir
     config = OmegaConf.to_container(cfg, resolve=True)
     config["run_dir"] = str(Path(run_dir).resolve())
     config["_t0"] = time.time()
+    if hc.mode == RunMode.MULTIRUN:
+        # One W&B run per job, grouped by the sweep; the run's name says which point it is.
+        config["logger"]["group"] = config["logger"].get("group") or sweep_group(str(hc.sweep.dir))
+        config["_job_num"] = int(hc.job.num)
     try:
-        run(config)
+        return run(config)
     except UserError as e:
+        if in_submitit_task() or os.environ.get("SUBMITIT_EXECUTOR"):
+            raise  # submitit records it as the job's error; an exit would leave no result at all
         print(f"hrlplan: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
+def sweep_group(sweep_dir: str) -> str:
+    """W&B group for a Hydra sweep: its directory, e.g. multirun/2026-01-02/03-04-05 -> multirun-2026-01-02-03-04-05."""
+    path = Path(sweep_dir)
+    try:
+        path = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        path = Path(*path.parts[-3:])
+    return "-".join(p for p in path.parts if p not in ("/", ""))[-128:]
+
+
 def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Run the job described by a resolved config dict; returns rank 0's summary where it can."""
+    from launch import slurm
     from launch.local import in_distributed_job, launch_workers
-    from launch.slurm import in_submitit_task, setup_submitit_env
 
     run_dir = Path(config["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    if in_submitit_task():
-        setup_submitit_env()
+    situation = None
+    if slurm.in_submitit_task():
+        slurm.setup_submitit_env()
+        situation = "submitit"
+    elif slurm.in_srun_task():
+        slurm.setup_srun_env()
+        situation = "srun"
+    if situation:
+        slurm.install_preemption_handler()
+        if slurm.restart_count() > 0 and str(config["train"].get("resume", "none")) in ("none", ""):
+            # SLURM restarted this job (requeue, node failure): continue from its last checkpoint.
+            config["train"]["resume"] = "auto"
     if in_distributed_job():
-        return worker_main(config)
+        return worker_main(config, raise_errors=situation == "submitit")
     cluster = config["cluster"]
     if config["mode"] == "plan" or not cluster.get("probe", True) and not cluster.get("spec_file"):
         return plan_only(config)
     from hrlplan.cluster import default_nproc_per_node
 
     nproc = default_nproc_per_node(cluster.get("nproc_per_node", "auto"))
+    warn_hrm_memory(config, local_device_memory(nproc), nproc)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
         results = launch_workers(worker_main, (config,), nproc)
-    except UserError as e:
+    except UserError:
         err = run_dir / ERROR_FILE
         if err.exists():
             raise UserError(err.read_text().strip()) from None
         raise
     return results.get(0)
+
+
+# ---------------------------------------------------------------- checks before launch
+def local_device_memory(nproc: int) -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
+
+
+def warn_hrm_memory(config: Dict[str, Any], device_memory_bytes: float, world_size: int) -> Optional[str]:
+    """HRM's memory guide, before anything starts: a warning (not an error) when it will not fit."""
+    if config["arch"].get("family") != "hrm" or os.environ.get(HRM_CHECKED_ENV):
+        return None
+    from hrlplan.models.hrm import check_hrm_fits
+
+    os.environ[HRM_CHECKED_ENV] = "1"  # the workers inherit it: one warning per job
+    warning = check_hrm_fits(config["arch"], int(config["train"]["global_batch_size"]), device_memory_bytes,
+                             world_size=world_size)
+    if warning:
+        print(f"[hrlplan] warning: {warning}", file=sys.stderr, flush=True)
+    return warning
+
+
+def check_world(plan, world: int) -> None:
+    """The plan must use exactly the ranks this job has: a clear error before any training."""
+    if plan.world_size == world:
+        return
+    where = f"this job has {world}"
+    if os.environ.get("SLURM_JOB_ID"):
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES", "?")
+        per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "?")
+        where += f" (SLURM job {os.environ['SLURM_JOB_ID']}: {nodes} node(s) x {per_node} task(s) per node)"
+    raise UserError(f"the plan needs {plan.world_size} ranks but {where}; re-plan for this allocation, or "
+                    f"allocate {plan.world_size} ranks (hydra.launcher.nodes x hydra.launcher.tasks_per_node, or "
+                    "torchrun --nnodes x --nproc-per-node)")
 
 
 # ---------------------------------------------------------------- planning without workers
@@ -83,9 +156,14 @@ def plan_only(config: Dict[str, Any]) -> Dict[str, Any]:
     spec.save(run_dir / "cluster.json")
     plan, info, meta = introspect_and_plan(config, spec)
     print(f"[hrlplan] planned for {spec.summary()}: {plan.layout()} "
-          f"(predicted step {info.get('predicted', {}).get('step_time_s', float('nan')):.4g} s); "
+          f"(predicted step {info.get('chosen', {}).get('step_time_s', float('nan')):.4g} s); "
           f"wrote {run_dir / 'plan.yaml'}. Nothing is trained for a preset cluster: run on the cluster itself.",
           file=sys.stderr)
+    if str(config["logger"].get("mode", "offline")) != "disabled":
+        logger = _make_logger(config, 0, spec, plan, job_type="plan")
+        _log_timeline(logger, run_dir, None)
+        logger.summary({"plan/predicted_step_time_s": _predicted_step(plan)})
+        logger.finish()
     return {"plan": plan.to_dict()}
 
 
@@ -98,29 +176,44 @@ def planner_settings(config: Dict[str, Any], family: str, model_type: str) -> Di
     return planner
 
 
-def introspect_and_plan(config: Dict[str, Any], spec):
-    """Rank 0 (or a plain process): model meta and plan, with their artifacts in the run dir."""
+def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
+    """Rank 0 (or a plain process): model meta and plan, with their artifacts in the run dir.
+
+    With use_cache, a plan made earlier for the same cluster shape, model, planner and training
+    settings is reused (see launch/plan_cache.py): a requeued job trains the plan it started with."""
     from hrlplan.model_meta import introspect
     from hrlplan.plan import PlanError
     from hrlplan.search import make_plan
+    from launch import plan_cache
 
     run_dir = Path(config["run_dir"])
     seq_len = config["data"]["seq_len"] if config["arch"].get("family") != "hrm" else None
     meta = introspect(config["arch"], seq_len=seq_len)
     meta.save(run_dir / "model_meta.json")
-    train = dict(config["train"])
-    try:
-        plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), train)
-    except PlanError as e:
-        raise UserError(str(e)) from None
+    key = plan_cache.cache_key(config, spec) if use_cache and plan_cache.cacheable(config) else None
+    cached = plan_cache.load(config, key) if key else None
+    if cached is not None:
+        plan, info = cached
+        info.setdefault("planner", {})["reused_from_cache"] = key
+    else:
+        train = dict(config["train"])
+        try:
+            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), train)
+        except PlanError as e:
+            raise UserError(str(e)) from None
+        if key:
+            plan_cache.store(config, key, plan, info)
     plan.save(run_dir / "plan.yaml")
     (run_dir / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
     return plan, info, meta
 
 
 # ---------------------------------------------------------------- inside a worker
-def worker_main(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Entry point of every rank. Errors a user can fix are written once for the launcher to show."""
+def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[Dict[str, Any]]:
+    """Entry point of every rank. Errors a user can fix are written once for the launcher to show.
+
+    raise_errors (submitit tasks): raise the UserError instead of exiting, so submitit stores it as
+    the job's result and the submitter sees the message."""
     import torch.distributed as dist
 
     try:
@@ -130,7 +223,11 @@ def worker_main(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         if rank == 0:
             Path(config["run_dir"], ERROR_FILE).write_text(str(e))
             print(f"hrlplan: error: {e}", file=sys.stderr, flush=True)
+        if raise_errors:
+            raise
         raise SystemExit(2)
+    except SystemExit:
+        raise
     except Exception:
         rank = int(os.environ.get("RANK", 0))
         print(f"[hrlplan] rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -172,7 +269,7 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     from hrlplan.plan import Plan, PlanError, check_fits
 
     device = _init_distributed(config)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(config["run_dir"])
     t_probe = time.time()
     spec = load_or_probe_in_job(config["cluster"])
@@ -183,10 +280,12 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if rank == 0:
         try:
             spec.save(run_dir / "cluster.json")
-            plan, info, meta = introspect_and_plan(config, spec)
+            plan, info, meta = introspect_and_plan(config, spec, use_cache=True)
+            check_world(plan, world)
             check_fits(plan, spec)
+            warn_hrm_memory(config, min(d.memory_bytes for d in spec.devices), world)
             result = {"plan": plan.to_yaml(), "flops_per_token": meta.training_flops_per_token(),
-                      "family": meta.family}
+                      "family": meta.family, "cached": bool(info.get("planner", {}).get("reused_from_cache"))}
         except (UserError, PlanError, ValueError) as e:
             result = {"error": str(e)}
     result = _broadcast(result)
@@ -198,41 +297,138 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     config["_peak_flops"] = _broadcast(peak)
 
     logger = _make_logger(config, rank, spec, plan)
-    if logger is not None and rank == 0:
+    if rank == 0:
         logger.note(f"cluster: {spec.summary()} (probed in {probe_s:.1f} s)")
         logger.note(f"plan: {plan.layout()}  pp={plan.pp} dp={plan.dp} micro-batches "
-                    f"{plan.num_microbatches}x{plan.microbatch_size} schedule={plan.schedule}")
-    if result["family"] == "hrm":
+                    f"{plan.num_microbatches}x{plan.microbatch_size} schedule={plan.schedule}"
+                    + (" (cached plan)" if result.get("cached") else ""))
+    summary = _train(config, plan, logger, device, result["family"])
+    if rank == 0:
+        _report(config, plan, logger, summary)
+    logger.finish()
+    if summary.get("preempted"):
+        from launch.slurm import finish_preempted
+
+        finish_preempted(_broadcast, rank)  # requeues and exits when this is a SLURM job
+    return dict(summary) if rank == 0 else None
+
+
+def _train(config: Dict[str, Any], plan, logger, device, family: str) -> Dict[str, Any]:
+    run_dir = str(config["run_dir"])
+    if family == "hrm":
         from hrlplan.runtime.hrm_trainer import train_hrm
 
-        summary = train_hrm(config, str(run_dir), plan, logger)
-    else:
-        from hrlplan.runtime.trainer import PipelineTrainer
+        return train_hrm(config, run_dir, plan, logger)
+    from hrlplan.runtime.trainer import PipelineTrainer
 
-        trainer = PipelineTrainer(plan, config, str(run_dir), logger=logger, device=device)
+    # A trainer that checks the stop flag itself (hrlplan.runtime.preempt) needs no wrapper; the
+    # wrapper would only add a second collective per step.
+    native = getattr(PipelineTrainer, "checks_preemption", False) or \
+        getattr(sys.modules[PipelineTrainer.__module__], "preempt", None) is preempt
+    cls = PipelineTrainer if native else preemptible(PipelineTrainer)
+    trainer = cls(plan, config, run_dir, logger=logger, device=device)
+    try:
         summary = trainer.fit()
-    if rank == 0 and logger is not None:
-        history = summary.get("history", [])
-        if history:
-            first_step_s = (summary.get("first_step_at") or time.time()) - config.get("_t0", time.time())
-            logger.summary({"final_loss": history[-1].get("train/lm_loss"), "final_step": summary.get("final_step"),
-                            "time_to_first_step_s": first_step_s})
-    if logger is not None:
-        logger.finish()
-    return {k: v for k, v in summary.items()} if rank == 0 else None
+    except preempt.Preempted as p:
+        summary = {"final_step": p.step, "history": [], "preempted": True, "checkpoint": p.checkpoint}
+    if summary.get("preempted") and int(summary.get("final_step") or 0) >= int(config["train"]["steps"]):
+        summary["preempted"] = False  # the signal came with the last step: the run is complete
+    if summary.get("preempted"):
+        logger.note(f"stopped at step {summary.get('final_step')} for preemption/timeout ({preempt.stop_reason()}), "
+                    "after a checkpoint")
+    return summary
 
 
-def _make_logger(config: Dict[str, Any], rank: int, spec, plan):
+def preemptible(trainer_cls):
+    """The trainer with the preemption contract of hrlplan.runtime.preempt, for a trainer that does
+    not check the flag itself: before each step (a step boundary) all ranks agree on the flag;
+    when it is set they write a checkpoint together (unless this step has one) and stop."""
+    from hrlplan.runtime import checkpoint as ckpt
+
+    class Preemptible(trainer_cls):
+        def train_step(self, step: int):
+            if preempt.stop_agreed(self.device):
+                latest = ckpt.latest_checkpoint(self.ckpt_root)
+                path = latest if latest is not None and latest.name == f"step_{self.step:06d}" else self.save()
+                raise preempt.Preempted(self.step, str(path))
+            # For rehearsing preemption on a tiny model: a pause per step (does not change numerics).
+            pause = float(os.environ.get("HRLPLAN_DEBUG_STEP_SLEEP_S", "0") or 0)
+            if pause > 0:
+                time.sleep(pause)
+            return super().train_step(step)
+
+    Preemptible.__name__ = f"Preemptible{trainer_cls.__name__}"
+    return Preemptible
+
+
+# ---------------------------------------------------------------- W&B and the report
+def _predicted_step(plan) -> Optional[float]:
+    return (plan.meta.get("predicted") or {}).get("step_time_s")
+
+
+def _make_logger(config: Dict[str, Any], rank: int, spec, plan, job_type: str = "train"):
     from hrlplan.runtime.metrics import MetricsLogger
 
     run_dir = Path(config["run_dir"])
     public = {k: v for k, v in config.items() if not k.startswith("_")}
-    logger = MetricsLogger(run_dir, public, config["logger"], enabled=(rank == 0), job_type="train",
-                           name=f"{config['arch']['name']}-{plan.layout().replace(' ', '')}"[:120])
+    name = f"{config['arch']['name']}-{plan.layout().replace(' ', '')}"
+    if config.get("_job_num") is not None:
+        name = f"{config['_job_num']}-{name}"
+    logger = MetricsLogger(run_dir, public, config["logger"], enabled=(rank == 0), job_type=job_type,
+                           name=name[:120])
     if rank == 0:
+        predicted = _predicted_step(plan)
+        if predicted:  # drawn next to the measured train/step_time_s on the same chart
+            logger.constant_metrics["train/predicted_step_time_s"] = float(predicted)
         logger.log_artifact(run_dir / "plan.yaml", "parallel-plan", name="plan")
         logger.log_artifact(run_dir / "cluster.json", "cluster-spec", name="cluster")
+        for name in ("plan.yaml", "plan_info.json", "cluster.json"):
+            logger.save_file(run_dir / name)
         rows = [[d.rank, d.node, d.hostname, d.kind, d.name, d.memory_bytes / 2**30, d.peak_flops / 1e12]
                 for d in spec.devices]
         logger.log_table("probe/devices", ["rank", "node", "host", "kind", "name", "memory_GiB", "TFLOPs"], rows)
     return logger
+
+
+def measured_step_time(history) -> Optional[float]:
+    """Median step time, leaving out the first step (shape inference, allocator warm-up)."""
+    times = [h["train/step_time_s"] for h in history if "train/step_time_s" in h]
+    times = times[1:] if len(times) > 1 else times
+    return statistics.median(times) if times else None
+
+
+def _log_timeline(logger, run_dir: Path, measured: Optional[float]) -> None:
+    try:
+        from hrlplan.runtime.timeline_plot import save_timeline
+
+        path = save_timeline(run_dir, measured)
+    except Exception as e:  # a picture is never worth failing a finished run
+        logger.note(f"could not draw the pipeline timeline: {e}")
+        return
+    if path is not None:
+        logger.log_image("pipeline/timeline", str(path))
+        logger.save_file(path)
+
+
+def _report(config: Dict[str, Any], plan, logger, summary: Dict[str, Any]) -> None:
+    """Rank 0, after training: final numbers, predicted vs measured step time, the timeline picture."""
+    run_dir = Path(config["run_dir"])
+    history = summary.get("history") or []
+    predicted = _predicted_step(plan)
+    measured = measured_step_time(history)
+    values: Dict[str, Any] = {"final_step": summary.get("final_step"), "plan/predicted_step_time_s": predicted}
+    if history:
+        first_step_s = (summary.get("first_step_at") or time.time()) - config.get("_t0", time.time())
+        values.update(final_loss=history[-1].get("train/lm_loss"), time_to_first_step_s=first_step_s)
+    if measured is not None:
+        values["train/measured_step_time_s"] = measured
+        if predicted:
+            values["train/measured_over_predicted"] = measured / predicted
+            logger.log_table("perf/step_time", ["predicted_s", "measured_s", "measured_over_predicted"],
+                             [[predicted, measured, measured / predicted]])
+            logger.note(f"step time: predicted {predicted * 1e3:.3g} ms, measured {measured * 1e3:.3g} ms "
+                        f"(x{measured / predicted:.2f})")
+    if summary.get("preempted"):
+        values["preempted_at_step"] = summary.get("final_step")
+    logger.summary(values)
+    _log_timeline(logger, run_dir, measured)

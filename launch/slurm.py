@@ -1,21 +1,191 @@
-"""SLURM through submitit: inside a task, turn submitit's job environment into torch.distributed's.
+"""SLURM through submitit: the task environment, preemption/requeue, and the submitit entry point.
 
 One task per device: submitit starts `tasks_per_node` tasks on every node and each becomes one
-rank (no torchrun inside a SLURM task).
+rank; the torch.distributed environment comes from submitit's TorchDistributedEnvironment (no
+torchrun inside a SLURM task).
+
+Preemption and timeouts. SLURM sends USR2 (submitit's `--signal=USR2@signal_delay_s`; a
+preemption or `job._interrupt()` too). submitit's own handler would call `checkpoint()` and
+requeue at once, in the middle of a training step, where no consistent checkpoint can be written.
+So inside a task we replace it with one that only raises the stop flag (hrlplan.runtime.preempt).
+The trainer sees the flag at its next step boundary, all ranks write a checkpoint together, and
+then `finish_preempted()` does what submitit's handler would have done: rank 0 calls the entry's
+`checkpoint()` (which returns the same job with train.resume=auto), dumps it as the job's pickle
+and `scontrol requeue`s the job; every rank learns that decision before it exits, so no rank
+leaves a result (or an error) that the requeued job would contradict.
 """
 from __future__ import annotations
 
+import copy
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from hrlplan.runtime import preempt
+
+_SUBMITIT_HANDLER: list = [None]  # submitit's SignalHandler method we replaced (None outside a task)
 
 
 def in_submitit_task() -> bool:
     return bool(os.environ.get("SUBMITIT_EXECUTOR")) and "RANK" not in os.environ
 
 
+def in_srun_task() -> bool:
+    """A task of a plain `srun python pretrain.py` with several tasks (launch/sbatch/ examples):
+    each task is one rank, as under submitit, but SLURM's variables are all there is."""
+    return ("SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and "RANK" not in os.environ
+            and not os.environ.get("SUBMITIT_EXECUTOR") and int(os.environ.get("SLURM_STEP_NUM_TASKS",
+                                                                                os.environ.get("SLURM_NTASKS", "1"))) > 1)
+
+
+def setup_srun_env() -> None:
+    """torch.distributed's env:// variables from SLURM's (what TorchDistributedEnvironment derives)."""
+    import random
+
+    from submitit.slurm.slurm import _parse_node_list
+
+    nodes = _parse_node_list(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", ""))
+    world = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ["SLURM_NTASKS"])
+    n_nodes = max(1, len(nodes))
+    job_id = os.environ.get("SLURM_JOB_ID", "0")
+    os.environ.update({
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1"),
+        # Same rule as submitit: a port derived from the job id, unless the user exported one.
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(random.Random(job_id).randint(20000, 60000)),
+        "RANK": os.environ["SLURM_PROCID"],
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(world // n_nodes),
+    })
+    if "OMP_NUM_THREADS" not in os.environ:
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        os.environ["OMP_NUM_THREADS"] = cpus if cpus and cpus.isdigit() else "1"
+
+
+def restart_count() -> int:
+    """How often SLURM restarted this job (a requeue, or a node failure); 0 on the first run."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def setup_submitit_env() -> None:
     """Export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK from the SLURM job (env:// init)."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    env = TorchDistributedEnvironment()
-    env.export(set_cuda_visible_devices=False)
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    env = TorchDistributedEnvironment()  # MASTER_PORT: the user's, else one derived from the job id
+    # overwrite=True: a setup line may have exported MASTER_ADDR/MASTER_PORT already (the values
+    # computed here honour MASTER_PORT); the rank variables must be this task's in any case.
+    env.export(set_cuda_visible_devices=False, overwrite=True)
+    # Without this every task's torch uses all of the node's cores (torchrun sets it too).
+    if "OMP_NUM_THREADS" not in os.environ:
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        os.environ["OMP_NUM_THREADS"] = cpus if cpus and cpus.isdigit() else "1"
+
+
+def install_preemption_handler() -> None:
+    """In a SLURM task: USR2 (submitit's signal; SUBMITIT_PREEMPT_SIGNAL changes it) only raises
+    the stop flag (see the module docstring)."""
+    sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+    current = signal.getsignal(sig)
+    if current is _flag_handler:
+        return
+    if hasattr(current, "__self__") and hasattr(current.__self__, "_delayed"):
+        _SUBMITIT_HANDLER[0] = current
+    signal.signal(sig, _flag_handler)
+
+
+def _flag_handler(signum, frame) -> None:
+    preempt.request_stop(f"signal {signal.Signals(signum).name}")
+    print(f"[hrlplan] caught {signal.Signals(signum).name}: checkpoint at the next step boundary, then requeue",
+          file=sys.stderr, flush=True)
+
+
+def finish_preempted(broadcast: Callable[[Any], Any], rank: int) -> None:
+    """Collective, after all ranks wrote the preemption checkpoint: requeue (rank 0) and exit.
+
+    Outside SLURM it returns at once (the run just ends after its checkpoint). In SLURM it never
+    returns: SystemExit when the job is requeued (no result file, the requeued job writes
+    it), an exception naming the reason when it is not (e.g. `max_num_timeout` used up), so the
+    submitter sees why instead of waiting for a result that never comes.
+    """
+    from submitit.core import utils as submitit_utils
+    from submitit.core.job_environment import _checkpoint
+
+    handler = _SUBMITIT_HANDLER[0]
+    if handler is None and not (os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID")):
+        return  # torchrun or a plain process: stop here; `train.resume=auto` continues
+    decision: Dict[str, Any] = {}
+    if rank == 0:
+        if handler is None:  # a plain srun task (launch/sbatch/): requeue the batch job itself
+            proc = subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                                  text=True, timeout=60)
+            decision = {"reason": proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
+                        if proc.returncode else "", "requeued": True}
+        else:
+            obj = handler.__self__
+            timed_out = obj.has_timed_out()
+            countdown = obj._delayed._timeout_countdown - timed_out
+            reason = _checkpoint(obj._delayed, obj._job_paths.submitted_pickle, countdown)
+            if countdown < 0:
+                reason = "timed-out too many times (raise hydra.launcher.max_num_timeout)"
+            decision = {"reason": reason, "countdown": countdown}
+    decision = broadcast(decision)
+    if decision.get("reason"):
+        raise submitit_utils.UncompletedJobError(
+            f"stopped for preemption/timeout after a checkpoint, but the job was not requeued: "
+            f"{decision['reason']}; resume it with train.resume=auto")
+    if rank == 0 and not decision.get("requeued"):
+        handler.__self__.env._requeue(decision["countdown"])
+    print(f"[hrlplan] rank {rank}: checkpoint written, job requeued; exiting", file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
+class SubmititTask:
+    """What submitit runs in every task: `launch.job.run(config)`; checkpointable.
+
+        executor = submitit.AutoExecutor(folder=...); executor.update_parameters(tasks_per_node=2, ...)
+        job = executor.submit(SubmititTask(config))     # config: a resolved dict (hrlplan.config.compose)
+        summary = job.results()[0]                       # rank 0's summary (history, final_step, ...)
+    """
+
+    def __init__(self, config: Dict[str, Any]):
+        self.config = config
+
+    def __call__(self) -> Optional[Dict[str, Any]]:
+        from launch.job import run
+
+        return run(copy.deepcopy(self.config))
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """submitit's hook on preemption/timeout: only the flag; the requeued job resumes."""
+        from submitit.helpers import DelayedSubmission
+
+        preempt.request_stop("submitit checkpoint hook")
+        config = copy.deepcopy(self.config)
+        config["train"]["resume"] = "auto"
+        return DelayedSubmission(SubmititTask(config))
+
+
+def make_executor(folder: str | os.PathLike, *, cluster: Optional[str] = None, max_num_timeout: int = 3,
+                  **params: Any):
+    """A submitit executor for SubmititTask; params as in conf/hydra/launcher/submitit_slurm.yaml
+    (tasks_per_node, nodes, cpus_per_task, mem_gb, timeout_min, slurm_partition, ...)."""
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster, slurm_max_num_timeout=max_num_timeout)
+    executor.update_parameters(**params)
+    return executor
+
+
+def submit(config: Dict[str, Any], folder: str | os.PathLike, **params: Any):
+    """Submit one training job; the run directory defaults to <folder>/run."""
+    config = copy.deepcopy(config)
+    config.setdefault("run_dir", None)
+    if not config["run_dir"]:
+        config["run_dir"] = str(Path(folder).resolve() / "run")
+    return make_executor(folder, **params).submit(SubmititTask(config))

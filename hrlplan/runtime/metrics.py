@@ -2,7 +2,11 @@
 
 W&B never blocks or fails the run: offline mode needs no network, and any W&B error downgrades
 the logger to the local file with one warning. The run id is stable per run directory, so a
-resumed or requeued job continues the same W&B run.
+resumed or requeued job continues the same W&B run. One W&B run per job: `group` is the sweep
+(set by launch/job.py for a Hydra multirun), `job_type` what the job does (probe, plan, train).
+An offline run folder (<run_dir>/wandb/offline-run-*/) holds the resolved config (files/
+hrlplan_config.yaml), the files saved with `save_file` (plan.yaml, cluster.json, timeline.png),
+the media (tables, images) and run-<id>.wandb (metrics, artifacts); `wandb sync` uploads it.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class MetricsLogger:
         self.wandb = None
         self.file = None
         self.text_log = None
+        # Added to every log() call, e.g. the plan's predicted step time next to the measured one.
+        self.constant_metrics: Dict[str, Any] = {}
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,18 +60,29 @@ class MetricsLogger:
                 project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
                 group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
                 name=name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
-                resume="allow")
+                resume="allow", settings=wandb.Settings(init_timeout=float(logger_cfg.get("init_timeout_s", 90))))
         except Exception as e:  # never let logging take the training down
             warnings.warn(f"W&B could not start ({e}); metrics go to {self.run_dir / 'metrics.jsonl'} only")
             self.wandb = None
+            return
+        # Offline runs keep no readable copy of the config: put one in the run folder.
+        try:
+            import yaml
+
+            path = Path(self.wandb.dir) / "hrlplan_config.yaml"
+            path.write_text(yaml.safe_dump(_plain_tree(config), sort_keys=False))
+            self.wandb.save(str(path), base_path=self.wandb.dir, policy="now")
+        except Exception as e:
+            warnings.warn(f"W&B: could not save the config file ({e})")
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        full = {**metrics, **{k: v for k, v in self.constant_metrics.items() if k not in metrics}}
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in full.items()}}
         self.file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log(full, step=step)
         if self.echo:
             shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
             print(f"step {step:>5} | {shown}", file=sys.stderr, flush=True)
@@ -86,6 +103,19 @@ class MetricsLogger:
         art = wandb.Artifact(name or Path(path).stem.replace(".", "-"), type=artifact_type)
         art.add_file(str(path))
         self.wandb.log_artifact(art)
+
+    def save_file(self, path: str | os.PathLike) -> None:
+        """Copy a file into the W&B run folder (uploaded by `wandb sync` / online mode)."""
+        if not self.enabled or self.wandb is None or not Path(path).exists():
+            return
+        import shutil
+
+        try:
+            dest = Path(self.wandb.dir) / Path(path).name
+            shutil.copyfile(path, dest)
+            self.wandb.save(str(dest), base_path=self.wandb.dir, policy="now")
+        except Exception as e:
+            warnings.warn(f"W&B: could not save {path} ({e})")
 
     def log_table(self, key: str, columns: List[str], rows: List[List[Any]]) -> None:
         if not self.enabled or self.wandb is None:
@@ -119,6 +149,16 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _plain_tree(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _plain_tree(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain_tree(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(_plain(v))
 
 
 def _plain(v: Any) -> Any:

@@ -1,0 +1,83 @@
+"""A cache of plans, keyed by the cluster's shape, the model, the planner and the training settings.
+
+Why: probed figures vary a little from run to run, so re-planning a requeued job could pick
+another layout (or micro-batching), and its checkpoint would then continue a different numerical
+path. The key leaves the measured figures out on purpose: the number of nodes and devices per
+node, each device's kind, name and memory (GiB), and the backend describe the cluster.
+
+Where: $HRLPLAN_PLAN_CACHE when set (share it between runs and sweeps), else <run_dir>/plan_cache
+(a requeued or resumed run reuses its own plan). Entries are written atomically (a directory
+renamed into place), so concurrent jobs of a sweep never read half an entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+# The training settings make_plan reads (see hrlplan.search.make_plan).
+PLAN_TRAIN_KEYS = ("global_batch_size", "schedule", "stages_per_rank", "microbatches", "dtype", "dp_mode")
+CACHE_ENV = "HRLPLAN_PLAN_CACHE"
+
+
+def cacheable(config: Dict[str, Any]) -> bool:
+    # A manual plan is read from its file every time: an edited file must win over a cache entry.
+    return str(config["planner"].get("name", "exact")) != "manual"
+
+
+def cache_dir(config: Dict[str, Any]) -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path(config["run_dir"]) / "plan_cache")
+
+
+def cache_key(config: Dict[str, Any], spec) -> str:
+    import hrlplan
+
+    cluster = {
+        "node_sizes": list(spec.node_sizes()),
+        "devices": [[d.kind, d.name, round(d.memory_bytes / 2**30)] for d in spec.devices],
+        "backend": spec.backend,
+        "source": spec.source,
+    }
+    payload = {
+        "version": hrlplan.__version__,
+        "cluster": cluster,
+        "arch": config["arch"],
+        "planner": config["planner"],
+        "train": {k: config["train"].get(k) for k in PLAN_TRAIN_KEYS},
+        "seq_len": config["data"].get("seq_len"),
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load(config: Dict[str, Any], key: str) -> Optional[Tuple[Any, Dict[str, Any]]]:
+    from hrlplan.plan import Plan, PlanError
+
+    entry = cache_dir(config) / key
+    try:
+        plan = Plan.load(entry / "plan.yaml")
+        info = json.loads((entry / "plan_info.json").read_text())
+    except (OSError, ValueError, PlanError):
+        return None  # missing or unreadable: plan again
+    return plan, info
+
+
+def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
+    root = cache_dir(config)
+    final = root / key
+    if final.exists():
+        return
+    tmp = root / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.mkdir(parents=True)
+        plan.save(tmp / "plan.yaml")
+        (tmp / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
+        os.replace(tmp, final)
+    except OSError:
+        pass  # another job stored it first, or the cache is read-only: planning still succeeded
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
