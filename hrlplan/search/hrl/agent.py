@@ -2,7 +2,8 @@
 
 An episode: the high-level policy picks a Config, the low-level policy then places the stage
 boundaries one by one, the simulator scores the plan. Reward: -log(step time / the instance's best
-lower bound), so rewards are comparable across instances; infeasible plans get a fixed penalty.
+configuration estimate), so rewards are comparable across instances (about 0 for a plan as good
+as the most promising configuration's estimate); infeasible plans get a fixed penalty.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from hrlplan.search.common import Scored, Tracker
-from hrlplan.search.hrl.features import OFFSETS, StageGuide, config_features, instance_features
+from hrlplan.search.estimate import ConfigEstimator
+from hrlplan.search.hrl.features import SLACKS, StageGuide, config_features, instance_features
 from hrlplan.search.hrl.policy import HierarchicalPolicy, load_policy, pretrained_dir
 from hrlplan.search.splits import SplitTables
 
@@ -33,24 +35,33 @@ class PlanningEnv:
         if not self.configs:
             raise ValueError("no configuration satisfies the batch/micro-batch constraints")
         self.inst = torch.from_numpy(instance_features(sim, space))
-        self.cfeat = torch.from_numpy(config_features(sim, space, self.configs))
-        from hrlplan.search.exact import lower_bound
-        self.best_bound = min(lower_bound(sim, space, c) for c in self.configs)
-        self._tables: "OrderedDict[int, tuple]" = OrderedDict()
+        estimator = ConfigEstimator(sim, space)
+        self.estimates = [estimator.estimate(c) for c in self.configs]
+        self.cfeat = torch.from_numpy(config_features(sim, space, self.configs, self.estimates))
+        finite = [e.step_s for e in self.estimates if np.isfinite(e.step_s)]
+        if finite:
+            self.reference = min(finite)
+        else:
+            from hrlplan.search.exact import lower_bound
+            self.reference = min(lower_bound(sim, space, c) for c in self.configs)
+        self._tables: "OrderedDict[int, dict]" = OrderedDict()
 
-    def guide(self, idx: int):
-        if idx in self._tables:
+    def guide(self, idx: int, slack: float = 0.0):
+        entry = self._tables.get(idx)
+        if entry is not None:
             self._tables.move_to_end(idx)
-            return self._tables[idx]
-        tables = SplitTables(self.sim, self.space, self.configs[idx])
-        entry = (tables, StageGuide(self.sim, tables))
-        self._tables[idx] = entry
-        if len(self._tables) > TABLE_CACHE:
-            self._tables.popitem(last=False)
-        return entry
+        else:
+            entry = {"tables": SplitTables(self.sim, self.space, self.configs[idx])}
+            self._tables[idx] = entry
+            if len(self._tables) > TABLE_CACHE:
+                self._tables.popitem(last=False)
+        if slack not in entry:
+            entry[slack] = StageGuide(self.sim, entry["tables"], slack)
+        return entry["tables"], entry[slack]
 
-    def rollout(self, policy: HierarchicalPolicy, idx: int, greedy: bool, gen: torch.Generator) -> Dict[str, Any]:
-        tables, guide = self.guide(idx)
+    def rollout(self, policy: HierarchicalPolicy, idx: int, greedy: bool, gen: torch.Generator,
+                slack: float = 0.0) -> Dict[str, Any]:
+        tables, guide = self.guide(idx, slack)
         n, L = tables.n, tables.L
         steps, offsets, masks, actions = [], [], [], []
         start, spans = 0, []
@@ -81,16 +92,17 @@ class PlanningEnv:
     def reward(self, result) -> float:
         if not result.feasible:
             return INFEASIBLE_REWARD
-        return -float(np.log(result.step_time_s / self.best_bound))
+        return -float(np.log(result.step_time_s / self.reference))
 
 
 def _episodes(env: PlanningEnv, policy, count: int, gen: torch.Generator, tracker: Tracker, greedy=False):
     with torch.no_grad():
         probs = torch.softmax(policy.high_logits(env.inst, env.cfeat), 0)
     idxs = torch.multinomial(probs, count, replacement=True, generator=gen).tolist()
+    slacks = torch.randint(len(SLACKS), (count,), generator=gen).tolist()
     out = []
-    for idx in idxs:
-        ep = env.rollout(policy, idx, greedy, gen)
+    for idx, si in zip(idxs, slacks):
+        ep = env.rollout(policy, idx, greedy, gen, SLACKS[si])
         ep["config"] = idx
         if ep["layout"] is None:
             ep["reward"] = INFEASIBLE_REWARD
@@ -128,7 +140,7 @@ def update(env: PlanningEnv, policy: HierarchicalPolicy, opt, episodes: List[Dic
         entropy = entropy - (safe.exp() * safe).masked_fill(~mask_t, 0.0).sum(1).mean()
     value = policy.value(env.inst, env.cfeat[idx])
     adv = rewards - value.detach()
-    adv = adv / (adv.std() + 1e-6) if len(episodes) > 1 else adv
+    adv = adv / adv.std().clamp_min(0.05) if len(episodes) > 1 else adv
     loss = -(adv * logp).mean() - entropy_coef * entropy + 0.5 * ((value - rewards) ** 2).mean()
     opt.zero_grad()
     loss.backward()
@@ -207,10 +219,13 @@ def search_hrl(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
     # Greedy rollouts of the policy's top configurations, then samples.
     with torch.no_grad():
         top = torch.argsort(policy.high_logits(env.inst, env.cfeat), descending=True)[:int(cfg.get("greedy_configs", 16))].tolist()
+    seen = set()
     for idx in top:
-        ep = env.rollout(policy, idx, True, gen)
-        if ep["layout"] is not None:
-            tracker.offer(Scored(ep["layout"], sim.evaluate(ep["layout"]), env.configs[idx]))
+        for slack in SLACKS:
+            ep = env.rollout(policy, idx, True, gen, slack)
+            if ep["layout"] is not None and (idx, ep["layout"].spans) not in seen:
+                seen.add((idx, ep["layout"].spans))
+                tracker.offer(Scored(ep["layout"], sim.evaluate(ep["layout"]), env.configs[idx]))
     _episodes(env, policy, int(cfg.get("samples", 256)), gen, tracker)
     refined = 0
     if tracker.best is not None and cfg.get("refine", True):

@@ -1,7 +1,10 @@
 """Instance-relative features, so that one policy can plan models and clusters it never saw.
 
 Every feature is a ratio or a logarithm relative to the instance (the best lower bound, the
-slowest device, the ideal balanced stage time), never an absolute size.
+best configuration estimate, the slowest device, the ideal balanced stage time), never an
+absolute size. Configurations are described chiefly through hrlplan.search.estimate: a cheap
+step-time estimate that sees mixed-type groups run at their slowest device's pace and how many
+blocks each group's memory holds.
 """
 from __future__ import annotations
 
@@ -9,13 +12,20 @@ import math
 import numpy as np
 
 from hrlplan.cost.model import STATE_BYTES_PER_PARAM
+from hrlplan.search.estimate import ConfigEstimator
 from hrlplan.search.exact import lower_bound
-from hrlplan.search.splits import in_flight
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-OFFSETS = tuple(range(-8, 9))         # low-level action: boundary offset from the speed-proportional target
+OFFSETS = tuple(range(-8, 9))
+# Hint variants: bottleneck slacks (as the exact planner's candidate splits). Zero-slack hints pack
+# stages to the DP's bottleneck; a little slack trades it for a shorter fill/drain, which the
+# simulator (p2p, DP sync, memory) sometimes prefers.
+SLACKS = (0.0, 0.01, 0.03, 0.1)         # low-level action: boundary offset from the speed-proportional target
 INSTANCE_DIM = 10
-CONFIG_DIM = 12
+CONFIG_DIM = 17
+EST_COL, MEM_COL = 7, 10              # the columns the policy's priors read
+INF = float("inf")
+EST_CLIP = 3.0                         # log(estimate / best estimate) cap (also: estimate says OOM)
 STEP_DIM = 6
 OFFSET_DIM = 4
 
@@ -36,38 +46,54 @@ def instance_features(sim, space) -> np.ndarray:
     ] + sched[:3], dtype=np.float32)
 
 
-def config_features(sim, space, configs) -> np.ndarray:
+def config_features(sim, space, configs, estimates=None) -> np.ndarray:
+    """One row per Config. Column EST_COL is log(estimated step time / the best estimate over the
+    instance's configs) -- 0 for the most promising config -- and MEM_COL the estimated split's
+    memory need over its allowance (> 1: the estimate found no split that fits)."""
     meta = sim.meta
     bounds = np.array([lower_bound(sim, space, c) for c in configs])
     best = bounds.min()
+    if estimates is None:
+        est = ConfigEstimator(sim, space)
+        estimates = [est.estimate(c) for c in configs]
+    steps = np.array([e.step_s for e in estimates])
+    best_est = steps[np.isfinite(steps)].min() if np.isfinite(steps).any() else 1.0
     rows = []
-    for c, lb in zip(configs, bounds):
+    for c, lb, e in zip(configs, bounds, estimates):
         groups = space.groups(c)
         speed = [min(sim.devices.flops[d] for d in g) for g in groups]
         bubble = (c.pp - 1) / (c.num_microbatches + c.pp - 1)
         mem = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for g in groups for d in g)
         shards = c.pp * c.tp * (c.dp if sim.opts.dp_mode == "fsdp" else 1)
         states = meta.total_params * STATE_BYTES_PER_PARAM / shards
-        act = (c.microbatch_size * meta.seq_len * sum(meta.block_activation_bytes_per_token) * meta.block_repeats
-               * sim.opts.bytes_per_value / 2 / (c.pp * c.tp)) * max(in_flight(c.schedule, c.pp, c.stages_per_rank,
-                                                                              c.num_microbatches))
+        fits = math.isfinite(e.step_s)
+        rel = min(math.log(e.step_s / best_est), EST_CLIP) if fits else EST_CLIP
+        mtime = c.num_microbatches * e.bottleneck_s if fits else 0.0
         rows.append([
             math.log2(c.pp) / 6, math.log2(c.tp) / 3, math.log2(c.dp) / 8, math.log2(c.microbatch_size) / 5,
-            math.log2(c.num_microbatches) / 8, bubble, math.log(lb / best), math.log(lb * (1 + bubble) / best),
+            math.log2(c.num_microbatches) / 8, bubble, min(math.log(lb / best), EST_CLIP), rel,
             c.pool.size() / sim.cluster.world_size, math.log(speed[0] / speed[-1]),
-            min((states + act) / mem, 4.0), 1.0 if c.schedule == space.schedules[0] else 0.0,
+            min(e.mem_ratio, 4.0), 1.0 if c.schedule == space.schedules[0] else 0.0,
+            0.0 if fits else 1.0,
+            min(e.imbalance - 1.0, 2.0) if fits else 0.0,
+            e.exposed_sync_s / e.step_s if fits else 0.0,
+            max(e.step_s - mtime, 0.0) / e.step_s if fits else 0.0,
+            min(states / mem, 4.0),
         ])
     return np.array(rows, dtype=np.float32)
 
 
 class StageGuide:
-    """Boundary hints for the low-level policy. The hint for stage k is the furthest boundary that
-    keeps it within the config's least achievable bottleneck (greedy packing under the min-max
-    value, which is a min-max-optimal split); without one, the group's throughput share of the
-    remaining work. The policy learns how far to move off the hint (fill/drain, memory, head)."""
+    """Boundary hints for the low-level policy. The hint for stage k starting at block `start` is
+    its end in the split that, among those keeping every remaining stage within the config's least
+    achievable bottleneck (x (1 + slack)), has the least total busy time (the min-max DP value, then a backward
+    min-sum DP under it: the pipeline's fill and drain). Where no split from `start` stays within
+    the bottleneck, the hint is the group's throughput share of the remaining work. The policy
+    learns how far to move off the hint (memory, the simulator's effects the DP does not see)."""
 
-    def __init__(self, sim, tables):
+    def __init__(self, sim, tables, slack: float = 0.0):
         self.tables = tables
+        self.slack = slack
         self.L, self.n = tables.L, tables.n
         self.prefix = np.asarray(sim.costs._pf_arr)
         rates = []
@@ -77,13 +103,23 @@ class StageGuide:
                                                    tables.config.microbatch_size, tables.config.pp).fwd, 1e-30))
         self.rates = np.array(rates)
         self.bottleneck = tables.minmax()
+        self._within = None
+        self._rest = None
+        if np.isfinite(self.bottleneck):
+            t = tables.time
+            within = np.where(t <= self.bottleneck * (1 + slack + 1e-9), t, INF)
+            rest = np.full((self.n + 1, self.L + 1), INF)
+            rest[self.n, self.L] = 0.0
+            for k in range(self.n - 1, -1, -1):   # rest[k][s]: least total busy of stages k.. from block s
+                rest[k] = np.min(within[k] + rest[k + 1][None, :], axis=1)
+            self._within, self._rest = within, rest
 
     def target(self, k: int, start: int) -> int:
-        if np.isfinite(self.bottleneck):
-            row = self.tables.time[k, start, :self.L - (self.n - 1 - k) + 1]
-            fit = np.nonzero(row <= self.bottleneck * (1 + 1e-9))[0]
-            if fit.size:
-                return int(fit.max())
+        if self._rest is not None:
+            total = self._within[k, start] + self._rest[k + 1]
+            b = int(np.argmin(total))
+            if np.isfinite(total[b]):
+                return b
         remaining_work = self.prefix[self.L] - self.prefix[start]
         share = self.rates[k] / self.rates[k:].sum()
         goal = self.prefix[start] + share * remaining_work

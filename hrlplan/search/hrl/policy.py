@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 import torch.nn as nn
 
-from hrlplan.search.hrl.features import CONFIG_DIM, INSTANCE_DIM, OFFSET_DIM, STEP_DIM
+from hrlplan.search.hrl.features import CONFIG_DIM, EST_COL, INSTANCE_DIM, MEM_COL, OFFSET_DIM, STEP_DIM
 
 CHECKPOINT_NAME = "hrl_policy.pth"
 
@@ -29,16 +29,17 @@ class HierarchicalPolicy(nn.Module):
         self.high = _mlp(INSTANCE_DIM + CONFIG_DIM, hidden, 1)
         self.low = _mlp(INSTANCE_DIM + STEP_DIM + OFFSET_DIM, hidden, 1)
         self.baseline = _mlp(INSTANCE_DIM + CONFIG_DIM, hidden, 1)
-        # Learnable priors (residual policy): prefer configs whose bound x bubble estimate is low and
+        # Learnable priors (residual policy): prefer configs whose step-time estimate is low and
         # whose memory estimate fits, and the boundary hint itself. Training adjusts both the scales
         # and the networks' corrections; an untrained policy is therefore already sensible.
-        self.high_prior = nn.Parameter(torch.tensor([8.0, 2.0]))
+        self.high_prior = nn.Parameter(torch.tensor([20.0, 2.0]))
         self.low_prior = nn.Parameter(torch.tensor(2.0))
 
     def high_logits(self, inst: torch.Tensor, configs: torch.Tensor) -> torch.Tensor:
         """inst [I], configs [C, CONFIG_DIM] -> [C]"""
         x = torch.cat([inst.expand(configs.shape[0], -1), configs], dim=1)
-        prior = -self.high_prior[0] * configs[:, 7] - self.high_prior[1] * torch.relu(configs[:, 10] - 1.0)
+        prior = (-self.high_prior[0] * configs[:, EST_COL]
+                 - self.high_prior[1] * torch.relu(configs[:, MEM_COL] - 1.0))
         return self.high(x).squeeze(-1) + prior
 
     def low_logits(self, inst: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor,
