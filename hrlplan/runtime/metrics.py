@@ -17,7 +17,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 
 def stable_run_id(run_dir: str | os.PathLike) -> str:
@@ -32,7 +32,14 @@ def stable_run_id(run_dir: str | os.PathLike) -> str:
 
 
 class MetricsLogger:
-    """Logs to <run_dir>/metrics.jsonl and W&B. Create it on every rank; only `enabled` ranks write."""
+    """Logs to <run_dir>/metrics.jsonl and W&B. Create it on every rank; only `enabled` ranks write.
+
+    Every W&B call goes through `_wandb()`: an error there never stops training. SLURM signals
+    every process of a job step on preemption, W&B's service process included, which then dies;
+    the first failing call starts a new service and continues the same run id (a new offline
+    folder), after that W&B is dropped for this job with one warning."""
+
+    MAX_RECONNECTS = 2
 
     def __init__(self, run_dir: str | os.PathLike, config: Dict[str, Any], logger_cfg: Dict[str, Any],
                  enabled: bool = True, job_type: str = "train", name: Optional[str] = None, echo: bool = True):
@@ -42,6 +49,9 @@ class MetricsLogger:
         self.wandb = None
         self.file = None
         self.text_log = None
+        self.config = config
+        self._init_kwargs: Dict[str, Any] = {}
+        self._reconnects = 0
         # Added to every log() call, e.g. the plan's predicted step time next to the measured one.
         self.constant_metrics: Dict[str, Any] = {}
         if not enabled:
@@ -53,27 +63,54 @@ class MetricsLogger:
         if mode == "disabled":
             return
         os.environ.setdefault("WANDB_SILENT", "true")
+        self._init_kwargs = dict(
+            project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
+            group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
+            name=name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
+            resume="allow", init_timeout=float(logger_cfg.get("init_timeout_s", 90)))
         try:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
-                group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
-                name=name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
-                resume="allow", settings=wandb.Settings(init_timeout=float(logger_cfg.get("init_timeout_s", 90))))
+            self._start()
         except Exception as e:  # never let logging take the training down
             warnings.warn(f"W&B could not start ({e}); metrics go to {self.run_dir / 'metrics.jsonl'} only")
             self.wandb = None
-            return
-        # Offline runs keep no readable copy of the config: put one in the run folder.
-        try:
-            import yaml
 
-            path = Path(self.wandb.dir) / "hrlplan_config.yaml"
-            path.write_text(yaml.safe_dump(_plain_tree(config), sort_keys=False))
-            self.wandb.save(str(path), base_path=self.wandb.dir, policy="now")
-        except Exception as e:
-            warnings.warn(f"W&B: could not save the config file ({e})")
+    def _start(self) -> None:
+        import wandb
+
+        kwargs = dict(self._init_kwargs)
+        timeout = kwargs.pop("init_timeout")
+        self.wandb = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout))
+        # Offline runs keep no readable copy of the config: put one in the run folder.
+        import yaml
+
+        path = Path(self.wandb.dir) / "hrlplan_config.yaml"
+        path.write_text(yaml.safe_dump(_plain_tree(self.config), sort_keys=False))
+        self.wandb.save(str(path), base_path=self.wandb.dir, policy="now")
+
+    def _wandb(self, call: Callable[[Any], Any]) -> None:
+        """call(run), with one reconnect if W&B's service went away."""
+        while self.enabled and self.wandb is not None:
+            try:
+                call(self.wandb)
+                return
+            except Exception as e:
+                if self._reconnects >= self.MAX_RECONNECTS:
+                    warnings.warn(f"W&B failed ({type(e).__name__}: {e}); metrics go to "
+                                  f"{self.run_dir / 'metrics.jsonl'} only from here on")
+                    self.wandb = None
+                    return
+                self._reconnects += 1
+                try:
+                    import wandb
+
+                    wandb.teardown()
+                except Exception:
+                    pass  # the service is gone: nothing to tear down
+                try:
+                    self._start()
+                except Exception as e2:
+                    warnings.warn(f"W&B could not restart ({e2}); metrics go to {self.run_dir / 'metrics.jsonl'} only")
+                    self.wandb = None
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         if not self.enabled:
@@ -81,8 +118,7 @@ class MetricsLogger:
         full = {**metrics, **{k: v for k, v in self.constant_metrics.items() if k not in metrics}}
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in full.items()}}
         self.file.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(full, step=step)
+        self._wandb(lambda run: run.log(full, step=step))
         if self.echo:
             shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
             print(f"step {step:>5} | {shown}", file=sys.stderr, flush=True)
@@ -100,9 +136,11 @@ class MetricsLogger:
             return
         import wandb
 
-        art = wandb.Artifact(name or Path(path).stem.replace(".", "-"), type=artifact_type)
-        art.add_file(str(path))
-        self.wandb.log_artifact(art)
+        def call(run):
+            art = wandb.Artifact(name or Path(path).stem.replace(".", "-"), type=artifact_type)
+            art.add_file(str(path))
+            run.log_artifact(art)
+        self._wandb(call)
 
     def save_file(self, path: str | os.PathLike) -> None:
         """Copy a file into the W&B run folder (uploaded by `wandb sync` / online mode)."""
@@ -110,26 +148,25 @@ class MetricsLogger:
             return
         import shutil
 
-        try:
-            dest = Path(self.wandb.dir) / Path(path).name
+        def call(run):
+            dest = Path(run.dir) / Path(path).name
             shutil.copyfile(path, dest)
-            self.wandb.save(str(dest), base_path=self.wandb.dir, policy="now")
-        except Exception as e:
-            warnings.warn(f"W&B: could not save {path} ({e})")
+            run.save(str(dest), base_path=run.dir, policy="now")
+        self._wandb(call)
 
     def log_table(self, key: str, columns: List[str], rows: List[List[Any]]) -> None:
         if not self.enabled or self.wandb is None:
             return
         import wandb
 
-        self.wandb.log({key: wandb.Table(columns=columns, data=[[_plain(x) for x in r] for r in rows])})
+        self._wandb(lambda run: run.log({key: wandb.Table(columns=columns, data=[[_plain(x) for x in r] for r in rows])}))
 
     def log_image(self, key: str, figure_or_path: Any) -> None:
         if not self.enabled or self.wandb is None:
             return
         import wandb
 
-        self.wandb.log({key: wandb.Image(figure_or_path)})
+        self._wandb(lambda run: run.log({key: wandb.Image(figure_or_path)}))
 
     def summary(self, values: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -138,8 +175,7 @@ class MetricsLogger:
         old = json.loads(path.read_text()) if path.exists() else {}
         old.update({k: _plain(v) for k, v in values.items()})
         path.write_text(json.dumps(old, indent=1))
-        if self.wandb is not None:
-            self.wandb.summary.update(values)
+        self._wandb(lambda run: run.summary.update({k: _plain(v) for k, v in values.items() if v is not None}))
 
     def finish(self) -> None:
         if self.file is not None:
@@ -147,7 +183,10 @@ class MetricsLogger:
             self.text_log.close()
             self.file = self.text_log = None
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:  # the service died (e.g. signalled): what it wrote is kept
+                warnings.warn(f"W&B finish failed ({type(e).__name__}: {e})")
             self.wandb = None
 
 
