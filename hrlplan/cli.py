@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out-dir", default="data/code")
     s.add_argument("--vocab-size", type=int, default=4096)
     s.add_argument("--max-files", type=int, default=2000)
+    s.add_argument("--tokenizer", default=None, help="a local tokenizer.json / HF-cache tokenizer instead of training one")
+    s.add_argument("--source", default=None, help="a directory of .py / CodeSearchNet .jsonl(.gz) / .parquet files")
+    s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_delegate("hrlplan.data.code_corpus", "build_cli"))
 
     s = sub.add_parser("evaluate", help="load an HRM checkpoint; report exact accuracy on the test split")

@@ -143,6 +143,7 @@ class DataConfig:
     # synthetic stream: walks along a few fixed random permutations of the vocabulary (learnable)
     synthetic_chains: int = 4
     tokenizer: Optional[str] = None  # a tokenizer.json (trained locally) or HF-cache tokenizer id
+    source: Optional[str] = None     # a directory of .py / CodeSearchNet .jsonl(.gz) / .parquet files
     vocab_size: int = 4096           # for a tokenizer trained here
     max_files: int = 2000
 

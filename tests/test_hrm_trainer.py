@@ -46,7 +46,7 @@ def _cfg(data_path, **train):
 
 def test_train_hrm_few_steps_writes_a_checkpoint(sudoku_dir, tmp_path, process_group, capsys):
     logger = RecordingLogger()
-    result = train_hrm(_cfg(sudoku_dir, steps=6), str(tmp_path), None, logger)
+    result = train_hrm(_cfg(sudoku_dir, stop_after=6), str(tmp_path), None, logger)
     assert result["step"] == 6 and result["total_steps"] == 8   # 4 epochs x 2 batches, capped at 6
     losses = [m["train/lm_loss"] for _, m in logger.records if "train/lm_loss" in m]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)

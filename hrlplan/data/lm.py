@@ -60,8 +60,10 @@ def build_lm_data(data_cfg: Dict[str, Any], vocab_size: int, seed: int):
         from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
 
         path = data_cfg.get("path") or "data/code"
-        corpus = CodeCorpus.load(prepare_code_corpus(path, int(data_cfg.get("vocab_size", 4096)),
-                                                     int(data_cfg.get("max_files", 2000)), seed))
+        # The corpus does not depend on the training seed: changing train.seed must not rebuild it.
+        corpus = CodeCorpus.load(prepare_code_corpus(
+            path, int(data_cfg.get("vocab_size", 4096)), int(data_cfg.get("max_files", 2000)), 0,
+            tokenizer=data_cfg.get("tokenizer"), source=data_cfg.get("source")))
         if corpus.vocab_size > vocab_size:
             raise ValueError(f"data: the tokenizer at {path} has {corpus.vocab_size} tokens but arch.vocab_size is "
                              f"{vocab_size}; set arch.vocab_size={corpus.vocab_size} (or larger)")

@@ -6,8 +6,8 @@ both wrappers; its touched rows are all-reduced by hand in SparseEmbeddingSignSG
 
 Counting follows HRM's pretrain.py: an epoch visits every puzzle group once, a step consumes one
 global batch, `eval_interval` is in epochs, the learning rate warms up for train.warmup_steps and
-then follows a cosine down to min_lr_ratio * lr over all planned steps. train.steps caps the run
-(with epochs set) or sets its length (without). ACT carries unfinished sequences across batches.
+then follows a cosine down to min_lr_ratio * lr over all planned steps. train.steps sets the run's
+length only when epochs is not given; train.stop_after caps it either way. ACT carries unfinished sequences across batches.
 
 Checkpoints (rank 0 writes, atomically: a temporary directory renamed into place):
     <run_dir>/checkpoints/all_config.yaml, hrm.py, ...   config and model source (as HRM)
@@ -181,11 +181,12 @@ def evaluate(model: ACTLossHead, split: PuzzleSplit, global_batch_size: int, dev
 
 
 # ---------------------------------------------------------------- training
+DEFAULT_HRM_DATA = "data/sudoku-extreme-small"
+
+
 def _data_path(cfg: Dict[str, Any]) -> str:
-    path = (cfg.get("data") or {}).get("path") or cfg.get("data_path")
-    if not path:
-        raise UserError("HRM needs a puzzle data set: set data_path=data/sudoku-extreme-small (built if missing)")
-    return str(path)
+    # Without data_path, the small Sudoku preset (built on first use) lets `arch=hrm` run as is.
+    return str((cfg.get("data") or {}).get("path") or cfg.get("data_path") or DEFAULT_HRM_DATA)
 
 
 def _say(logger, text: str) -> None:
@@ -231,7 +232,9 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
 
     steps_per_epoch = train_split.steps_per_epoch(gbs)
     epochs = train.get("epochs")
-    cap = train.get("steps")
+    # HRM counts in epochs (its users type epochs=500); train.steps only counts when no epochs are
+    # given, and train.stop_after caps either.
+    cap = None if epochs is not None else train.get("steps")
     if epochs is None and cap is None:
         raise UserError("set epochs=<N> (passes over the training puzzles) or train.steps=<N>")
     epochs = int(epochs) if epochs is not None else -(-int(cap) // steps_per_epoch)
