@@ -103,3 +103,15 @@ def test_calibration_scales_step_time():
     cl = toy_cluster()
     cl.calibration = {"step_time_scale": 2.0}
     assert Simulator(meta, cl).evaluate(lay).step_time_s == pytest.approx(2 * base)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 16), (8, 32), (3, 5)])
+def test_zero_bubble_v_shape_holds_no_more_than_1f1b_and_fills_the_bubble(pp, m):
+    n = 2 * pp
+    zbv = simulate_timeline("zero_bubble", pp, 2, m, [1.0] * n, [1.0] * n, [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)
+    ref = simulate_timeline("1f1b", pp, 1, m, [2.0] * pp, [4.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp, [2.0] * pp)
+    # Activations: at most what 1F1B's first stage holds (pp micro-batches of a whole stage), not all m.
+    assert max(zbv.peak_activation) <= max(ref.peak_activation) + 1e-9
+    assert max(zbv.peak_activation) < 2.0 * m or m <= pp
+    # And most of 1F1B's bubble is gone.
+    assert zbv.makespan - 6 * m < 0.5 * (ref.makespan - 6 * m)

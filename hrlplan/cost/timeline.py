@@ -48,24 +48,82 @@ def _interleaved_sequence(pp: int, v: int, m: int, backward: bool) -> List[Tuple
     return seq
 
 
-def _v_shape_sequences(pp: int, m: int, pos: int):
-    """ZBV: order a position's two stages by when their inputs could first arrive (unit forward,
-    double backward), which interleaves the V's down and up legs."""
+def _v_shape_orders(pp: int, m: int, cap: float) -> List[List[Tuple[int, int, int]]]:
+    """ZB-V (Qi et al., 2024): position p runs model stages p (down leg) and 2pp-1-p (up leg).
+    The static order comes from a unit-time list schedule: whenever a position is free it runs a
+    ready backward (B) if any, else a ready forward (F) while the activations it holds stay within
+    `cap` chunk-activations (a B leaves ZB_W_ACTIVATION_SHARE of one until its W), else a pending
+    weight-gradient pass (W), which thereby fills the bubbles. With cap = 2pp a position never
+    holds more than 1F1B's first stage does (pp micro-batches of a whole stage), as in the paper."""
     n = 2 * pp
-    stages = (pos, n - 1 - pos)
-    fops = sorted(((F, k, j) for k in stages for j in range(m)), key=lambda o: (o[1] + o[2], o[2]))
-    bops = sorted(((B, k, j) for k in stages for j in range(m)), key=lambda o: (n + o[2] + 2 * (n - 1 - o[1]), o[2]))
-    return fops, bops
+    f_end = {}
+    b_end = {}
+    nf = [0] * n           # next micro-batch to run forward / backward, per model stage
+    nb = [0] * n
+    pending: List[List[Tuple[int, int]]] = [[] for _ in range(pp)]
+    held = [0.0] * pp
+    orders: List[List[Tuple[int, int, int]]] = [[] for _ in range(pp)]
+    total = 3 * n * m
+    done = 0
+    t = 0
+    idle = 0
+    while done < total:
+        progressed = False
+        finished = []
+        for p in range(pp):
+            stages = (n - 1 - p, p)    # prefer the up leg: it is nearer the loss and frees memory sooner
+            op = None
+            for k in stages:
+                j = nb[k]
+                if j < m:
+                    dep = f_end.get((k, j)) if k == n - 1 else b_end.get((k + 1, j))
+                    if dep is not None and dep < t:
+                        op = (B, k, j)
+                        break
+            if op is None and held[p] + 1.0 <= cap + 1e-9:
+                for k in stages:
+                    j = nf[k]
+                    if j < m:
+                        dep = t - 1 if k == 0 else f_end.get((k - 1, j))
+                        if dep is not None and dep < t:
+                            op = (F, k, j)
+                            break
+            if op is None and pending[p]:
+                k, j = pending[p].pop(0)
+                op = (W, k, j)
+            if op is None:
+                continue
+            kind, k, j = op
+            orders[p].append(op)
+            finished.append(op)
+            if kind == F:
+                nf[k] += 1
+                held[p] += 1.0
+            elif kind == B:
+                nb[k] += 1
+                held[p] -= 1.0 - ZB_W_ACTIVATION_SHARE
+                pending[p].append((k, j))
+            else:
+                held[p] -= ZB_W_ACTIVATION_SHARE
+            done += 1
+            progressed = True
+        for kind, k, j in finished:   # results become visible at the end of the time step
+            if kind == F:
+                f_end[(k, j)] = t
+            elif kind == B:
+                b_end[(k, j)] = t
+        idle = 0 if progressed else idle + 1
+        if idle > 2:
+            return []  # every position is stuck under this cap
+        t += 1
+    return orders
 
 
 def _position_ops(schedule: str, pp: int, v: int, m: int, pos: int, warmup: int) -> List[Tuple[int, int, int]]:
-    if schedule == "zero_bubble" and v == 2:
-        fops, bops = _v_shape_sequences(pp, m, pos)
-    else:
-        fseq = _interleaved_sequence(pp, v, m, backward=False)
-        bseq = _interleaved_sequence(pp, v, m, backward=True)
-        fops = [(F, virtual_stage(schedule, pp, v, pos, c), j) for c, j in fseq]
-        bops = [(B, virtual_stage(schedule, pp, v, pos, c), j) for c, j in bseq]
+    fseq = _interleaved_sequence(pp, v, m, backward=False)
+    bseq = _interleaved_sequence(pp, v, m, backward=True)
+    fops = [(F, virtual_stage(schedule, pp, v, pos, c), j) for c, j in fseq]
+    bops = [(B, virtual_stage(schedule, pp, v, pos, c), j) for c, j in bseq]
     if schedule == "gpipe":
         return fops + bops
     zero_bubble = schedule == "zero_bubble"
@@ -129,10 +187,18 @@ def _topological(position_ops: Sequence[Sequence[Tuple[int, int, int]]], n_stage
 def structure(schedule: str, pp: int, stages_per_rank: int, m: int) -> Structure:
     v = stages_per_rank
     n_stages = pp * v
+    if schedule == "zero_bubble" and v == 2:
+        cap = 2.0 * pp
+        while True:   # a cap too tight for an unusual (pp, m) would stall: loosen it until it runs
+            ops = _v_shape_orders(pp, m, cap)
+            order = _topological(ops, n_stages) if ops else None
+            if order is not None:
+                return Structure(tuple(tuple(o) for o in ops), tuple(order))
+            if cap > 2.0 * pp * m:
+                raise RuntimeError(f"no executable order for {schedule} pp={pp} v={v} m={m}")
+            cap += 1.0
     if v == 1:
         warm = [min(pp - pos - 1, m) for pos in range(pp)]
-    elif schedule == "zero_bubble" and v == 2:
-        warm = [min(2 * (pp - pos) - 1, m * v) for pos in range(pp)]
     else:  # Megatron's interleaved warm-up
         warm = [min((pp - pos - 1) * 2 + (v - 1) * pp, m * v) for pos in range(pp)]
     # A warm-up too short for an unusual (pp, v, m) would deadlock the static order: lengthen it

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.estimate import ConfigEstimator
 from hrlplan.search.hrl.features import SLACKS, StageGuide, config_features, instance_features
-from hrlplan.search.hrl.policy import HierarchicalPolicy, load_policy, pretrained_dir
+from hrlplan.search.hrl.policy import HierarchicalPolicy, generalist_path, load_policy
 from hrlplan.search.splits import SplitTables
 
 INFEASIBLE_REWARD = -3.0
@@ -169,8 +169,8 @@ def initial_policy(cfg: Dict[str, Any]) -> tuple:
                 raise FileNotFoundError(f"planner.checkpoint_dir {ckpt} does not exist (train it with `hrlplan train-hrl`)")
         else:
             return load_policy(ckpt), str(ckpt)
-    shipped = pretrained_dir()
-    if (shipped / "hrl_policy.pth").exists() and cfg.get("use_pretrained", True):
+    shipped = generalist_path()
+    if shipped.exists() and cfg.get("use_pretrained", True):
         return load_policy(shipped), "shipped generalist"
     torch.manual_seed(int(cfg.get("seed", 0)))
     return HierarchicalPolicy(int(cfg.get("hidden", 64))), "untrained"

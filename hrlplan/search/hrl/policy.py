@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from hrlplan.search.hrl.features import CONFIG_DIM, EST_COL, INSTANCE_DIM, MEM_COL, OFFSET_DIM, STEP_DIM
 
-CHECKPOINT_NAME = "hrl_policy.pth"
+CHECKPOINT_NAME = "hrl_policy.pth"      # in a train-hrl checkpoint directory
+GENERALIST_NAME = "generalist.pth"      # the shipped generalist, in pretrained_dir()
 
 
 def _mlp(inp: int, hidden: int, out: int) -> nn.Sequential:
@@ -34,6 +35,11 @@ class HierarchicalPolicy(nn.Module):
         # and the networks' corrections; an untrained policy is therefore already sensible.
         self.high_prior = nn.Parameter(torch.tensor([20.0, 2.0]))
         self.low_prior = nn.Parameter(torch.tensor(2.0))
+        # The networks start as zero corrections: an untrained policy is exactly the priors, and
+        # training (per instance, or the generalist over many) learns the residuals.
+        for net in (self.high, self.low):
+            nn.init.zeros_(net[-1].weight)
+            nn.init.zeros_(net[-1].bias)
 
     def high_logits(self, inst: torch.Tensor, configs: torch.Tensor) -> torch.Tensor:
         """inst [I], configs [C, CONFIG_DIM] -> [C]"""
@@ -56,9 +62,14 @@ class HierarchicalPolicy(nn.Module):
 
 
 def save_policy(policy: HierarchicalPolicy, directory: str | Path, extra: Dict[str, Any] | None = None) -> Path:
+    """Into directory/hrl_policy.pth, or into the file itself when given a *.pth path."""
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    target = path / CHECKPOINT_NAME
+    if path.suffix == ".pth":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        target = path
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        target = path / CHECKPOINT_NAME
     # fp16 weights keep the shipped generalist well under 1 MB; they are cast back on load
     state = {k: v.half() for k, v in policy.state_dict().items()}
     torch.save({"state": state, "hidden": policy.hidden, "extra": extra or {}}, target)
@@ -77,3 +88,14 @@ def load_policy(directory: str | Path) -> HierarchicalPolicy:
 
 def pretrained_dir() -> Path:
     return Path(__file__).resolve().parent / "pretrained"
+
+
+def generalist_path() -> Path:
+    return pretrained_dir() / GENERALIST_NAME
+
+
+def checkpoint_extra(path: str | Path) -> Dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    return dict(torch.load(path, map_location="cpu", weights_only=True).get("extra") or {})
