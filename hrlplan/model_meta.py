@@ -162,7 +162,12 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    seq = int(seq_len or getattr(config, "n_positions", None) or config.max_position_embeddings)
+    max_positions = int(getattr(config, "n_positions", None) or config.max_position_embeddings)
+    seq = int(seq_len or max_positions)
+    if seq > max_positions:
+        key = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
+        raise ModelResolutionError(f"data.seq_len={seq} is longer than the model's {max_positions} positions; "
+                                   f"set data.seq_len<={max_positions} or arch.{key}={seq}")
     vocab = config.vocab_size
 
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once

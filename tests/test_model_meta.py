@@ -65,3 +65,8 @@ def test_cli_writes_model_meta(tmp_path):
 
     main(["introspect-model", "--model-id", "gpt2", "--out", str(tmp_path / "meta.json")])
     assert ModelMeta.load(tmp_path / "meta.json").total_params == PUBLISHED["gpt2"]
+
+
+def test_sequence_longer_than_positions_is_a_clear_error():
+    with pytest.raises(ModelResolutionError, match=r"data.seq_len=256 .* arch.n_positions=256"):
+        introspect(resolve_arch("gpt2-tiny"), seq_len=256)
