@@ -85,8 +85,9 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         situation = "srun"
     if situation:
         slurm.install_preemption_handler()
-        if slurm.restart_count() > 0 and str(config["train"].get("resume", "none")) in ("none", ""):
-            # SLURM restarted this job (requeue, node failure): continue from its last checkpoint.
+        if slurm.restart_count() > 0 and _has_checkpoint(run_dir):
+            # SLURM restarted this job (our requeue after a preemption checkpoint, a timeout, a node
+            # failure): continue from this run's last checkpoint, whatever resume said at submission.
             config["train"]["resume"] = "auto"
     if in_distributed_job():
         return worker_main(config, raise_errors=situation == "submitit")
@@ -106,6 +107,12 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             raise UserError(err.read_text().strip()) from None
         raise
     return results.get(0)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from hrlplan.runtime.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir / "checkpoints") is not None
 
 
 # ---------------------------------------------------------------- checks before launch
@@ -190,6 +197,14 @@ def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
     seq_len = config["data"]["seq_len"] if config["arch"].get("family") != "hrm" else None
     meta = introspect(config["arch"], seq_len=seq_len)
     meta.save(run_dir / "model_meta.json")
+    planner = config["planner"]
+    if str(planner.get("name")) == "manual" and planner.get("plan_file") and spec.source in ("probe", "file"):
+        from hrlplan.plan import Plan
+
+        try:
+            check_world(Plan.load(planner["plan_file"]), spec.world_size)  # before simulating it on this cluster
+        except (OSError, PlanError):
+            pass  # make_plan reports a missing or invalid file in its own words
     key = plan_cache.cache_key(config, spec) if use_cache and plan_cache.cacheable(config) else None
     cached = plan_cache.load(config, key) if key else None
     if cached is not None:
@@ -288,9 +303,13 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
                       "family": meta.family, "cached": bool(info.get("planner", {}).get("reused_from_cache"))}
         except (UserError, PlanError, ValueError) as e:
             result = {"error": str(e)}
+        except Exception:  # a bug: still tell every rank, or they would wait in the broadcast forever
+            result = {"internal_error": traceback.format_exc()}
     result = _broadcast(result)
     if "error" in result:
         raise UserError(result["error"])
+    if "internal_error" in result:
+        raise RuntimeError(f"planning failed on rank 0:\n{result['internal_error']}")
     plan = Plan.from_yaml(result["plan"])
     peak = sum(d.peak_flops for d in spec.devices) if spec is not None else None
     config["_flops_per_token"] = result["flops_per_token"]
