@@ -219,3 +219,27 @@ def test_reference_job_wandb_folder(straight):
     folders = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(folders) == 1
     check_offline_wandb_folder(folders[0])
+
+
+def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path):
+    """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart."""
+    steps, interval = 300, 25
+    config = pp2_config(tmp_path, steps=steps)
+    config["train"]["checkpoint_interval"] = interval
+    job = submit(config, tmp_path / "job")
+    run_dir = tmp_path / "job" / "run"
+    wait_for_lines(run_dir / "metrics.jsonl", interval + 5, job)
+    subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, capture_output=True, timeout=60)
+    results = wait_results(job, timeout_s=300)
+    assert results[0]["final_step"] == steps
+    records = read_metrics(run_dir)
+    restart = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    resumed_at = records[restart]["step"] - 1
+    assert resumed_at > 0 and resumed_at % interval == 0, resumed_at  # a periodic checkpoint
+    # Steps trained twice (after the checkpoint, before the kill) give the same loss both times.
+    first = {r["step"]: r["train/lm_loss"] for r in records[:restart]}
+    again = {r["step"]: r["train/lm_loss"] for r in records[restart:]}
+    common = sorted(set(first) & set(again))
+    assert common
+    for s in common:
+        assert again[s] == pytest.approx(first[s], abs=1e-6)
