@@ -71,10 +71,15 @@ class TiedEmbeddingSync:
 
     def __init__(self, plan: Plan, rank: int, tied: bool):
         self.param: Optional[nn.Parameter] = None
+        self.embedding: Optional[nn.Parameter] = None
         self.group = None
         first_group = plan.device_groups[plan.stage_group(0)]
         last_group = plan.device_groups[plan.stage_group(plan.num_stages - 1)]
         self.active = tied and first_group != last_group
+        # ZBV puts the first and the last stage on one rank: two stage modules of one process would
+        # share one Parameter, which torch's per-stage gradient scaling divides twice. They get
+        # separate copies here too (see untie), whose gradients are summed locally.
+        self.local = tied and first_group == last_group and plan.num_stages > 1
         if not self.active:
             return
         for pos in range(len(first_group)):  # every rank creates every group, in the same order
@@ -83,7 +88,19 @@ class TiedEmbeddingSync:
             if rank in ranks:
                 self.group = group
 
+    @staticmethod
+    def untie(all_parts: List[nn.Module]) -> None:
+        """Give the last stage's head its own copy of the tied weight (call before wrapping)."""
+        head = all_parts[-1].lm_head
+        head.weight = nn.Parameter(head.weight.detach().clone())
+
     def bind(self, parts: Dict[int, nn.Module], plan: Plan) -> None:
+        last = plan.num_stages - 1
+        if self.local and 0 in parts and last in parts:
+            base = parts[0].base
+            self.embedding = base.wte.weight if hasattr(base, "wte") else base.embed_tokens.weight
+            self.param = parts[last].lm_head.weight
+            return
         if not self.active:
             return
         if 0 in parts:
@@ -94,27 +111,42 @@ class TiedEmbeddingSync:
 
     def is_duplicate(self, param: nn.Parameter, parts: Dict[int, nn.Module], plan: Plan) -> bool:
         """The head's copy is left out of the gradient norm (the embedding's copy counts once)."""
-        return self.active and (plan.num_stages - 1) in parts and param is self.param
+        return (self.active or self.local) and (plan.num_stages - 1) in parts and param is self.param
 
     def sync_grads(self) -> None:
+        if self.embedding is not None and self.param is not None:
+            total = _local(self.embedding.grad) + _local(self.param.grad)
+            _local(self.embedding.grad).copy_(total)
+            _local(self.param.grad).copy_(total)
+            return
         if self.active and self.param is not None and self.param.grad is not None:
             dist.all_reduce(_local(self.param.grad), group=self.group)
+
+
+def _by_mesh(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Plain tensors apart from DTensors, and DTensors by mesh: torch's norm and clip helpers
+    refuse to mix them (tensor parallel leaves norms plain and shards the linears)."""
+    groups: Dict[object, List[torch.Tensor]] = {}
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        groups.setdefault(id(mesh) if mesh is not None else None, []).append(t)
+    return list(groups.values())
 
 
 def clip_grad_norm(params: List[nn.Parameter], max_norm: float, pp_group, skip: List[nn.Parameter]) -> torch.Tensor:
     """Global gradient norm over all pipeline stages (and dp/tp shards), then clip in place."""
     skip_ids = {id(p) for p in skip}
     grads = [p.grad for p in params if p.grad is not None and id(p) not in skip_ids]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    sq = torch.zeros(1, device=params[0].device if params else "cpu")
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-    else:
-        norm = torch.zeros(())
-    sq = (norm.float() ** 2).reshape(1)
+        sq = sq + norm.float().reshape(1).to(sq.device) ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()[0]
     if max_norm and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in _by_mesh([p for p in params if p.grad is not None]):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

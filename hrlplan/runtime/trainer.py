@@ -1,26 +1,29 @@
 """Pipeline-parallel training of an HF causal LM from a Plan.
 
-Every rank builds only its stage(s), wraps them in torch.distributed.pipelining PipelineStages on
-the pp sub-mesh, shards them over dp with FSDP2 (or replicate), and runs the plan's schedule.
+Every rank builds only its stage(s) and runs the plan's schedule on one of two engines:
+- torch_engine.py: a homogeneous plan (identical replicas, one tp degree) on torch.distributed.pipelining,
+  with FSDP2/replicate over dp and DTensor tp: every torch schedule (gpipe, 1f1b, interleaved, zero-bubble);
+- hetero.py: heterogeneous replicas and stages of unequal tp on hrlplan's own p2p executor (gpipe, 1f1b).
+Both record a per-micro-batch timeline, from which the trainer reports per-stage compute/idle time
+and, at the end, writes plan-vs-measured into plan_info.json.
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble)
 
 from hrlplan.data.lm import build_lm_data
-from hrlplan.models.hf import build_hf_model, build_stage_modules, causal_lm_loss, hf_config_from_arch
+from hrlplan.models.hf import build_hf_model, hf_config_from_arch
 from hrlplan.plan import Plan
 from hrlplan.runtime import checkpoint as ckpt
-from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
+from hrlplan.runtime import preempt, timing
+from hrlplan.runtime.torch_engine import SCHEDULES, build_schedule  # noqa: F401  (re-exported)
 
 
 def lr_lambda(train: Dict[str, Any], total_steps: int):
@@ -34,9 +37,16 @@ def lr_lambda(train: Dict[str, Any], total_steps: int):
     return factor
 
 
-def make_optimizer(module: torch.nn.Module, train: Dict[str, Any]) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (incl. embeddings), none on biases and norms (nanoGPT's rule)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+def make_optimizer(module: torch.nn.Module, train: Dict[str, Any], owned: Optional[set] = None) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices (incl. embeddings), none on biases and norms (nanoGPT's rule).
+
+    `owned` (ids of parameters another optimizer of this rank already steps) is skipped and
+    extended: a tied embedding whose first and last stage sit on one rank (ZBV's V shape) is one
+    Parameter in two stage modules and must be updated once.
+    """
+    owned = set() if owned is None else owned
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in owned]
+    owned.update(id(p) for p in params)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": float(train["weight_decay"])},
@@ -61,16 +71,9 @@ def build_full_model(arch: Dict[str, Any], seed: int):
     return build_hf_model(config, pretrained_from=arch.get("model_id") if arch.get("pretrained") else None)
 
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-
-
-def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
-    if plan.schedule == "zero_bubble":
-        cls = ScheduleZBVZeroBubble if plan.stages_per_rank == 2 else ScheduleInterleavedZeroBubble
-        return cls(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
-    if plan.stages_per_rank > 1 or plan.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
-    return SCHEDULES[plan.schedule](stages[0], n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+def runs_on_torch_schedules(plan: Plan) -> bool:
+    """torch.distributed.pipelining needs identical replicas and one tp degree on every stage."""
+    return not plan.heterogeneous and plan.uniform_tp
 
 
 class PipelineTrainer:
@@ -80,34 +83,23 @@ class PipelineTrainer:
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
-        self.coords = rank_coords(plan, self.rank)
-        self.mesh = build_mesh(plan, self.device.type)
-        self.pp_group = self.mesh["pp"].get_group()
-        self.stage_ids = plan.stages_of_rank(self.rank)
-
+        self.recorder = timing.StepRecorder(self.device)
         full = build_full_model(cfg["arch"], int(self.train["seed"]))
-        self.tied = bool(getattr(full.config, "tie_word_embeddings", False))
-        all_parts = build_stage_modules(full, [tuple(s.layers) for s in plan.stages])
-        self.tie_sync = TiedEmbeddingSync(plan, self.rank, self.tied)
-        self.parts: Dict[int, torch.nn.Module] = {}
-        mp_dtype = torch.bfloat16 if self.train["dtype"] == "bfloat16" else None
-        for i in self.stage_ids:
-            part = all_parts[i].to(self.device)
-            blocks = getattr(part.base, part.blocks_attr)
-            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], self.train["dp_mode"], blocks, mp_dtype)
-        del full, all_parts
-        self.tie_sync.bind(self.parts, plan)
-        self.stages = [PipelineStage(self.parts[i], i, plan.num_stages, self.device, group=self.pp_group)
-                       for i in self.stage_ids]
-        self.schedule = build_schedule(plan, self.stages, causal_lm_loss)
-        self.optimizers = {i: make_optimizer(p, self.train) for i, p in self.parts.items()}
+        if runs_on_torch_schedules(plan):
+            from hrlplan.runtime.torch_engine import TorchPipelineEngine as Engine
+        else:
+            from hrlplan.runtime.hetero import HeteroPipelineEngine as Engine
+        self.engine = Engine(plan, self.train, self.device, full, self.recorder)
+        del full
+        self.parts: Dict[int, torch.nn.Module] = self.engine.parts
+        owned: set = set()
+        self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
         total = int(self.train["steps"])
-        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(self.train, total))
+        self.lr_factor = lr_lambda(self.train, total)
+        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, self.lr_factor)
                            for i, o in self.optimizers.items()}
         vocab = full_vocab(cfg["arch"])
         self.data = build_lm_data(cfg["data"], vocab, int(self.train["seed"]))
-        self.has_first = 0 in self.parts
-        self.has_last = (plan.num_stages - 1) in self.parts
         self.step = 0
         self.ckpt_root = self.run_dir / "checkpoints"
 
@@ -131,39 +123,45 @@ class PipelineTrainer:
     # ------------------------------------------------------------ one step
     def local_batch(self, step: int):
         inputs, targets = self.data.batch(step, int(self.plan.global_batch_size))
-        rows = self.plan.global_batch_size // self.plan.dp
-        d = self.coords["dp"]
-        sl = slice(d * rows, (d + 1) * rows)
-        return inputs[sl].to(self.device), targets[sl].to(self.device)
+        rows = self.engine.local_rows()
+        return inputs[rows].to(self.device), targets[rows].to(self.device)
 
     def train_step(self, step: int) -> Dict[str, float]:
         inputs, targets = self.local_batch(step)
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        losses: List[torch.Tensor] = []
+        dist.barrier()   # a common start, so every rank's timeline shares one origin
+        self.recorder.begin()
         t0 = time.perf_counter()
-        if self.has_first:
-            self.schedule.step(inputs, target=targets, losses=losses)
-        else:
-            self.schedule.step(target=targets, losses=losses)
-        self.tie_sync.sync_grads()
-        params = [p for part in self.parts.values() for p in part.parameters()]
-        skip = [p for p in params if self.tie_sync.is_duplicate(p, self.parts, self.plan)]
-        grad_norm = clip_grad_norm(params, float(self.train["grad_clip"]), self.pp_group, skip)
+        loss = self.engine.forward_backward(inputs, targets)
+        grad_norm = self.engine.sync_and_clip(float(self.train["grad_clip"]))
         for opt in self.optimizers.values():
             opt.step()
-        lr = next(iter(self.schedulers.values())).get_last_lr()[0]
+        lr = float(self.train["lr"]) * self.lr_factor(step)
         for sched in self.schedulers.values():
             sched.step()
-        # The loss lives on the last stage: average over its dp replicas and bring it to every rank.
-        loss = torch.zeros(1, device=self.device)
-        if self.has_last and self.coords["tp"] == 0:
-            loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / self.plan.dp
-        dist.all_reduce(loss)
+        dist.all_reduce(loss)   # each rank holds its share of the global loss (zero off the last stage)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
+
+    def _gather(self, payload: Dict[str, Any]) -> List[Dict[str, Any]]:
+        out: List[Dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(out, payload)
+        return out
+
+    def _profiler(self):
+        """train.profile=true: a torch.profiler trace per rank (TensorBoard / chrome://tracing)."""
+        if not self.train.get("profile"):
+            return nullcontext(None)
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        return profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(self.run_dir / "profile"),
+                                                                worker_name=f"rank{self.rank}"),
+                       record_shapes=False)
 
     def fit(self) -> Dict[str, Any]:
         self.maybe_resume()
@@ -173,26 +171,66 @@ class PipelineTrainer:
         seq = int(self.cfg["data"]["seq_len"])
         flops_per_token = self.cfg.get("_flops_per_token")
         peak = self.cfg.get("_peak_flops")
-        history = []
+        history, step_times = [], []
         first_step_at = None
-        while self.step < total:
-            out = self.train_step(self.step)
-            self.step += 1
-            first_step_at = first_step_at or time.time()
-            tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
-            metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
-                       "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
-            if flops_per_token and peak:
-                metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
-            history.append({"step": self.step, **metrics})
-            if self.logger is not None and self.step % int(self.train["log_interval"]) == 0:
-                self.logger.log(metrics, step=self.step)
-            stopping = stop_after is not None and self.step >= int(stop_after)
-            if (interval and self.step % interval == 0) or self.step == total or stopping:
-                self.save()
-            if stopping:
-                break
-        return {"final_step": self.step, "history": history, "first_step_at": first_step_at}
+        preempted = False
+        with self._profiler() as prof:
+            while self.step < total:
+                out = self.train_step(self.step)
+                self.step += 1
+                if prof is not None:
+                    prof.step()
+                first_step_at = first_step_at or time.time()
+                step_times.append(out["step_time_s"])
+                tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
+                metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
+                           "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
+                if flops_per_token and peak:
+                    metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
+                if self.step % int(self.train["log_interval"]) == 0:
+                    stats = timing.stage_stats(self._gather({"compute": self.recorder.compute_by_stage()}),
+                                               out["step_time_s"])
+                    for i, st in stats.items():
+                        metrics[f"stage/{i}/compute_s"] = st["compute_s"]
+                        metrics[f"stage/{i}/idle_s"] = st["idle_s"]
+                    if self.logger is not None:
+                        self.logger.log(metrics, step=self.step)
+                history.append({"step": self.step, **metrics})
+                # preempt.stop_agreed is collective: every rank stops at the same step, with a checkpoint
+                preempted = preempt.stop_agreed(self.device)
+                stopping = preempted or (stop_after is not None and self.step >= int(stop_after))
+                if (interval and self.step % interval == 0) or self.step == total or stopping:
+                    self.save()
+                if stopping:
+                    break
+        measured = self.report_plan_vs_measured(step_times)
+        if prof is not None and self.logger is not None:
+            self.logger.note(f"profiler traces: {self.run_dir / 'profile'} (tensorboard --logdir, or chrome://tracing)")
+        return {"final_step": self.step, "history": history, "first_step_at": first_step_at, "measured": measured,
+                "preempted": preempted}
+
+    def report_plan_vs_measured(self, step_times: List[float]) -> Optional[Dict[str, Any]]:
+        """Collective. Rank 0 writes measured values beside the predicted ones in plan_info.json."""
+        events = [{**e, "rank": self.rank} for e in self.recorder.events]
+        gathered = self._gather({"events": events, "compute": self.recorder.compute_by_stage(),
+                                 "memory": timing.peak_memory_bytes(self.device)})
+        if self.rank != 0 or not step_times:
+            return None
+        step = timing.median_step_time(step_times)
+        stats = timing.stage_stats(gathered, step)
+        measured = {"step_time_s": step, "steps_measured": max(len(step_times) - timing.SKIP_STEPS, 1),
+                    "bubble_fraction": timing.measured_bubble(gathered),
+                    "analytic_bubble_fraction": timing.analytic_bubble(self.plan.schedule, self.plan.pp,
+                                                                       self.plan.num_microbatches,
+                                                                       self.plan.stages_per_rank),
+                    "memory_bytes_per_rank": [g["memory"] for g in gathered],
+                    "memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
+                    "stages": {str(i): st for i, st in stats.items()}}
+        timeline = sorted((e for g in gathered for e in g["events"]), key=lambda e: (e["start_s"], e["stage"]))
+        measured["events"] = timeline   # the form hrlplan.runtime.timeline_plot draws
+        predicted = self.plan.meta.get("predicted") or {}
+        timing.write_plan_info(self.run_dir, predicted, measured, timeline)
+        return measured
 
 
 def full_vocab(arch: Dict[str, Any]) -> int:

@@ -1,0 +1,336 @@
+"""Heterogeneous pipelines: replicas with different stage templates, micro-batch counts, batch
+shares and per-stage tensor-parallel degrees, on plain torch.distributed point-to-point calls.
+
+Why not torch.distributed.pipelining here: its PipelineStage ties a stage to one rank of one p2p
+group, so (a) a stage of tp 2 feeding a stage of tp 1 cannot be expressed (the tp-1 rank would have
+to sit in two groups and run twice), and (b) its DDP/FSDP integrations assume identical replicas.
+This executor is the smallest piece that covers both: GPipe or 1F1B order per pipeline, a fixed
+activation shape, isend for outgoing tensors (so two neighbours never block each other) and
+blocking recv in schedule order.
+
+Resharding at a stage boundary: every rank of a tensor-parallel stage holds the full activation
+(tensor_parallel.py keeps block inputs/outputs replicated), so rank j of the receiving stage takes
+it from rank j mod tp_sender of the sending stage, and gradients go back the same way.
+
+Gradients: replicas differ, so there is no DDP/FSDP. Each parameter unit (embedding, block i,
+final norm + head) is all-reduced over the ranks holding it, every contribution weighted by its
+pipeline's share of the global batch, so the update equals one process on the global batch.
+Groups are created in one global order on every rank and reduced in that order.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hrlplan.models.hf import build_stage_modules, causal_lm_loss
+from hrlplan.plan import PipelinePlan, Plan
+from hrlplan.runtime.tensor_parallel import parallelize_stage
+from hrlplan.runtime.timing import StepRecorder
+
+Holder = Tuple[int, int]   # (pipeline, stage)
+
+
+def schedule_ops(schedule: str, n_stages: int, stage: int, m: int) -> List[Tuple[str, int]]:
+    """A stage's order of forwards and backwards: GPipe (all F, then all B) or 1F1B."""
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    warm = min(n_stages - stage - 1, m)
+    ops = [("F", j) for j in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", j) for j in range(m - warm, m)]
+
+
+def embedding_units(full_model) -> Tuple[List[str], Optional[str]]:
+    """The embedding parameters' full names (each its own unit: only the tied one has a second
+    holder) and the name of the one the output head shares, if any."""
+    from hrlplan.models.hf import hf_layout
+
+    layout = hf_layout(full_model)
+    names, tied = [], None
+    head = full_model.get_output_embeddings()
+    for child in layout.embed_names:
+        for pname, param in getattr(layout.base, child).named_parameters():
+            name = f"{layout.prefix}.{child}.{pname}"
+            names.append(name)
+            if head is not None and param is head.weight:
+                tied = name
+    return names, tied
+
+
+def unit_holders(pipes: List[PipelinePlan], n_layer: int, embed_units: List[str],
+                 tied_unit: Optional[str]) -> Dict[str, List[Holder]]:
+    """Which (pipeline, stage) hold each parameter unit: an embedding parameter, block i, or the
+    final norm + head; a tied head's weight is the embedding's unit, held by the last stage too."""
+    out: Dict[str, List[Holder]] = {u: [] for u in embed_units + [f"block{i}" for i in range(n_layer)] + ["final"]}
+    for p, pipe in enumerate(pipes):
+        last = len(pipe.stages) - 1
+        for s, st in enumerate(pipe.stages):
+            for u in embed_units:
+                if s == 0 or (u == tied_unit and s == last):
+                    out[u].append((p, s))
+            for i in range(*st.layers):
+                out[f"block{i}"].append((p, s))
+            if s == last:
+                out["final"].append((p, s))
+    return out
+
+
+class GradientReducer:
+    """Per-unit weighted all-reduce over the ranks holding it (see the module docstring)."""
+
+    def __init__(self, plan: Plan, pipes: List[PipelinePlan], holders: Dict[str, List[Holder]], rank: int):
+        self.pipes, self.rank = pipes, rank
+        self.weights = [p.batch_size / plan.global_batch_size for p in pipes]
+        self.holders = holders
+        # unit -> list of (rank set, full?) ; "full" groups mix tp degrees and reduce whole tensors
+        self.unit_groups: Dict[str, List[Tuple[Tuple[int, ...], bool]]] = {}
+        order: List[Tuple[int, ...]] = []
+        for unit, holders in self.holders.items():
+            tps = {pipes[p].stages[s].tp for p, s in holders}
+            if len(tps) == 1:
+                tp = tps.pop()
+                sets = [(tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in holders})), False) for t in range(tp)]
+            else:
+                sets = [(tuple(sorted({r for p, s in holders for r in pipes[p].stages[s].ranks})), True)]
+            self.unit_groups[unit] = sets
+            order += [ranks for ranks, _ in sets if ranks not in order]
+        self.groups: Dict[Tuple[int, ...], object] = {}
+        for ranks in order:   # every rank creates every group, in the same order
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.groups[ranks] = group
+        self.order = [r for r in order if r in self.groups]
+
+    def canonical(self, unit: str) -> Holder:
+        """The holder whose copy counts in the global gradient norm (first pipeline, first stage)."""
+        return min(self.holders[unit])
+
+    def reduce(self, params: List[Tuple[str, str, nn.Parameter]], me: Holder, tp_index: int, tp: int) -> None:
+        """params: (unit, canonical name, parameter); every member of a group packs the same
+        parameters in the same (unit, name) order."""
+        weight = self.weights[me[0]]
+        buckets: Dict[Tuple[int, ...], List[Tuple[nn.Parameter, bool]]] = {}
+        for unit, _, param in sorted(params, key=lambda x: (x[0], x[1])):
+            for ranks, full in self.unit_groups[unit]:
+                if self.rank in ranks:
+                    buckets.setdefault(ranks, []).append((param, full))
+        for ranks in self.order:
+            items = buckets.get(ranks)
+            if not items:
+                continue
+            flats = []
+            for param, full in items:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                g = param.grad
+                if full:   # mixed tp degrees: reduce whole tensors, each tp rank adding 1/tp of its copy
+                    g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                    flats.append((g.detach().float() * (weight / tp)).reshape(-1))
+                else:
+                    g = g.to_local() if hasattr(g, "to_local") else g
+                    flats.append((g.detach().float() * weight).reshape(-1))
+            buf = torch.cat(flats)
+            if self.groups[ranks] is not None:
+                dist.all_reduce(buf, group=self.groups[ranks])
+            offset = 0
+            with torch.no_grad():
+                for param, full in items:
+                    g = param.grad
+                    local = g.to_local() if hasattr(g, "to_local") else g
+                    numel = local.numel() if not full else _full_numel(g)
+                    piece = buf[offset:offset + numel]
+                    offset += numel
+                    if full and hasattr(g, "placements"):
+                        piece = _local_shard(piece.reshape(g.shape), g, tp_index, tp)
+                    local.copy_(piece.reshape(local.shape).to(local.dtype))
+
+
+def _full_numel(g) -> int:
+    return int(torch.Size(g.shape).numel())
+
+
+def _local_shard(full: torch.Tensor, like, tp_index: int, tp: int) -> torch.Tensor:
+    from torch.distributed.tensor import Shard
+
+    for placement in like.placements:
+        if isinstance(placement, Shard):
+            return torch.chunk(full, tp, dim=placement.dim)[tp_index]
+    return full
+
+
+class HeteroPipelineEngine:
+    """This rank's stage of its pipeline (none on an unused rank) and one training step."""
+
+    def __init__(self, plan: Plan, train: Dict, device: torch.device, full_model, recorder: StepRecorder):
+        self.plan, self.device, self.recorder = plan, device, recorder
+        self.rank = dist.get_rank()
+        self.pipes = plan.as_pipelines()
+        self.me: Optional[Holder] = None
+        self.tp_index = 0
+        offsets, gid = [], 0
+        for p, pipe in enumerate(self.pipes):
+            offsets.append(gid)
+            gid += len(pipe.stages)
+            for s, st in enumerate(pipe.stages):
+                if self.rank in st.ranks:
+                    self.me, self.tp_index = (p, s), st.ranks.index(self.rank)
+        embed_units, self.tied_unit = embedding_units(full_model)
+        holders = unit_holders(self.pipes, plan.n_layer, embed_units, self.tied_unit)
+        if full_model.config.model_type == "gpt2":
+            _check_gpt2_tp(self.pipes, holders)
+        tp_mesh = self._tp_meshes()
+        self.reducer = GradientReducer(plan, self.pipes, holders, self.rank)
+        self.parts: Dict[int, nn.Module] = {}
+        self.hidden = int(full_model.config.hidden_size)
+        self.seq = None
+        if self.me is None:
+            return
+        p, s = self.me
+        self.pipe = self.pipes[p]
+        self.stage = self.pipe.stages[s]
+        self.gid = offsets[p] + s
+        part = build_stage_modules(full_model, [tuple(x.layers) for x in self.pipe.stages])[s].to(device)
+        if self.stage.tp > 1:
+            parallelize_stage(part, tp_mesh)
+        self.parts[self.gid] = part
+        self.first, self.last = s == 0, s == len(self.pipe.stages) - 1
+        self.units = _param_units(part, embed_units, self.tied_unit)
+        prev = self.pipe.stages[s - 1] if not self.first else None
+        nxt = self.pipe.stages[s + 1] if not self.last else None
+        t, tp = self.tp_index, self.stage.tp
+        self.recv_fwd_from = prev.ranks[t % prev.tp] if prev else None
+        self.send_fwd_to = [r for j, r in enumerate(nxt.ranks) if j % tp == t] if nxt else []
+        self.recv_bwd_from = nxt.ranks[t % nxt.tp] if nxt else None
+        self.send_bwd_to = [r for i, r in enumerate(prev.ranks) if i % tp == t] if prev else []
+        self.loss_reporter = self.last and t == 0
+
+    def _tp_meshes(self):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mine = None
+        for pipe in self.pipes:
+            for st in pipe.stages:
+                if st.tp > 1:  # new_group is collective over the world, in this order on every rank
+                    group = dist.new_group(list(st.ranks))
+                    if self.rank in st.ranks:
+                        mine = DeviceMesh.from_group(group, self.device.type, mesh_dim_names=("tp",))
+        return mine
+
+    def local_rows(self) -> slice:
+        if self.me is None:
+            return slice(0, 0)
+        start = sum(q.batch_size for q in self.pipes[:self.me[0]])
+        return slice(start, start + self.pipe.batch_size)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss_share = torch.zeros(1, device=self.device)
+        if self.me is None:
+            return loss_share
+        part, m = self.parts[self.gid], self.pipe.num_microbatches
+        mbs = self.pipe.microbatch_size
+        shape = (mbs, targets.shape[1], self.hidden)
+        sends: List[Tuple[object, torch.Tensor]] = []
+        stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        losses: List[torch.Tensor] = []
+        for kind, j in schedule_ops(self.plan.schedule, len(self.pipe.stages), self.me[1], m):
+            rows = slice(j * mbs, (j + 1) * mbs)
+            if kind == "F":
+                if self.first:
+                    x = inputs[rows]
+                else:
+                    x = torch.empty(shape, device=self.device)
+                    dist.recv(x, self.recv_fwd_from)
+                    x.requires_grad_(True)
+                with self.recorder.op(self.gid, j, "F"):
+                    out = part(x)
+                    if self.last:   # 1/m: the pipeline's loss is the mean over its micro-batches
+                        out = causal_lm_loss(out, targets[rows]) / m
+                if self.last:
+                    losses.append(out.detach() * m)
+                else:
+                    payload = out.detach()
+                    sends += [(dist.isend(payload, r), payload) for r in self.send_fwd_to]
+                stash[j] = (x, out)
+            else:
+                x, out = stash.pop(j)
+                if self.last:
+                    with self.recorder.op(self.gid, j, "B"):
+                        out.backward()
+                else:
+                    grad = torch.empty(shape, device=self.device)
+                    dist.recv(grad, self.recv_bwd_from)
+                    with self.recorder.op(self.gid, j, "B"):
+                        torch.autograd.backward(out, grad)
+                if not self.first:
+                    payload = x.grad
+                    sends += [(dist.isend(payload, r), payload) for r in self.send_bwd_to]
+        for work, _ in sends:
+            work.wait()
+        if self.loss_reporter:
+            loss_share[0] = torch.stack(losses).float().mean() * self.reducer.weights[self.me[0]]
+        return loss_share
+
+    def sync_and_clip(self, max_norm: float) -> torch.Tensor:
+        params = self._unit_params()
+        if self.me is not None:
+            self.reducer.reduce(params, self.me, self.tp_index, self.stage.tp)
+        sq = torch.zeros(1, device=self.device)
+        for unit, _, param in params:   # each parameter counted once: on its canonical holder
+            if self.reducer.canonical(unit) != self.me or param.grad is None:
+                continue
+            g = param.grad
+            sharded = hasattr(g, "to_local") and any(type(pl).__name__ == "Shard" for pl in g.placements)
+            if sharded or self.tp_index == 0:
+                local = g.to_local() if hasattr(g, "to_local") else g
+                sq += local.detach().float().pow(2).sum()
+        dist.all_reduce(sq)
+        total = sq.sqrt()[0]
+        if max_norm and max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            with torch.no_grad():
+                for _, _, param in params:
+                    if param.grad is not None:
+                        g = param.grad
+                        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+        return total
+
+    def _unit_params(self) -> List[Tuple[str, str, nn.Parameter]]:
+        if self.me is None:
+            return []
+        seen, out = set(), []
+        for name, param in self.parts[self.gid].named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append((*self.units[name], param))
+        return out
+
+
+def _param_units(part: nn.Module, embed_units: List[str], tied_unit: Optional[str]) -> Dict[str, Tuple[str, str]]:
+    """Parameter name -> (unit, canonical name); a tied head's weight is the embedding's."""
+    units: Dict[str, Tuple[str, str]] = {}
+    blocks = f"{part.prefix}.{part.blocks_attr}."
+    for name, _ in part.named_parameters(remove_duplicate=False):
+        if name.startswith(blocks):
+            units[name] = ("block" + name[len(blocks):].split(".")[0], name)
+        elif name in embed_units:
+            units[name] = (name, name)
+        elif name == "lm_head.weight" and tied_unit is not None:
+            units[name] = (tied_unit, tied_unit)
+        else:
+            units[name] = ("final", name)
+    return units
+
+
+def _check_gpt2_tp(pipes: List[PipelinePlan], holders_by_unit: Dict[str, List[Holder]]) -> None:
+    """GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree, so
+    replicas may only share a block if they hold it at the same tp degree."""
+    for unit, holders in holders_by_unit.items():
+        tps = {pipes[p].stages[s].tp for p, s in holders}
+        if unit.startswith("block") and len(tps) > 1:
+            raise ValueError(f"GPT-2 {unit} is held at tp degrees {sorted(tps)} by different pipelines; GPT-2 "
+                             "replicas must hold a block at one tp degree (Llama-style models may mix)")

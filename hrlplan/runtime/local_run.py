@@ -1,0 +1,67 @@
+"""Train a given Plan on this machine's CPU workers, without probing or planning.
+
+The runtime tests and bench/runtime.py use it: they hand-write plans (heterogeneous ones too, which
+the planners do not emit yet) and need exactly the trainer, nothing around it. pretrain.py with
+planner=manual is the user-facing way to do the same.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from hrlplan.plan import Plan
+
+
+def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from hrlplan.runtime.trainer import PipelineTrainer
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        plan = Plan.from_yaml(plan_yaml)
+        logger = None
+        if dist.get_rank() == 0 and config.get("_metrics_file", True):
+            from hrlplan.runtime.metrics import MetricsLogger
+
+            logger = MetricsLogger(config["run_dir"], {}, {"mode": "disabled"}, enabled=True, echo=False)
+        trainer = PipelineTrainer(plan, config, config["run_dir"], logger=logger, device=torch.device("cpu"))
+        summary = trainer.fit()
+        if logger is not None:
+            logger.finish()
+        return summary if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
+               predicted: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Run `plan` with `config` (a composed config dict) in plan.world_size local processes; returns
+    rank 0's summary (history, measured). `predicted` lands in plan.meta.predicted for plan_info.json."""
+    from launch.local import launch_workers
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if predicted is not None:
+        plan.meta["predicted"] = predicted
+    plan.save(run_dir / "plan.yaml")
+    config = dict(config, run_dir=str(run_dir))
+    results = launch_workers(_worker, (config, plan.to_yaml()), plan.world_size, name="hrlplan-local")
+    return results[0]
+
+
+def compare_with_one_process(plan: Plan, overrides, run_dir: str | os.PathLike, steps: int = 5):
+    """(losses of `plan`, losses of one process) on the same config: the runtime tests' check."""
+    from hrlplan.config import compose
+    from hrlplan.runtime.reference import train_single_process
+
+    config = compose([*overrides, f"train.steps={steps}", "train.checkpoint_interval=0", "logger.mode=disabled"])
+    summary = train_plan(plan, config, run_dir)
+    reference = [h["loss"] for h in train_single_process(config, steps)]
+    return [h["train/lm_loss"] for h in summary["history"]], reference

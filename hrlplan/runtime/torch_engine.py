@@ -1,0 +1,92 @@
+"""The homogeneous plan on torch.distributed.pipelining: every schedule torch offers.
+
+A (pp, dp, tp) mesh with the plan's own rank layout; each stage is tensor-parallel over its tp
+sub-mesh (DTensor), then data-parallel over its dp sub-mesh (FSDP2 or replicate), then wrapped in a
+PipelineStage whose p2p group is the pp sub-mesh of this rank's (dp, tp) lane.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble)
+
+from hrlplan.models.hf import build_stage_modules, causal_lm_loss
+from hrlplan.plan import Plan
+from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
+from hrlplan.runtime.tensor_parallel import parallelize_stage
+from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
+    if plan.schedule == "zero_bubble":
+        cls = ScheduleZBVZeroBubble if plan.stages_per_rank == 2 else ScheduleInterleavedZeroBubble
+        return cls(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+    if plan.stages_per_rank > 1 or plan.schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+    return SCHEDULES[plan.schedule](stages[0], n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+
+
+class TorchPipelineEngine:
+    """One step = one `schedule.step`; parts maps this rank's stage indices to their modules."""
+
+    def __init__(self, plan: Plan, train: Dict, device: torch.device, full_model, recorder: StepRecorder):
+        self.plan, self.device, self.recorder = plan, device, recorder
+        self.rank = dist.get_rank()
+        self.coords = rank_coords(plan, self.rank)
+        self.mesh = build_mesh(plan, device.type)
+        self.pp_group = self.mesh["pp"].get_group()
+        self.stage_ids = plan.stages_of_rank(self.rank)
+        self.tied = bool(getattr(full_model.config, "tie_word_embeddings", False))
+        all_parts = build_stage_modules(full_model, [tuple(s.layers) for s in plan.stages])
+        self.tie_sync = TiedEmbeddingSync(plan, self.rank, self.tied)
+        if self.tie_sync.local and 0 in self.stage_ids:
+            TiedEmbeddingSync.untie(all_parts)
+        self.parts: Dict[int, torch.nn.Module] = {}
+        mp_dtype = torch.bfloat16 if train["dtype"] == "bfloat16" else None
+        tp = plan.stages[0].tp
+        for i in self.stage_ids:
+            part = all_parts[i].to(self.device)
+            if tp > 1:
+                parallelize_stage(part, self.mesh["tp"])
+            blocks = getattr(part.base, part.blocks_attr)
+            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], train["dp_mode"], blocks, mp_dtype)
+        del all_parts
+        self.tie_sync.bind(self.parts, plan)
+        self.stages = [PipelineStage(self.parts[i], i, plan.num_stages, self.device, group=self.pp_group)
+                       for i in self.stage_ids]
+        for i, stage in zip(self.stage_ids, self.stages):
+            instrument_pipeline_stage(stage, recorder, i)
+        self.schedule = build_schedule(plan, self.stages, causal_lm_loss)
+        self.has_first = 0 in self.parts
+        self.has_last = (plan.num_stages - 1) in self.parts
+        self.loss_reporter = self.has_last and self.coords["tp"] == 0
+
+    def local_rows(self) -> slice:
+        rows = self.plan.global_batch_size // self.plan.dp
+        d = self.coords["dp"]
+        return slice(d * rows, (d + 1) * rows)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it)."""
+        losses: List[torch.Tensor] = []
+        if self.has_first:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        else:
+            self.schedule.step(target=targets, losses=losses)
+        loss = torch.zeros(1, device=self.device)
+        if self.loss_reporter:
+            loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / self.plan.dp
+        return loss
+
+    def sync_and_clip(self, max_norm: float) -> torch.Tensor:
+        self.tie_sync.sync_grads()
+        # dict: a tied embedding held by two stages of this rank (ZBV) is one parameter, counted once
+        params = list({id(p): p for part in self.parts.values() for p in part.parameters()}.values())
+        skip = [p for p in params if self.tie_sync.is_duplicate(p, self.parts, self.plan)]
+        return clip_grad_norm(params, max_norm, self.pp_group, skip)

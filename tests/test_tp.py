@@ -1,0 +1,15 @@
+"""Tensor parallel inside pipeline stages (DTensor) trains exactly what one process trains."""
+import pytest
+
+from hrlplan.plan import homogeneous_plan
+from hrlplan.runtime.local_run import compare_with_one_process
+
+pytestmark = pytest.mark.slow
+
+
+def test_pp2_tp2_llama_matches_one_process(tmp_path):
+    plan = homogeneous_plan("llama-tiny", 4, [(0, 2), (2, 4)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
+                            schedule="1f1b")
+    losses, reference = compare_with_one_process(
+        plan, ["arch=llama-tiny", "arch.num_hidden_layers=4", "train.lr=3e-3"], tmp_path)
+    assert losses == pytest.approx(reference, abs=1e-5)
