@@ -84,7 +84,7 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         slurm.setup_srun_env()
         situation = "srun"
     if situation:
-        slurm.install_preemption_handler()
+        slurm.install_preemption_handler(sigterm=situation == "srun")
         if slurm.restart_count() > 0 and _has_checkpoint(run_dir):
             # SLURM restarted this job (our requeue after a preemption checkpoint, a timeout, a node
             # failure): continue from this run's last checkpoint, whatever resume said at submission.
@@ -329,6 +329,9 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         from launch.slurm import finish_preempted
 
         finish_preempted(_broadcast, rank)  # requeues and exits when this is a SLURM job
+    # Leave together: a rank that tears its process group down while rank 0 still reports was
+    # seen to abort at exit ("terminate called without an active exception"), failing the step.
+    dist.barrier()
     return dict(summary) if rank == 0 else None
 
 

@@ -87,9 +87,10 @@ def setup_submitit_env() -> None:
         os.environ["OMP_NUM_THREADS"] = cpus if cpus and cpus.isdigit() else "1"
 
 
-def install_preemption_handler() -> None:
+def install_preemption_handler(sigterm: bool = False) -> None:
     """In a SLURM task: USR2 (submitit's signal; SUBMITIT_PREEMPT_SIGNAL changes it) only raises
-    the stop flag (see the module docstring)."""
+    the stop flag (see the module docstring). sigterm: SIGTERM too (plain srun tasks: SLURM sends
+    it on preemption; under submitit, submitit already ignores SIGTERM and waits for USR2)."""
     sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
     current = signal.getsignal(sig)
     if current is _flag_handler:
@@ -97,6 +98,8 @@ def install_preemption_handler() -> None:
     if hasattr(current, "__self__") and hasattr(current.__self__, "_delayed"):
         _SUBMITIT_HANDLER[0] = current
     signal.signal(sig, _flag_handler)
+    if sigterm:
+        signal.signal(signal.SIGTERM, _flag_handler)
 
 
 def _flag_handler(signum, frame) -> None:

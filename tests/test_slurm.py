@@ -1,8 +1,10 @@
 """hrlplan on a real SLURM (launch/local_slurm/start.sh starts one on localhost; skipped with the
 reason where it cannot start): a 2-task job trains a pp=2 plan through submitit; a plan for
-another number of ranks fails before training; an interrupted job requeues, resumes and ends
-with the uninterrupted run's loss under the same W&B run id; a 2-point Hydra multirun through
-hydra-submitit-launcher writes both sweep directories and W&B runs."""
+another number of ranks fails before training; an interrupted job (job._interrupt()) requeues,
+resumes and ends with the uninterrupted run's loss under the same W&B run id; a job killed
+without warning resumes from its last periodic checkpoint; a 2-point Hydra multirun through
+hydra-submitit-launcher writes both sweep directories and W&B runs; the offline W&B folder holds
+the config, the plan artifact, the metrics and the timeline image; the plain sbatch example runs."""
 from __future__ import annotations
 
 import json
@@ -243,3 +245,25 @@ def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_
     assert common
     for s in common:
         assert again[s] == pytest.approx(first[s], abs=1e-6)
+
+
+def test_plain_sbatch_example_runs_one_rank_per_task(slurm, tmp_path):
+    """launch/sbatch/pretrain.sbatch (srun, no Hydra launcher), shrunk to this node by sbatch options."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, HRLPLAN_RUN_DIR=str(run_dir), HRLPLAN_DIR=str(ROOT), WANDB_SILENT="true")
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
+           "--mem=2G", "--time=10", "--partition=debug", f"--output={tmp_path}/%j.out",
+           str(ROOT / "launch" / "sbatch" / "pretrain.sbatch"), "train.steps=4", "logger.mode=disabled"]
+    job_id = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 180
+    state = ""
+    while time.time() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        state = next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        time.sleep(1)
+    log = (tmp_path / f"{job_id}.out").read_text() if (tmp_path / f"{job_id}.out").exists() else ""
+    assert state == "COMPLETED", f"job {job_id} {state}:\n{log[-3000:]}"
+    assert len(json.loads((run_dir / "cluster.json").read_text())["devices"]) == 2
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
