@@ -1,0 +1,169 @@
+"""Runtime benchmark: pipeline overhead, measured step time vs the simulator (before and after
+calibration), and the measured bubble vs the analytic and simulated ones.
+
+    python bench/runtime.py [--steps 10] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
+
+For each world size the plans need, a job of that many CPU workers probes this machine and
+calibrates (hrlplan.runtime.calibrate.calibrate_in_job) with the same process count the plans run
+with: on a shared 2-core machine the per-rank speed depends on how many ranks compete for it.
+On a GPU machine it would also report GPT-2 124M bf16 MFU; without one it says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ARCH = ["arch=gpt2-tiny", "train.lr=3e-3", "train.global_batch_size=8", "logger.mode=disabled",
+        "train.checkpoint_interval=0"]
+
+
+def plans() -> Dict[str, Any]:
+    from hrlplan.plan import homogeneous_plan
+    from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
+
+    def hp(spans, dp=1, m=4, schedule="1f1b", v=1):
+        return homogeneous_plan("gpt2-tiny", 6, spans, dp=dp, tp=1, microbatch_size=8 // (m * dp), num_microbatches=m,
+                                schedule=schedule, stages_per_rank=v)
+
+    mods = get_modules("gpt2-tiny")
+    one, two = PipelineTemplate("gpt2-tiny", [mods]), PipelineTemplate("gpt2-tiny", [mods[:5], mods[5:]])
+    quarter = [(0, 2), (2, 3), (3, 5), (5, 6)]
+    return {
+        "1stage": hp([(0, 6)], m=1),
+        "dp2": hp([(0, 6)], dp=2, m=1),
+        "pp2-gpipe": hp([(0, 3), (3, 6)], schedule="gpipe"),
+        "pp2-1f1b": hp([(0, 3), (3, 6)]),
+        "pp2-interleaved": hp(quarter, schedule="interleaved_1f1b", v=2),
+        "pp2-zbv": hp(quarter, schedule="zero_bubble", v=2),
+        "hetero-1+2": build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny"),
+        "pp2xdp2": hp([(0, 3), (3, 6)], dp=2, m=2),
+    }
+
+
+# ---------------------------------------------------------------- probe + calibrate in a job of W workers
+def _calibrate_worker(config: Dict[str, Any]) -> Dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    from hrlplan.cluster import probe_distributed
+    from hrlplan.runtime.calibrate import calibrate_in_job
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        spec = probe_distributed(config["cluster"], name="bench")
+        box = [spec]
+        dist.broadcast_object_list(box, src=0)
+        uncalibrated = box[0].to_dict()
+        spec = calibrate_in_job(box[0], config["arch"], config["train"], config["data"])
+        return {"uncalibrated": uncalibrated, "calibrated": spec.to_dict()} if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def threads_for(world: int) -> None:
+    """One thread per worker, set before every launch (launch_workers only sets a default, which the
+    first launch of this process would otherwise fix for all later ones). One, not cores/world: on
+    a machine shared with other jobs a multi-threaded OpenMP region waits for its slowest thread,
+    which made one 2-thread worker 5x slower than two 1-thread workers in our measurements."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def specs_for(world: int, config: Dict[str, Any]):
+    from hrlplan.cluster import ClusterSpec
+    from launch.local import launch_workers
+
+    threads_for(world)
+    out = launch_workers(_calibrate_worker, (config,), world, name="bench-calibrate")[0]
+    return ClusterSpec.from_dict(out["uncalibrated"]), ClusterSpec.from_dict(out["calibrated"])
+
+
+def rel(measured: float, predicted: float) -> float:
+    return (measured - predicted) / predicted if predicted else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime.json"))
+    ap.add_argument("--only", default="", help="comma-separated plan names")
+    ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-runtime")
+    args = ap.parse_args()
+
+    from hrlplan.config import compose
+    from hrlplan.model_meta import introspect
+    from hrlplan.runtime.calibrate import predict_plan
+    from hrlplan.runtime.local_run import train_plan
+    from hrlplan.runtime.reference import train_single_process
+    from hrlplan.runtime.timing import analytic_bubble, median_step_time
+
+    config = compose([*ARCH, f"train.steps={args.steps}"])
+    meta = introspect(config["arch"], seq_len=int(config["data"]["seq_len"]))
+    chosen = {k: v for k, v in plans().items() if not args.only or k in args.only.split(",")}
+    report: Dict[str, Any] = {"model": "gpt2-tiny", "steps": args.steps, "machine": f"{os.cpu_count()} CPU cores",
+                              "plans": {}, "calibration": {}}
+    specs = {}
+    for world in sorted({p.world_size for p in chosen.values()}):
+        t0 = time.time()
+        specs[world] = specs_for(world, config)
+        report["calibration"][str(world)] = {k: v for k, v in specs[world][1].calibration.items() if k != "measurements"}
+        print(f"[bench] probed + calibrated {world} worker(s) in {time.time() - t0:.1f} s: "
+              f"{report['calibration'][str(world)]}", flush=True)
+
+    for name, plan in chosen.items():
+        before = predict_plan(plan, meta, specs[plan.world_size][0], config["train"])
+        after = predict_plan(plan, meta, specs[plan.world_size][1], config["train"])
+        threads_for(plan.world_size)
+        summary = train_plan(plan, config, Path(args.run_dir) / name, predicted=after)
+        step = median_step_time([h["train/step_time_s"] for h in summary["history"]])
+        m = summary["measured"]
+        row = {"layout": plan.layout(), "world_size": plan.world_size, "measured_step_s": step,
+               "predicted_step_s_uncalibrated": before["step_time_s"], "predicted_step_s_calibrated": after["step_time_s"],
+               "error_uncalibrated": rel(step, before["step_time_s"]), "error_calibrated": rel(step, after["step_time_s"]),
+               "bubble_measured": m["bubble_fraction"], "bubble_simulated": after["bubble_fraction"],
+               "bubble_analytic": analytic_bubble(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
+               if not plan.heterogeneous else None,
+               "final_loss": summary["history"][-1]["train/lm_loss"]}
+        report["plans"][name] = row
+        print(f"[bench] {name:16s} measured {step * 1e3:7.2f} ms | simulator {before['step_time_s'] * 1e3:7.2f} ms "
+              f"({row['error_uncalibrated']:+.1%}) -> calibrated {after['step_time_s'] * 1e3:7.2f} ms "
+              f"({row['error_calibrated']:+.1%}) | bubble measured {m['bubble_fraction']:.2f} simulated "
+              f"{after['bubble_fraction']:.2f} analytic {row['bubble_analytic']}", flush=True)
+
+    if "1stage" in chosen:
+        import torch
+
+        torch.set_num_threads(1)   # as the pipeline's worker
+        plain = [h["step_time_s"] for h in train_single_process(config, args.steps)]
+        pipe = report["plans"]["1stage"]["measured_step_s"]
+        plain_med = median_step_time(plain)
+        report["overhead"] = {"plain_loop_step_s": plain_med, "one_stage_pipeline_step_s": pipe,
+                              "ratio": pipe / plain_med}
+        print(f"[bench] overhead: 1-stage pipeline {pipe * 1e3:.2f} ms vs plain loop {plain_med * 1e3:.2f} ms "
+              f"(ratio {pipe / plain_med:.3f})", flush=True)
+    errs = [abs(r["error_calibrated"]) for r in report["plans"].values()]
+    errs0 = [abs(r["error_uncalibrated"]) for r in report["plans"].values()]
+    report["median_abs_error_uncalibrated"] = statistics.median(errs0) if errs0 else None
+    report["median_abs_error_calibrated"] = statistics.median(errs) if errs else None
+    import torch
+
+    report["gpu_mfu"] = ("no GPU in this run: GPT-2 124M bf16 MFU not measured" if not torch.cuda.is_available()
+                         else "GPU present: run `python pretrain.py arch=gpt2 train.dtype=bfloat16` and read train/mfu")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=float))
+    print(f"[bench] median |error| uncalibrated {report['median_abs_error_uncalibrated']:.1%}, calibrated "
+          f"{report['median_abs_error_calibrated']:.1%}; {report['gpu_mfu']}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
