@@ -1,10 +1,13 @@
 """Planner benchmark: exact vs HRL vs random (equal simulator evaluations) on >= 24 instances.
 
-    python bench/planner.py [--quick] [--only SUBSTRING] [--train-steps N] [--out bench/results/planner.json]
+    python bench/planner.py [--quick] [--only SUBSTRING] [--train-steps N] [--held-out N] [--out bench/results/planner.json]
 
-For each instance: exact optimum where tractable (proven_optimal), the HRL result (train_steps
-updates on the instance, then samples), random search with as many simulator evaluations as HRL
-used, the ratios exact/hrl and exact/random (1.0 = optimal), planning and training times.
+For each instance: exact optimum where tractable (proven_optimal), the HRL result (the shipped
+generalist fine-tuned with train_steps updates on the instance, then samples), random search with
+as many simulator evaluations as HRL used, the ratios exact/hrl and exact/random (1.0 = optimal),
+zero-shot (the generalist with no training on the instance; "0shot s" is its whole planning time),
+planning and training times. Then the generalist zero-shot on held-out generated instances (random
+model shapes and GPU mixes from hrlplan.search.hrl.generate, seeds never used in its training).
 """
 from __future__ import annotations
 
@@ -79,10 +82,40 @@ def run(instance, train_steps: int, samples: int, seed: int) -> dict:
     row["hrl_ratio"] = row["exact_s"] / row["hrl_s"]
     row["random_ratio"] = row["exact_s"] / row["random_s"]
     # zero-shot: the policy without any training on this instance
+    t = time.perf_counter()
     zs, _ = make_plan(meta, cluster, dict(hrl_cfg, train_steps=0), train)
+    row["zero_shot_total_s"] = time.perf_counter() - t
     row["zero_shot_ratio"] = row["exact_s"] / zs.meta["predicted"]["step_time_s"]
     row["zero_shot_infer_s"] = zs.meta["planner"]["inference_time_s"]
+    row["policy"] = zs.meta["planner"]["policy"]
     return row
+
+
+def held_out(count: int, samples: int, seed: int) -> list:
+    """Zero-shot generalist vs exact on generated instances from the held-out seed range."""
+    from hrlplan.search.hrl.generate import HELD_OUT_SEEDS, random_instance
+
+    rows, s = [], HELD_OUT_SEEDS.start + 50   # the pretraining script's own evaluation uses the first seeds
+    while len(rows) < count and s < HELD_OUT_SEEDS.stop:
+        inst = random_instance(s)
+        s += 1
+        try:
+            t = time.perf_counter()
+            exact, _ = make_plan(inst.meta, inst.cluster, asdict(ExactPlannerConfig()), inst.train)
+            exact_t = time.perf_counter() - t
+        except UserError:
+            continue
+        if not exact.meta["planner"]["proven_optimal"]:
+            continue
+        cfg = dict(asdict(HRLPlannerConfig()), train_steps=0, samples=samples, seed=seed, progress=False)
+        t = time.perf_counter()
+        zs, _ = make_plan(inst.meta, inst.cluster, cfg, inst.train)
+        rows.append({"seed": s - 1, "instance": inst.label, "gpus": inst.cluster.world_size,
+                     "types": len(inst.cluster.device_types()), "exact_s": exact.meta["predicted"]["step_time_s"],
+                     "zero_shot_s": zs.meta["predicted"]["step_time_s"], "zero_shot_total_s": time.perf_counter() - t,
+                     "exact_time_s": exact_t, "policy": zs.meta["planner"]["policy"],
+                     "zero_shot_ratio": exact.meta["predicted"]["step_time_s"] / zs.meta["predicted"]["step_time_s"]})
+    return rows
 
 
 def main() -> None:
@@ -92,6 +125,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--held-out", type=int, default=10, help="generated held-out instances (zero-shot)")
     ap.add_argument("--out", default="bench/results/planner.json")
     args = ap.parse_args()
     items = [i for i in INSTANCES if not args.only or args.only in " ".join(map(str, i))]
@@ -99,7 +133,7 @@ def main() -> None:
         items, args.train_steps = items[:6], min(args.train_steps, 10)
     rows = []
     head = (f"{'arch':<12}{'cluster':<16}{'gpus':>5}{'sched':>10}{'exact ms':>11}{'prov':>5}{'hrl/ex':>8}"
-            f"{'rnd/ex':>8}{'0shot':>7}{'evals':>7}{'train s':>8}{'infer s':>8}{'exact s':>8}")
+            f"{'rnd/ex':>8}{'0shot':>7}{'evals':>7}{'train s':>8}{'infer s':>8}{'0shot s':>8}{'exact s':>8}")
     print(head)
     print("-" * len(head))
     for inst in items:
@@ -108,7 +142,14 @@ def main() -> None:
         print(f"{r['arch']:<12}{r['cluster']:<16}{r['gpus']:>5}{r['schedule'][:9]:>10}{r['exact_s'] * 1e3:>11.1f}"
               f"{'y' if r['exact_proven'] else 'n':>5}{r['hrl_ratio']:>8.3f}{r['random_ratio']:>8.3f}"
               f"{r['zero_shot_ratio']:>7.3f}{r['evaluations']:>7}{r['hrl_train_s']:>8.1f}{r['hrl_infer_s']:>8.2f}"
-              f"{r['exact_time_s']:>8.2f}", flush=True)
+              f"{r['zero_shot_total_s']:>8.2f}{r['exact_time_s']:>8.2f}", flush=True)
+    held = held_out(args.held_out, args.samples, args.seed) if args.held_out > 0 and not args.only else []
+    if held:
+        print(f"\nzero-shot on held-out generated instances (policy: {held[0]['policy']})")
+        print(f"{'instance':<72}{'exact ms':>11}{'0shot':>7}{'0shot s':>8}{'exact s':>8}")
+        for h in held:
+            print(f"{h['instance']:<72}{h['exact_s'] * 1e3:>11.1f}{h['zero_shot_ratio']:>7.3f}"
+                  f"{h['zero_shot_total_s']:>8.2f}{h['exact_time_s']:>8.2f}", flush=True)
     tract = [r for r in rows if r["exact_proven"]]
     summary = {
         "instances": len(rows), "tractable": len(tract),
@@ -116,11 +157,15 @@ def main() -> None:
         "zero_shot_min_ratio_tractable": min((r["zero_shot_ratio"] for r in tract), default=None),
         "hrl_beats_or_ties_random": sum(r["hrl_s"] <= r["random_s"] * (1 + 1e-12) for r in rows),
         "max_hrl_train_s": max((r["hrl_train_s"] for r in rows), default=None),
+        "policy": rows[0]["policy"] if rows else None,
+        "held_out": len(held),
+        "zero_shot_min_ratio_held_out": min((h["zero_shot_ratio"] for h in held), default=None),
+        "zero_shot_mean_ratio_held_out": (sum(h["zero_shot_ratio"] for h in held) / len(held)) if held else None,
     }
     print(json.dumps(summary, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "summary": summary, "args": vars(args)}, indent=1))
+    out.write_text(json.dumps({"rows": rows, "held_out": held, "summary": summary, "args": vars(args)}, indent=1))
 
 
 if __name__ == "__main__":

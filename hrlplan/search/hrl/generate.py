@@ -13,7 +13,7 @@ them, so zero-shot results on generated instances are on unseen instances.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 
