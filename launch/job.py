@@ -8,7 +8,8 @@ pretrain.py hands the composed config here. It detects its situation:
   environment from SLURM's, then as above. No torchrun inside a SLURM task.
 In a worker, every rank takes part in the probe, rank 0 introspects and plans (or reuses a cached
 plan, see plan_cache.py), the plan is broadcast, and every rank builds its stage and trains.
-Preemption (SLURM's USR2) stops training at a step boundary with a checkpoint, then requeues.
+Preemption (SLURM's USR2) stops training at a step boundary with a checkpoint, then requeues
+(hrlplan/runtime/preempt.py has the contract, launch/slurm.py the signal and requeue side).
 """
 from __future__ import annotations
 
@@ -336,51 +337,28 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _train(config: Dict[str, Any], plan, logger, device, family: str) -> Dict[str, Any]:
+    """Train; a trainer follows hrlplan.runtime.preempt's contract: it checks the stop flag at
+    every step boundary, checkpoints on all ranks and returns `preempted: True` (or raises
+    preempt.Preempted)."""
     run_dir = str(config["run_dir"])
-    if family == "hrm":
-        from hrlplan.runtime.hrm_trainer import train_hrm
-
-        return train_hrm(config, run_dir, plan, logger)
-    from hrlplan.runtime.trainer import PipelineTrainer
-
-    # A trainer that checks the stop flag itself (hrlplan.runtime.preempt) needs no wrapper; the
-    # wrapper would only add a second collective per step.
-    native = getattr(PipelineTrainer, "checks_preemption", False) or \
-        getattr(sys.modules[PipelineTrainer.__module__], "preempt", None) is preempt
-    cls = PipelineTrainer if native else preemptible(PipelineTrainer)
-    trainer = cls(plan, config, run_dir, logger=logger, device=device)
     try:
-        summary = trainer.fit()
+        if family == "hrm":
+            from hrlplan.runtime.hrm_trainer import train_hrm
+
+            summary = train_hrm(config, run_dir, plan, logger)
+        else:
+            from hrlplan.runtime.trainer import PipelineTrainer
+
+            summary = PipelineTrainer(plan, config, run_dir, logger=logger, device=device).fit()
     except preempt.Preempted as p:
         summary = {"final_step": p.step, "history": [], "preempted": True, "checkpoint": p.checkpoint}
-    if summary.get("preempted") and int(summary.get("final_step") or 0) >= int(config["train"]["steps"]):
+    total = int(summary.get("total_steps") or config["train"]["steps"])
+    if summary.get("preempted") and int(summary.get("final_step") or 0) >= total:
         summary["preempted"] = False  # the signal came with the last step: the run is complete
     if summary.get("preempted"):
         logger.note(f"stopped at step {summary.get('final_step')} for preemption/timeout ({preempt.stop_reason()}), "
                     "after a checkpoint")
     return summary
-
-
-def preemptible(trainer_cls):
-    """The trainer with the preemption contract of hrlplan.runtime.preempt, for a trainer that does
-    not check the flag itself: before each step (a step boundary) all ranks agree on the flag;
-    when it is set they write a checkpoint together (unless this step has one) and stop."""
-    from hrlplan.runtime import checkpoint as ckpt
-
-    class Preemptible(trainer_cls):
-        def train_step(self, step: int):
-            if preempt.stop_agreed(self.device):
-                latest = ckpt.latest_checkpoint(self.ckpt_root)
-                path = latest if latest is not None and latest.name == f"step_{self.step:06d}" else self.save()
-                raise preempt.Preempted(self.step, str(path))
-            # For rehearsing preemption on a tiny model: a pause per step (does not change numerics).
-            pause = float(os.environ.get("HRLPLAN_DEBUG_STEP_SLEEP_S", "0") or 0)
-            if pause > 0:
-                time.sleep(pause)
-            return super().train_step(step)
-
-    Preemptible.__name__ = f"Preemptible{trainer_cls.__name__}"
-    return Preemptible
 
 
 # ---------------------------------------------------------------- W&B and the report

@@ -185,6 +185,11 @@ class MetricsLogger:
         if self.wandb is not None:
             try:
                 self.wandb.finish()
+                import wandb
+
+                # finish() can return before the service wrote everything to the offline file;
+                # teardown waits for it, so the folder is complete before a requeue or exit.
+                wandb.teardown()
             except Exception as e:  # the service died (e.g. signalled): what it wrote is kept
                 warnings.warn(f"W&B finish failed ({type(e).__name__}: {e})")
             self.wandb = None
