@@ -146,9 +146,9 @@ def main() -> None:
     held = held_out(args.held_out, args.samples, args.seed) if args.held_out > 0 and not args.only else []
     if held:
         print(f"\nzero-shot on held-out generated instances (policy: {held[0]['policy']})")
-        print(f"{'instance':<72}{'exact ms':>11}{'0shot':>7}{'0shot s':>8}{'exact s':>8}")
+        print(f"{'instance':<84}{'exact ms':>11}{'0shot':>7}{'0shot s':>8}{'exact s':>8}")
         for h in held:
-            print(f"{h['instance']:<72}{h['exact_s'] * 1e3:>11.1f}{h['zero_shot_ratio']:>7.3f}"
+            print(f"{h['instance']:<84}{h['exact_s'] * 1e3:>11.1f}{h['zero_shot_ratio']:>7.3f}"
                   f"{h['zero_shot_total_s']:>8.2f}{h['exact_time_s']:>8.2f}", flush=True)
     tract = [r for r in rows if r["exact_proven"]]
     summary = {
