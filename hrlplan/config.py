@@ -127,9 +127,10 @@ class TrainConfig:
     dtype: str = "float32"            # float32 | bfloat16 (mixed precision where supported)
     log_interval: int = 1
     profile: bool = False
-    # HRM-style training (arch=hrm): counted in epochs over the puzzle set.
-    epochs: Optional[int] = None
+    # Evaluation on the validation split: every eval_interval steps (language models; always at the
+    # end) or epochs (HRM, which also counts its run in epochs).
     eval_interval: Optional[int] = None
+    epochs: Optional[int] = None
     puzzle_emb_lr: float = 1e-2
     puzzle_emb_weight_decay: float = 0.1
 

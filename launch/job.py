@@ -27,8 +27,10 @@ from hrlplan.errors import UserError
 from hrlplan.runtime import preempt
 
 ERROR_FILE = ".worker_error"
+LOCAL_AGENT_ENV = "HRLPLAN_LOCAL_AGENT"
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
-TP_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# GPT-2 counts too: its Conv1D layers are converted to nn.Linear before sharding.
+TP_MODEL_TYPES = {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
 HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was considered
 
 
@@ -238,7 +240,8 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         if rank == 0:
             Path(config["run_dir"], ERROR_FILE).write_text(str(e))
-            print(f"hrlplan: error: {e}", file=sys.stderr, flush=True)
+            if not os.environ.get(LOCAL_AGENT_ENV):  # our local launcher prints it once itself
+                print(f"hrlplan: error: {e}", file=sys.stderr, flush=True)
         if raise_errors:
             raise
         raise SystemExit(2)
@@ -289,6 +292,11 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     run_dir = Path(config["run_dir"])
     t_probe = time.time()
     spec = load_or_probe_in_job(config["cluster"])
+    if config["planner"].get("calibrate") and config["arch"].get("family") != "hrm":
+        from hrlplan.runtime.calibrate import calibrate_in_job
+
+        # Collective: measured block/p2p times replace peak-FLOP estimates in the cost model.
+        spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"])
     probe_s = time.time() - t_probe
 
     # Rank 0 plans; every rank learns the plan or the one error message.

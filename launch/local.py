@@ -5,6 +5,7 @@ agent, and each worker gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT a
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any, Callable, Dict
@@ -33,6 +34,11 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn")
+    # Workers report their own failures (once, from the failing rank); the agent's copies of the
+    # same traceback would only bury that message.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    os.environ["HRLPLAN_LOCAL_AGENT"] = "1"
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:

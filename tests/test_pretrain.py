@@ -70,3 +70,19 @@ def test_bad_override_gets_one_clear_message(tmp_path):
     proc = pretrain(tmp_path / "bad", "train.stepz=3", check=False)
     assert proc.returncode != 0
     assert "stepz" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_loss_and_perplexity_at_the_end(default_run):
+    run_dir, _ = default_run
+    evals = [m for m in read_metrics(run_dir) if "eval/lm_loss" in m]
+    assert evals and evals[-1]["step"] == 50
+    assert evals[-1]["eval/perplexity"] == pytest.approx(__import__("math").exp(evals[-1]["eval/lm_loss"]), rel=1e-6)
+
+
+def test_worker_side_error_is_one_line_without_traceback(tmp_path):
+    proc = pretrain(tmp_path / "bad", "data.seq_len=256", "logger.mode=disabled", check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hrlplan: error:")]
+    assert errors == ["hrlplan: error: data.seq_len=256 is longer than the model's 128 positions; "
+                      "set data.seq_len<=128 or arch.n_positions=256"]
+    assert "Traceback" not in proc.stderr

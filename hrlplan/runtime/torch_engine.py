@@ -72,13 +72,16 @@ class TorchPipelineEngine:
         d = self.coords["dp"]
         return slice(d * rows, (d + 1) * rows)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it)."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it).
+
+        train=False runs the same schedule forward only (evaluation)."""
         losses: List[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
         if self.has_first:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            run(inputs, target=targets, losses=losses)
         else:
-            self.schedule.step(target=targets, losses=losses)
+            run(target=targets, losses=losses)
         loss = torch.zeros(1, device=self.device)
         if self.loss_reporter:
             loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / self.plan.dp

@@ -9,6 +9,7 @@ and, at the end, writes plan-vs-measured into plan_info.json.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from contextlib import nullcontext
@@ -146,6 +147,25 @@ class PipelineTrainer:
         dt = time.perf_counter() - t0
         return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
 
+    def evaluate(self, batches: int = 2) -> Dict[str, float]:
+        """Loss and perplexity on the validation split (the same batches every time)."""
+        forward_only = "train" in inspect.signature(self.engine.forward_backward).parameters
+        total = 0.0
+        for k in range(batches):
+            inputs, targets = self.data.batch(k, int(self.plan.global_batch_size), split="val")
+            rows = self.engine.local_rows()
+            inputs, targets = inputs[rows].to(self.device), targets[rows].to(self.device)
+            if forward_only:
+                loss = self.engine.forward_backward(inputs, targets, train=False)
+            else:  # hrlplan's own executor has no forward-only path: its gradients are dropped below
+                loss = self.engine.forward_backward(inputs, targets)
+                for opt in self.optimizers.values():
+                    opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss)
+            total += loss.item()
+        mean = total / batches
+        return {"eval/lm_loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
     def _gather(self, payload: Dict[str, Any]) -> List[Dict[str, Any]]:
         out: List[Dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(out, payload)
@@ -195,6 +215,11 @@ class PipelineTrainer:
                         metrics[f"stage/{i}/idle_s"] = st["idle_s"]
                     if self.logger is not None:
                         self.logger.log(metrics, step=self.step)
+                eval_every = self.train.get("eval_interval")
+                if (eval_every and self.step % int(eval_every) == 0) or self.step == total:
+                    metrics.update(self.evaluate())
+                    if self.logger is not None:
+                        self.logger.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=self.step)
                 history.append({"step": self.step, **metrics})
                 # preempt.stop_agreed is collective: every rank stops at the same step, with a checkpoint
                 preempted = preempt.stop_agreed(self.device)
