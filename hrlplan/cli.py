@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="cluster.json")
     s.add_argument("--nproc-per-node", default="auto", help="workers to probe on this node (auto: GPUs or cores)")
     s.add_argument("--preset", help="write a conf/cluster/<preset>.yaml cluster instead of probing")
+    s.add_argument("--wandb", default="disabled", choices=["disabled", "offline", "online"],
+                   help="also log the probe as a W&B run (job_type=probe) beside --out")
     s.set_defaults(func=_probe_cluster)
 
     s = sub.add_parser("introspect-model", help="parameters, FLOPs, activations per block; write model_meta.json")

@@ -52,6 +52,24 @@ def probe_cluster_cli(args: argparse.Namespace) -> None:
     if result is not None:
         spec = ClusterSpec.from_dict(result)
         print(spec.summary())
+        if args.wandb != "disabled":
+            log_probe_run(spec, args.out, args.wandb)
         print(json.dumps({"devices": [(d.rank, d.name, round(d.peak_flops / 1e9, 1)) for d in spec.devices],
                           "bandwidth_GBps": [[round(x / 1e9, 2) for x in row] for row in spec.bandwidth or []]}))
         print(f"wrote {args.out}")
+
+
+def log_probe_run(spec, out: str, mode: str) -> None:
+    """A W&B run of job_type=probe beside cluster.json: the device table and the spec as an artifact."""
+    from pathlib import Path
+
+    from hrlplan.runtime.metrics import MetricsLogger
+
+    run_dir = Path(out).resolve().parent
+    logger = MetricsLogger(run_dir, {"cluster": spec.name}, {"mode": mode, "project": "hrlplan"},
+                           job_type="probe", name=f"probe-{spec.name}", echo=False)
+    logger.log_table("probe/devices", ["rank", "node", "host", "kind", "name", "memory_GiB", "TFLOPs"],
+                     [[d.rank, d.node, d.hostname, d.kind, d.name, d.memory_bytes / 2**30, d.peak_flops / 1e12]
+                      for d in spec.devices])
+    logger.log_artifact(out, "cluster-spec", name="cluster")
+    logger.finish()

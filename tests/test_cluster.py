@@ -19,7 +19,7 @@ def test_round_robin_pairs_every_pair_once():
 @pytest.mark.slow
 def test_probe_cluster_cli_measures_three_workers(tmp_path):
     out = tmp_path / "cluster.json"
-    main(["probe-cluster", "--out", str(out), "--nproc-per-node", "3"])
+    main(["probe-cluster", "--out", str(out), "--nproc-per-node", "3", "--wandb", "offline"])
     data = json.loads(out.read_text())
     assert data["schema_version"] == 1
     spec = ClusterSpec.load(out)
@@ -29,6 +29,8 @@ def test_probe_cluster_cli_measures_three_workers(tmp_path):
         for b in range(3):
             if a != b:
                 assert spec.bw(a, b) > 1e6 and spec.lat(a, b) > 0
+    blob = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    assert b"probe" in blob and b"cluster-spec" in blob   # a job_type=probe run with the spec artifact
 
 
 def test_unsupported_schema_version_is_refused(tmp_path):

@@ -97,3 +97,15 @@ def test_lr_schedule_warms_up_then_decays_to_min_ratio():
     assert lr_at(10, 1.0, 10, 100, 0.1) == pytest.approx(1.0)
     assert lr_at(100, 1.0, 10, 100, 0.1) == pytest.approx(0.1)
     assert lr_at(50, 1.0, 0, 100, 1.0) == 1.0   # HRM's lr_min_ratio=1.0: constant after warm-up
+
+
+def test_preemption_flag_checkpoints_and_stops(sudoku_dir, tmp_path, process_group):
+    from hrlplan.runtime import preempt
+
+    preempt.request_stop("test")
+    try:
+        result = train_hrm(_cfg(sudoku_dir), str(tmp_path), None, RecordingLogger())
+    finally:
+        preempt.clear()
+    assert result["preempted"] and result["step"] == 1
+    assert os.path.basename(result["checkpoint"]) == "step_1"

@@ -36,6 +36,7 @@ from hrlplan.data.sudoku import PuzzleSplit, ensure_sudoku_dataset
 from hrlplan.errors import UserError
 from hrlplan.models.hrm import ACTLossHead, build_hrm, check_hrm_fits, maybe_compile, source_files
 from hrlplan.models.sparse_embedding import SparseEmbeddingSignSGD
+from hrlplan.runtime import preempt
 
 log = logging.getLogger("hrlplan.hrm")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -300,6 +301,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
     carry = None
     local_bs = gbs // world
     started, start_step = time.time(), step
+    preempted = False
     model.train()
     for epoch in range(step // steps_per_epoch, epochs):
         first_batch = step - epoch * steps_per_epoch
@@ -347,6 +349,15 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
                 if periodic and periodic != last_ckpt and rank == 0:
                     shutil.rmtree(periodic, ignore_errors=True)
                 periodic = last_ckpt
+            # Collective (preempt's contract): all ranks agree, checkpoint together and stop.
+            if preempt.stop_agreed(device):
+                preempted = True
+                if last_ckpt is None or not last_ckpt.endswith(f"step_{step}"):
+                    last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg,
+                                                run_dir)
+                break
+        if preempted:
+            break
         finished_epoch = step // steps_per_epoch
         at_end = step >= stop_at
         if (finished_epoch % eval_interval == 0 and step % steps_per_epoch == 0) or at_end:
@@ -365,7 +376,7 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
     bar.close()
     elapsed = time.time() - started
     result.update(step=step, final_step=step, total_steps=total_steps, checkpoint=last_ckpt, history=history,
-                  first_step_at=first_step_at, steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
+                  first_step_at=first_step_at, preempted=preempted, steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
     return result
 
 
