@@ -406,14 +406,22 @@ def _validate_heterogeneous(plan: Plan, err) -> None:
 
 
 def check_fits(plan: Plan, cluster, source: str = "plan.yaml") -> None:
-    """Checks against the cluster the plan will run on: world size and predicted memory."""
-    if plan.world_size != cluster.world_size:
+    """Checks against the cluster the plan will run on: world size and predicted memory.
+
+    A job (a probed cluster or its cluster.json) must run exactly the plan's ranks; a plan for a
+    preset may use a subset of its devices, through meta.launch.rank_to_device."""
+    live = cluster.source in ("probe", "file")
+    if live and plan.world_size != cluster.world_size:
         raise PlanError("world_size", f"the plan needs {plan.world_size} ranks but the job has {cluster.world_size}; "
                         "re-plan for this allocation or change the number of tasks/processes", source)
+    device_of = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
+    if len(device_of) != plan.world_size or max(device_of) >= cluster.world_size:
+        raise PlanError("meta.launch.rank_to_device", f"maps {plan.world_size} ranks onto devices the cluster "
+                        f"'{cluster.name}' ({cluster.world_size} devices) does not have; re-plan for this cluster", source)
     predicted = (plan.meta.get("predicted") or {}).get("memory_bytes_per_rank")
     if predicted:
         for rank, need in enumerate(predicted):
-            dev = cluster.devices[rank]
+            dev = cluster.devices[device_of[rank]]
             if need > dev.memory_bytes:
                 raise PlanError("meta.predicted.memory_bytes_per_rank",
                                 f"rank {rank} ({dev.name}) is predicted to need {need / 2**30:.2f} GiB but has "

@@ -62,7 +62,7 @@ def test_invalid_plan_names_the_field(case):
 def _cluster(n, mem):
     return ClusterSpec(name="t", devices=[DeviceInfo(rank=r, node=0, local_rank=r, hostname="h", kind="cuda",
                                                      name="GPU", memory_bytes=mem, peak_flops=1e12) for r in range(n)],
-                       intra_node_bw=[1e9])
+                       intra_node_bw=[1e9], source="probe")
 
 
 def test_memory_over_device_is_rejected_with_rank():
@@ -82,3 +82,15 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         Plan.from_yaml("pp: [1, 2")
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "nope.yaml")
+
+
+def test_preset_plan_may_use_a_subset_through_rank_to_device():
+    plan = good()
+    plan.meta["launch"]["rank_to_device"] = [4, 5, 6, 7]
+    plan.meta["predicted"] = {"memory_bytes_per_rank": [2**30] * 4}
+    preset = _cluster(8, 2**34)
+    preset.source = "preset"
+    check_fits(plan, preset)
+    plan.meta["launch"]["rank_to_device"] = [5, 6, 7, 8]
+    with pytest.raises(PlanError, match="does not have"):
+        check_fits(plan, preset)
