@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hrlplan.config import HRMArchConfig
 from hrlplan.models.hrm_layers import (CastedEmbedding, CastedLinear, ReasoningModule, RotaryEmbedding,
                                        swiglu_intermediate_size, trunc_normal_init_)
 from hrlplan.models.sparse_embedding import CastedSparseEmbedding
@@ -31,25 +32,11 @@ SUDOKU_SEQ_LEN, SUDOKU_VOCAB = 81, 11
 
 
 @dataclass
-class HRMConfig:
+class HRMConfig(HRMArchConfig):
+    """The arch keys (HRMArchConfig, what users override as arch.*) plus the data's dimensions."""
     seq_len: int = SUDOKU_SEQ_LEN
     vocab_size: int = SUDOKU_VOCAB
     num_puzzle_identifiers: int = 1
-    H_cycles: int = 2
-    L_cycles: int = 2
-    H_layers: int = 4
-    L_layers: int = 4
-    hidden_size: int = 512
-    num_heads: int = 8
-    expansion: float = 4.0
-    puzzle_emb_ndim: int = 512
-    pos_encodings: str = "rope"
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    halt_max_steps: int = 16
-    halt_exploration_prob: float = 0.1
-    loss_type: str = "stablemax_cross_entropy"
-    forward_dtype: str = "float32"
 
     @classmethod
     def from_arch(cls, arch: Dict[str, Any], **data_dims: Any) -> "HRMConfig":
@@ -422,8 +409,6 @@ def recommend_hrm_size(device_memory_bytes: float) -> Dict[str, Any]:
             lower = {2: 0, 5: 2, 10: 5}[limit]
             out = dict(settings, puzzle_emb_ndim=settings["hidden_size"], tier=f"{lower}-{limit}GB" if lower else "< 2GB")
             return out
-    from hrlplan.config import HRMArchConfig
-
     defaults = HRMArchConfig()
     arch = dict(hidden_size=defaults.hidden_size, H_layers=defaults.H_layers, L_layers=defaults.L_layers,
                 num_heads=defaults.num_heads, expansion=defaults.expansion, puzzle_emb_ndim=defaults.hidden_size)
