@@ -1,7 +1,13 @@
 """Runtime benchmark: pipeline overhead, measured step time vs the simulator (before and after
 calibration), and the measured bubble vs the analytic and simulated ones.
 
-    python bench/runtime.py [--steps 10] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
+    python bench/runtime.py [--steps 10] [--repeats 3] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
+
+Every plan is run --repeats times (interleaved with the other plans: round r runs every plan once)
+and the median of the runs' median step times is compared with the prediction; the runs' spread
+(max - min) / median is reported beside it as the run-to-run noise a reader should judge the
+error against. The calibration is fitted from micro-benchmarks and one one-process reference
+step only, never from the plans' own step times.
 
 For each world size the plans need, a job of that many CPU workers probes this machine and
 calibrates (hrlplan.runtime.calibrate.calibrate_in_job) with the same process count the plans run
@@ -95,6 +101,7 @@ def rel(measured: float, predicted: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per plan (noise estimate)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime.json"))
     ap.add_argument("--only", default="", help="comma-separated plan names")
     ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-runtime")
@@ -110,7 +117,7 @@ def main() -> None:
     config = compose([*ARCH, f"train.steps={args.steps}"])
     meta = introspect(config["arch"], seq_len=int(config["data"]["seq_len"]))
     chosen = {k: v for k, v in plans().items() if not args.only or k in args.only.split(",")}
-    report: Dict[str, Any] = {"model": "gpt2-tiny", "steps": args.steps, "machine": f"{os.cpu_count()} CPU cores",
+    report: Dict[str, Any] = {"model": "gpt2-tiny", "steps": args.steps, "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores",
                               "plans": {}, "calibration": {}}
     specs = {}
     for world in sorted({p.world_size for p in chosen.values()}):
@@ -120,25 +127,48 @@ def main() -> None:
         print(f"[bench] probed + calibrated {world} worker(s) in {time.time() - t0:.1f} s: "
               f"{report['calibration'][str(world)]}", flush=True)
 
+    runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in chosen}
+    for r in range(args.repeats):
+        for name, plan in chosen.items():
+            threads_for(plan.world_size)
+            try:
+                summary = train_plan(plan, config, Path(args.run_dir) / name,
+                                     predicted=predict_plan(plan, meta, specs[plan.world_size][1], config["train"]))
+            except Exception as e:   # a runtime failure of one plan must not hide the others' figures
+                print(f"[bench] round {r + 1}/{args.repeats} {name:16s} FAILED: {str(e)[:300]}", flush=True)
+                report.setdefault("failed", {})[name] = str(e)[:1000]
+                continue
+            runs[name].append({"step": median_step_time([h["train/step_time_s"] for h in summary["history"]]),
+                               "bubble": summary["measured"]["bubble_fraction"],
+                               "loss": summary["history"][-1]["train/lm_loss"]})
+            print(f"[bench] round {r + 1}/{args.repeats} {name:16s} {runs[name][-1]['step'] * 1e3:7.2f} ms", flush=True)
+
     for name, plan in chosen.items():
+        if not runs[name]:
+            continue
         before = predict_plan(plan, meta, specs[plan.world_size][0], config["train"])
         after = predict_plan(plan, meta, specs[plan.world_size][1], config["train"])
-        threads_for(plan.world_size)
-        summary = train_plan(plan, config, Path(args.run_dir) / name, predicted=after)
-        step = median_step_time([h["train/step_time_s"] for h in summary["history"]])
-        m = summary["measured"]
+        steps = [x["step"] for x in runs[name]]
+        step = statistics.median(steps)
+        noise = (max(steps) - min(steps)) / step if step else float("nan")
         row = {"layout": plan.layout(), "world_size": plan.world_size, "measured_step_s": step,
+               "measured_step_s_runs": steps, "run_to_run_spread": noise,
                "predicted_step_s_uncalibrated": before["step_time_s"], "predicted_step_s_calibrated": after["step_time_s"],
                "error_uncalibrated": rel(step, before["step_time_s"]), "error_calibrated": rel(step, after["step_time_s"]),
-               "bubble_measured": m["bubble_fraction"], "bubble_simulated": after["bubble_fraction"],
+               "error_calibrated_runs": [rel(x, after["step_time_s"]) for x in steps],
+               "predicted_breakdown": {k: v for k, v in after.get("breakdown", {}).items()
+                                       if isinstance(v, (int, float))},
+               "bubble_measured": statistics.median(x["bubble"] for x in runs[name]),
+               "bubble_simulated": after["bubble_fraction"],
                "bubble_analytic": analytic_bubble(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
                if not plan.heterogeneous else None,
-               "final_loss": summary["history"][-1]["train/lm_loss"]}
+               "final_loss": runs[name][-1]["loss"]}
         report["plans"][name] = row
-        print(f"[bench] {name:16s} measured {step * 1e3:7.2f} ms | simulator {before['step_time_s'] * 1e3:7.2f} ms "
-              f"({row['error_uncalibrated']:+.1%}) -> calibrated {after['step_time_s'] * 1e3:7.2f} ms "
-              f"({row['error_calibrated']:+.1%}) | bubble measured {m['bubble_fraction']:.2f} simulated "
-              f"{after['bubble_fraction']:.2f} analytic {row['bubble_analytic']}", flush=True)
+        print(f"[bench] {name:16s} measured {step * 1e3:7.2f} ms (spread {noise:5.1%} over {len(steps)}) | simulator "
+              f"{before['step_time_s'] * 1e3:7.2f} ms ({row['error_uncalibrated']:+.1%}) -> calibrated "
+              f"{after['step_time_s'] * 1e3:7.2f} ms ({row['error_calibrated']:+.1%}) | bubble measured "
+              f"{row['bubble_measured']:.2f} simulated {after['bubble_fraction']:.2f} analytic {row['bubble_analytic']}",
+              flush=True)
 
     if "1stage" in chosen:
         import torch
@@ -155,6 +185,9 @@ def main() -> None:
     errs0 = [abs(r["error_uncalibrated"]) for r in report["plans"].values()]
     report["median_abs_error_uncalibrated"] = statistics.median(errs0) if errs0 else None
     report["median_abs_error_calibrated"] = statistics.median(errs) if errs else None
+    report["max_abs_error_calibrated"] = max(errs) if errs else None
+    spreads = [r["run_to_run_spread"] for r in report["plans"].values()]
+    report["median_run_to_run_spread"] = statistics.median(spreads) if spreads else None
     import torch
 
     report["gpu_mfu"] = ("no GPU in this run: GPT-2 124M bf16 MFU not measured" if not torch.cuda.is_available()
@@ -162,7 +195,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=float))
     print(f"[bench] median |error| uncalibrated {report['median_abs_error_uncalibrated']:.1%}, calibrated "
-          f"{report['median_abs_error_calibrated']:.1%}; {report['gpu_mfu']}; wrote {args.out}")
+          f"{report['median_abs_error_calibrated']:.1%} (max {report['max_abs_error_calibrated']:.1%}); median "
+          f"run-to-run spread {report['median_run_to_run_spread']:.1%}; {report['gpu_mfu']}; wrote {args.out}")
 
 
 if __name__ == "__main__":

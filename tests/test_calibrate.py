@@ -35,3 +35,97 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
     assert 0 < cal["compute_efficiency"]["cpu"] and cal["step_time_scale"] > 0
     model = DeviceModel(ClusterSpec.load(tmp_path / "calibrated.json"))
     assert model.flops[0] == pytest.approx(2e10 * cal["compute_efficiency"]["cpu"])
+
+
+def _two_cpu_spec():
+    devices = [DeviceInfo(rank=r, node=0, local_rank=r, hostname="h", kind="cpu", name="cpu", memory_bytes=2**33,
+                          peak_flops=1e10) for r in range(2)]
+    return ClusterSpec(name="t", devices=devices, source="file", intra_node_bw=[1e9])
+
+
+def test_fit_calibration_recovers_known_overheads_from_synthetic_measurements():
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    flops = meta.block_flops_fwd_per_token[0]
+    eff, half = 0.3, 50.0
+    truth = {"op": (2e-4, 5e-4), "opt": (3e-4, 4e-3), "ends": 0.4, "ag": 1e-3, "rs": 3e-3, "hook": (1e-4, 2e-4),
+             "ar": 8e-5, "zb": 0.45, "lat": 6e-5}
+
+    def rank_measurements(jitter):
+        t = lambda x: x * (1 + jitter)  # noqa: E731  (ranks disagree a little; the fit takes medians)
+        return {"block": [{"tokens": n, "fwd_s": flops * (n + half) / (1e10 * eff),
+                           "bwd_s": 2 * flops * (n + half) / (1e10 * eff)} for n in (128, 512, 1024)],
+                "zb_input_grad_share": t(truth["zb"]),
+                "pipeline_ops": {"fwd": t(truth["op"][0]), "bwd": t(truth["op"][1])},
+                "optimizer": {"block": truth["opt"][0], "ends": truth["ends"] * truth["opt"][0]},
+                "data_parallel": {"allgather": t(truth["ag"]), "reduce": t(truth["rs"]), "hook_fwd": t(truth["hook"][0]),
+                                  "hook_bwd": t(truth["hook"][1]), "optimizer_sharded": t(truth["opt"][1]),
+                                  "allreduce_s": t(truth["ar"])}}
+
+    msg = 1 << 20
+    p2p = {"latency_s": truth["lat"], "message_s": truth["lat"] + msg / (0.5 * 1e9)}
+    cal = fit_calibration(spec, meta, [rank_measurements(-0.1), rank_measurements(0.0), rank_measurements(0.1)][:2]
+                          + [rank_measurements(0.0)], p2p, msg)
+    assert cal["compute_efficiency"]["cpu"] == pytest.approx(eff)
+    assert cal["half_saturation_tokens"]["cpu"] == pytest.approx(half)
+    assert cal["op_overhead_s"] == pytest.approx({"fwd": truth["op"][0], "bwd": truth["op"][1]})
+    assert cal["optimizer_s_per_block"] == pytest.approx({"plain": truth["opt"][0], "sharded": truth["opt"][1]})
+    assert cal["optimizer_ends_blocks"] == pytest.approx(truth["ends"])
+    assert cal["dp_collective_s"] == pytest.approx({"allgather": truth["ag"], "reduce": truth["rs"]})
+    assert cal["dp_hook_s"] == pytest.approx({"fwd": truth["hook"][0], "bwd": truth["hook"][1]})
+    assert cal["allreduce_latency_s"] == pytest.approx(truth["ar"])
+    assert cal["zb_input_grad_share"] == pytest.approx(truth["zb"])
+    assert cal["p2p_latency_s"] == pytest.approx(truth["lat"])
+    assert cal["bandwidth_efficiency"] == pytest.approx(0.5)
+    assert set(cal) <= set(CALIBRATION_KEYS)
+
+
+def _overhead_cluster(cal):
+    from tests.test_cost import toy_cluster
+
+    cl = toy_cluster(n=4, flops=[1e18] * 4)   # compute and wire time negligible: the fixed costs remain
+    cl.intra_node_bw = [1e18]
+    cl.calibration = dict(cal, compute_efficiency=1.0, bandwidth_efficiency=1.0)
+    return cl
+
+
+CAL = {"op_overhead_s": {"fwd": 1e-3, "bwd": 2e-3}, "p2p_latency_s": 5e-4, "allreduce_latency_s": 1e-4,
+       "optimizer_s_per_block": {"plain": 1e-4, "sharded": 1e-3}, "optimizer_ends_blocks": 0.5,
+       "step_overhead_s": 3e-3, "dp_collective_s": {"allgather": 2e-3, "reduce": 4e-3},
+       "dp_hook_s": {"fwd": 1e-5, "bwd": 2e-5}}
+
+
+def test_calibrated_pipeline_prediction_matches_hand_ground_truth():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()   # 8 blocks, untied
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=2,
+                 schedule="gpipe")
+    got = Simulator(meta, _overhead_cluster(CAL), CostOptions()).evaluate(lay).step_time_s
+    f, b, lat = 1e-3, 2e-3, 5e-4
+    pipeline = 3 * f + 2 * lat + 3 * b        # GPipe, 2 stages x 2 micro-batches, by hand
+    collectives = 2 * 1e-4                    # loss + gradient norm over the pipeline
+    optimizer = (4 + 0.5 / 2) * 1e-4          # 4 blocks + the embedding's (or head's) half of the ends
+    assert got == pytest.approx(pipeline + collectives + optimizer + 3e-3, rel=1e-4)
+
+
+def test_calibrated_fsdp_prediction_counts_a_collective_per_block():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 8),), groups=((0, 1),), tp=1, dp=2, microbatch_size=1, num_microbatches=1,
+                 schedule="1f1b")
+    got = Simulator(meta, _overhead_cluster(CAL), CostOptions(dp_mode="fsdp")).evaluate(lay).step_time_s
+    units = 8 + 1                              # one per block + the root's embedding/head
+    fwd = 1e-3 + 8 * 1e-5 + units * 2e-3       # op + hooks + all-gathers before the first forward
+    bwd = 2e-3 + 8 * 2e-5 + units * 4e-3       # op + hooks + reduce-scatters in the last backward
+    optimizer = (8 + 0.5) * 1e-3               # sharded: 8 blocks + embedding and head
+    assert got == pytest.approx(fwd + bwd + 1e-4 + optimizer + 3e-3, rel=1e-4)
+    uncalibrated = Simulator(meta, _overhead_cluster({}), CostOptions()).evaluate(lay).step_time_s
+    assert uncalibrated < 1e-3 < got

@@ -5,5 +5,7 @@ cluster.calibration keys read here: see hrlplan.cost.model.CALIBRATION_KEYS.
 """
 from hrlplan.cost.model import CALIBRATION_KEYS, CostOptions, Layout
 from hrlplan.cost.simulator import SimResult, Simulator, simulate
+from hrlplan.cost.plans import layout_of_plan, options_for_train, predict_any_plan
 
-__all__ = ["CALIBRATION_KEYS", "CostOptions", "Layout", "SimResult", "Simulator", "simulate"]
+__all__ = ["CALIBRATION_KEYS", "CostOptions", "Layout", "SimResult", "Simulator", "simulate", "layout_of_plan",
+           "options_for_train", "predict_any_plan"]

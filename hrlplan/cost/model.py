@@ -21,6 +21,23 @@ CALIBRATION_KEYS = {
     "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
     "step_time_scale": "float: measured/predicted step time of a reference run (multiplies every time)",
     "workspace_bytes": "float, or {device name: float}: framework overhead per rank",
+    # Fixed costs (seconds), fitted by `hrlplan calibrate` from its micro-benchmarks; absent = 0, so an
+    # uncalibrated cluster is costed exactly as before.
+    "op_overhead_s": "{fwd: s, bwd: s}: runtime overhead per forward / backward of one micro-batch on one "
+                     "stage (the pipeline library's per-call work), beside the blocks' own time",
+    "p2p_latency_s": "float: one-way time of a tiny point-to-point message (replaces the probed link "
+                     "latency for pipeline sends)",
+    "dp_collective_s": "{allgather: s, reduce: s}: exposed time of one FSDP/replicate collective per "
+                       "parameter unit (a block, or a stage's own embedding/head); all-gathers delay the "
+                       "unit's first forward, reduces its last backward",
+    "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
+    "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, tied-embedding and "
+                           "heterogeneous cross-replica gradient reduces)",
+    "optimizer_s_per_block": "{plain: s, sharded: s}: gradient clipping + optimizer step per block of "
+                             "a rank's stages (sharded: FSDP/replicate DTensor parameters)",
+    "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
+    "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
+    "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W",
 }
 
 STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)
@@ -71,6 +88,46 @@ def _per_device(value, name: str, default: float) -> float:
     return float(value)
 
 
+def _pair(value, a: str, b: str) -> Tuple[float, float]:
+    if value is None:
+        return 0.0, 0.0
+    if isinstance(value, dict):
+        return float(value.get(a, 0.0)), float(value.get(b, 0.0))
+    return float(value), float(value)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The fixed (per-call, per-collective, per-step) costs of CALIBRATION_KEYS; all zero uncalibrated."""
+    op_fwd: float = 0.0
+    op_bwd: float = 0.0
+    p2p_latency: Optional[float] = None
+    dp_allgather: float = 0.0
+    dp_reduce: float = 0.0
+    dp_hook_fwd: float = 0.0
+    dp_hook_bwd: float = 0.0
+    allreduce_latency: float = 0.0
+    opt_plain: float = 0.0
+    opt_sharded: float = 0.0
+    opt_ends_blocks: float = 0.0
+    step: float = 0.0
+    zb_input_grad_share: Optional[float] = None
+
+    @classmethod
+    def from_calibration(cls, cal: Dict) -> "Overheads":
+        f, b = _pair(cal.get("op_overhead_s"), "fwd", "bwd")
+        ag, rd = _pair(cal.get("dp_collective_s"), "allgather", "reduce")
+        hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
+        op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
+        p2p = cal.get("p2p_latency_s")
+        zb = cal.get("zb_input_grad_share")
+        return cls(op_fwd=f, op_bwd=b, p2p_latency=None if p2p is None else float(p2p), dp_allgather=ag,
+                   dp_reduce=rd, dp_hook_fwd=hf, dp_hook_bwd=hb,
+                   allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)), opt_plain=op, opt_sharded=osh,
+                   opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
+                   step=float(cal.get("step_overhead_s", 0.0)), zb_input_grad_share=None if zb is None else float(zb))
+
+
 class DeviceModel:
     """Throughput, links and memory of a cluster's devices, with calibration applied."""
 
@@ -91,6 +148,7 @@ class DeviceModel:
                                               1.0 * GiB if d.kind == "cuda" else 0.1 * GiB))
         self.bw_eff = float(cal.get("bandwidth_efficiency", 0.8))
         self.time_scale = float(cal.get("step_time_scale", 1.0))
+        self.overheads = Overheads.from_calibration(cal)
         self._bw_cache: Dict[Tuple[int, int], float] = {}
 
     def memory_limit(self, dev: int, margin: float) -> float:
@@ -132,6 +190,9 @@ class StageCost:
     static_memory: float  # weights, grads, optimizer states, workspace per rank
     dp_sync: float        # gradient synchronisation after the step's last backward
     params: int           # parameters the stage holds (all its ranks together)
+    first_fwd_extra: float = 0.0   # calibrated: FSDP all-gathers before the step's first forward
+    last_bwd_extra: float = 0.0    # calibrated: FSDP/replicate reduces in the step's last backward
+    optimizer: float = 0.0         # calibrated: clipping + optimizer step for the stage's parameters
 
 
 class StageCostModel:
@@ -186,7 +247,8 @@ class StageCostModel:
         for a, b in zip(group_a, group_b):
             if a == b:
                 continue
-            t = nbytes / self.dev.bw(a, b) + self.dev.cluster.lat(a, b)
+            lat = self.dev.overheads.p2p_latency
+            t = nbytes / self.dev.bw(a, b) + (self.dev.cluster.lat(a, b) if lat is None else lat)
             worst = max(worst, t)
         return worst
 
@@ -202,8 +264,9 @@ class StageCostModel:
         n_blocks = (end - start) * meta.block_repeats
         # Megatron TP: two all-reduces of the activations per block in forward, two in backward.
         tp_comm = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
-        fwd = compute_fwd + tp_comm
-        bwd = 2.0 * compute_fwd + tp_comm
+        ov = self.dev.overheads
+        fwd = compute_fwd + tp_comm + ov.op_fwd
+        bwd = 2.0 * compute_fwd + tp_comm + ov.op_bwd
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
         activation = tokens * act_per_token * scale / tp
@@ -220,8 +283,25 @@ class StageCostModel:
         workspace = max(self.dev.workspace[d] for d in group)
         static += workspace
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
+        ov = self.dev.overheads
+        if ov.dp_reduce or ov.dp_allgather:
+            dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
+        first_extra = last_extra = 0.0
+        own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
+        opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
+        optimizer = opt_units * (ov.opt_sharded if dp > 1 else ov.opt_plain)
+        if dp > 1:
+            # FSDP2: one collective per block and one for the stage root when it holds parameters of its
+            # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
+            units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
+            fwd += n_blocks * ov.dp_hook_fwd
+            bwd += n_blocks * ov.dp_hook_bwd
+            if o.dp_mode == "fsdp":
+                first_extra = units * ov.dp_allgather
+            last_extra = units * ov.dp_reduce
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
-                         activation=activation, static_memory=static, dp_sync=dp_sync, params=params)
+                         activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
+                         first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer)
 
     def activation_message(self, microbatch_size: int) -> float:
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value

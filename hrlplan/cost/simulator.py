@@ -40,6 +40,19 @@ class Simulator:
             self._links[key] = self.costs.group_links(group, tp, dp)
         return self._links[key]
 
+    def step_collectives(self, layout: Layout) -> int:
+        """Small all-reduces of every step: the loss (world > 1), the gradient norm (pp > 1) and a
+        tied embedding's gradient when its first and last stage sit on different groups."""
+        world = layout.pp * len(layout.groups[0])
+        n = 0
+        if world > 1:
+            n += 1
+        if layout.pp > 1:
+            n += 1
+            if self.meta.tied_embeddings and layout.stage_group(0) != layout.stage_group(len(layout.spans) - 1):
+                n += 1
+        return n
+
     def evaluate(self, layout: Layout, detail: bool = False) -> SimResult:
         self.evaluations += 1
         meta, o = self.meta, self.opts
@@ -55,28 +68,43 @@ class Simulator:
         msg = self.costs.activation_message(layout.microbatch_size)
         sends = [self.costs.p2p(groups[k], groups[k + 1], msg) if k < last else 0.0 for k in range(n)]
         zb = layout.schedule == "zero_bubble"
+        ov = self.devices.overheads
         fwd = [c.fwd for c in stage_costs]
-        bwd = [c.bwd * (ZB_INPUT_GRAD_SHARE if zb else 1.0) for c in stage_costs]
-        wgt = [c.bwd * (1.0 - ZB_INPUT_GRAD_SHARE) if zb else 0.0 for c in stage_costs]
+        if zb:
+            if ov.zb_input_grad_share is None:
+                shares = [ZB_INPUT_GRAD_SHARE] * n
+            else:   # calibrated; the first stage has no input gradient (its input is token ids)
+                shares = [0.0 if k == 0 else ov.zb_input_grad_share for k in range(n)]
+            bwd = [c.bwd * sh for c, sh in zip(stage_costs, shares)]
+            wgt = [c.bwd * (1.0 - sh) for c, sh in zip(stage_costs, shares)]
+        else:
+            bwd = [c.bwd for c in stage_costs]
+            wgt = [0.0] * n
         act = [c.activation for c in stage_costs]
         tl = simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
-                               fwd, bwd, wgt, sends, sends, act)
+                               fwd, bwd, wgt, sends, sends, act,
+                               [c.first_fwd_extra for c in stage_costs], [c.last_bwd_extra for c in stage_costs])
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         pos_sync = [0.0] * layout.pp
         pos_static = [0.0] * layout.pp
+        pos_opt = [0.0] * layout.pp
         for k, c in enumerate(stage_costs):
             pos = layout.stage_group(k)
             pos_sync[pos] += c.dp_sync
             pos_static[pos] += c.static_memory
+            pos_opt[pos] += c.optimizer
         finish = []
         exposed = []
         for pos in range(layout.pp):
             hidden = min(pos_sync[pos], tl.last_backward[pos]) if o.dp_overlap else 0.0
             exposed.append(pos_sync[pos] - hidden)
             finish.append(tl.end[pos] + exposed[-1])
+        # Calibrated per-step costs after the pipeline: the small all-reduces every step makes (tied
+        # embedding gradient, gradient norm over the pipeline, the loss), the optimizer, the rest.
+        collectives = self.step_collectives(layout) * ov.allreduce_latency
         scale = self.devices.time_scale
-        step = max(finish) * scale
+        step = (max(f + collectives + opt for f, opt in zip(finish, pos_opt)) + ov.step) * scale
 
         # Memory: static + activations the schedule holds + the largest transient (one block's forward).
         memory: Dict[int, float] = {}
@@ -107,11 +135,18 @@ class Simulator:
             res.breakdown = {
                 "step_time_s": step,
                 "pipeline_s": pipeline * scale,
+                "pipeline_end_s": max(finish) * scale,
                 "compute_s": sum(3 * m * stage_costs[k].compute_fwd for k in crit_stages) * scale,
                 "tp_comm_s": sum(2 * m * stage_costs[k].tp_comm_fwd for k in crit_stages) * scale,
                 "p2p_comm_s": 2 * sum(sends) * scale,
                 "dp_comm_s": max(pos_sync) * scale,
                 "dp_comm_exposed_s": max(exposed) * scale,
+                "dp_collectives_s": max(sum(stage_costs[k].first_fwd_extra + stage_costs[k].last_bwd_extra
+                                            for k in range(n) if layout.stage_group(k) == p)
+                                        for p in range(layout.pp)) * scale,
+                "optimizer_s": max(pos_opt) * scale,
+                "step_collectives_s": collectives * scale,
+                "step_overhead_s": ov.step * scale,
                 "bubble_s": (pipeline - tl.busy[crit]) * scale,
                 "bubble_fraction": res.bubble_fraction,
                 "bottleneck_position": crit,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 F, B, W = 0, 1, 2
 # Fraction of a stage's activations that zero-bubble keeps after B for the later W pass (the
@@ -224,10 +224,13 @@ class TimelineResult:
 def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[float],
                       send_fwd: Sequence[float], send_bwd: Sequence[float],
-                      activation: Sequence[float]) -> TimelineResult:
+                      activation: Sequence[float], first_fwd_extra: Optional[Sequence[float]] = None,
+                      last_bwd_extra: Optional[Sequence[float]] = None) -> TimelineResult:
     """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
     activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
-    bytes one micro-batch keeps on k until its backward."""
+    bytes one micro-batch keeps on k until its backward. first_fwd_extra[k] lengthens stage k's
+    first forward of the step and last_bwd_extra[k] its last backward (zero-bubble: its last W),
+    as FSDP's all-gathers and gradient reduces do."""
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     last = n - 1
@@ -240,10 +243,18 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     last_b = [0.0] * pp
     zb = schedule == "zero_bubble"
     keep = ZB_W_ACTIVATION_SHARE if zb else 0.0
+    f_extra = first_fwd_extra if first_fwd_extra is not None and any(first_fwd_extra) else None
+    b_extra = last_bwd_extra if last_bwd_extra is not None and any(last_bwd_extra) else None
+    seen_f = [False] * n
+    done_b = [0] * n
+    last_kind = W if zb else B
     for pos, kind, k, j in st.order:
         if kind == F:
             ready = f_end[k - 1][j] + send_fwd[k - 1] if k > 0 else 0.0
             dur = fwd[k]
+            if f_extra is not None and not seen_f[k]:
+                seen_f[k] = True
+                dur += f_extra[k]
             held[pos] += activation[k]
             if held[pos] > peak[pos]:
                 peak[pos] = held[pos]
@@ -253,6 +264,10 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
         else:
             ready = b_end[k][j]
             dur = wgt[k]
+        if b_extra is not None and kind == last_kind:
+            done_b[k] += 1
+            if done_b[k] == m:
+                dur += b_extra[k]
         start = free[pos] if free[pos] > ready else ready
         end = start + dur
         free[pos] = end

@@ -13,6 +13,7 @@ Raw measurements are kept under calibration["measurements"] for inspection.
 """
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -80,17 +81,187 @@ def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: f
     return {"compute_efficiency": flops_per_token / (peak * a), "half_saturation_tokens": b / a}
 
 
-def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[float]:
-    """Collective. Ranks 0 and 1 exchange an activation-sized message; rank 0 gets the one-way time."""
+def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
+    """Collective. Ranks 0 and 1 ping-pong a tiny and an activation-sized message; rank 0 gets the
+    one-way times {latency_s, message_s}."""
     from hrlplan.cluster import _ping_pong
 
     rank = dist.get_rank()
     result = None
     if rank in (0, 1) and dist.get_world_size() > 1:
-        bw, _ = _ping_pong(rank, 1 - rank, nbytes, repeats, device)
-        result = nbytes / bw
+        bw, lat = _ping_pong(rank, 1 - rank, nbytes, repeats, device)
+        result = {"latency_s": lat, "message_s": nbytes / bw}
     dist.barrier()
     return result
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()   # the first run pays for allocation
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
+                     repeats: int = REPEATS) -> float:
+    """Input-gradient share of one block's backward, as zero-bubble splits it (B: d/dx, W: d/dw)."""
+    block, hidden = _block(arch, device)
+    params = [p for p in block.parameters() if p.requires_grad]
+    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
+    b_times, w_times = [], []
+    for i in range(repeats + 1):
+        y = block(x)
+        g = torch.ones_like(y)
+        t0 = time.perf_counter()
+        torch.autograd.grad(y, [x], g, retain_graph=True)
+        t1 = time.perf_counter()
+        torch.autograd.grad(y, params, g)
+        t2 = time.perf_counter()
+        if i:
+            b_times.append(t1 - t0)
+            w_times.append(t2 - t1)
+    b, w = statistics.median(b_times), statistics.median(w_times)
+    return b / (b + w) if b + w > 0 else 0.5
+
+
+def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
+    from hrlplan.runtime.parallel import clip_grad_norm
+
+    clip_grad_norm(params, max_norm, None, [])
+    opt.step()
+
+
+def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device,
+                      repeats: int = REPEATS) -> Dict[str, float]:
+    """Gradient clipping + AdamW step (as the trainer runs them) of one block, and of the embedding +
+    final norm/head (a first-and-last stage without blocks), on plain tensors."""
+    from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
+    from hrlplan.runtime.trainer import make_optimizer
+
+    config = hf_config_from_arch(arch)
+    config.num_hidden_layers = 1
+    torch.manual_seed(0)
+    model = build_hf_model(config)
+    out = {}
+    for name, part in (("block", HFStage(model, 0, 1, first=False, last=False)),
+                       ("ends", HFStage(model, 0, 0, first=True, last=True))):
+        part = part.to(device)
+        params = [p for p in part.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = make_optimizer(part, train)
+        out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats)
+    return out
+
+
+def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.device, group,
+                         block_fwd_s: float, block_bwd_s: float, m: int = 4, repeats: int = REPEATS) -> Dict[str, float]:
+    """Per-call overhead of torch.distributed.pipelining: a one-block middle stage alone in a
+    one-rank group, its schedule run with 1 and with m micro-batches of one sequence. The slope per
+    micro-batch minus the bare block's forward + backward is the overhead of one F and one B; the
+    recorded forward span (minus the bare forward) is the F part."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+
+    block, hidden = _block(arch, device)
+    recorder = StepRecorder(device)
+    loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
+
+    def run(n: int) -> float:
+        stage = PipelineStage(block, 0, 1, device, group=group)
+        instrument_pipeline_stage(stage, recorder, 0)
+        sched = Schedule1F1B(stage, n_microbatches=n, loss_fn=loss_fn)
+        x = torch.randn(n, seq_len, hidden, device=device)
+        target = torch.zeros(n, device=device)
+
+        def step():
+            block.zero_grad(set_to_none=True)
+            recorder.begin()
+            sched.step(x, target=target, losses=[])
+        return _median_time(step, repeats)
+
+    one = run(1)
+    many = run(m)
+    f_spans = [e["end_s"] - e["start_s"] for e in recorder.events if e["kind"] == "F"]
+    per_mb = max((many - one) / (m - 1), 0.0)
+    op_f = max(statistics.median(f_spans) - block_fwd_s, 0.0) if f_spans else 0.0
+    op_b = max(per_mb - block_fwd_s - block_bwd_s - op_f, 0.0)
+    return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one}
+
+
+def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
+                          pair_group, repeats: int = REPEATS) -> Dict[str, float]:
+    """FSDP2 over a pair of ranks on a one-block stage, wrapped as the runtime wraps stages
+    (fully_shard per block, reshard_after_forward=False). Per unit: the all-gather (first forward
+    minus a later one), the gradient reduce-scatter (a synchronising backward minus a
+    non-synchronising one), the hooks' overhead per forward / backward (vs the bare block), the
+    sharded clip + optimizer step; and one small all-reduce."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hrlplan.runtime.trainer import make_optimizer
+
+    plain, hidden = _block(arch, device)
+    mbs = 1
+    x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
+    pf, pb = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        y = plain(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if i:
+            pf.append(t1 - t0)
+            pb.append(t2 - t1)
+    block, _ = _block(arch, device)
+    mesh = DeviceMesh.from_group(pair_group, device.type)
+    for child in getattr(block.base, block.blocks_attr).children():
+        fully_shard(child, mesh=mesh, reshard_after_forward=False)
+    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    params = [p for p in block.parameters() if p.requires_grad]
+    opt = make_optimizer(block, train)
+    first_f, later_f, nosync_b, sync_b, opt_t = [], [], [], [], []
+    for i in range(repeats + 1):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier(group=pair_group)
+        block.set_requires_gradient_sync(False)
+        t0 = time.perf_counter()
+        y1 = block(x)
+        t1 = time.perf_counter()
+        y2 = block(x)
+        t2 = time.perf_counter()
+        y1.backward(torch.ones_like(y1))
+        t3 = time.perf_counter()
+        block.set_requires_gradient_sync(True)
+        block.set_is_last_backward(True)
+        y2.backward(torch.ones_like(y2))
+        t4 = time.perf_counter()
+        _clip_and_step(params, opt)
+        t5 = time.perf_counter()
+        block.reshard()
+        if i:
+            first_f.append(t1 - t0)
+            later_f.append(t2 - t1)
+            nosync_b.append(t3 - t2)
+            sync_b.append(t4 - t3)
+            opt_t.append(t5 - t4)
+    small = torch.zeros(1, device=device)
+    ar = []
+    for i in range(3 * repeats + 1):
+        dist.barrier(group=pair_group)
+        t0 = time.perf_counter()
+        dist.all_reduce(small, group=pair_group)
+        if i:
+            ar.append(time.perf_counter() - t0)
+    med = statistics.median
+    return {"allgather": max(med(first_f) - med(later_f), 0.0), "reduce": max(med(sync_b) - med(nosync_b), 0.0),
+            "hook_fwd": max(med(later_f) - med(pf), 0.0), "hook_bwd": max(med(nosync_b) - med(pb), 0.0),
+            "optimizer_sharded": med(opt_t), "allreduce_s": med(ar)}
 
 
 def measure_step(config: Dict[str, Any], steps: int = 4) -> float:
@@ -104,20 +275,25 @@ def measure_step(config: Dict[str, Any], steps: int = 4) -> float:
 
 def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> float:
     from hrlplan.cost.model import Layout
+    from hrlplan.cost.plans import options_for_train
     from hrlplan.cost.simulator import Simulator
-    from hrlplan.search.common import cost_options
 
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
                     microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
-    return Simulator(meta, spec, cost_options({}, train)).evaluate(layout).step_time_s
+    return Simulator(meta, spec, options_for_train(train)).evaluate(layout).step_time_s
+
+
+def _pairs(world: int) -> List[List[int]]:
+    return [[r, r + 1] for r in range(0, world - 1, 2)]
 
 
 def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any]):
     """Collective: every rank of an initialised process group calls it; every rank returns the
-    ClusterSpec with `calibration` filled (rank 0 measures the one-process step, then broadcasts)."""
+    ClusterSpec with `calibration` filled. Every rank runs the micro-benchmarks at once (on a shared
+    machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts."""
     from hrlplan.model_meta import introspect
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     box = [spec]   # the probe returns the spec on rank 0 only
     dist.broadcast_object_list(box, src=0)
     spec = box[0]
@@ -127,64 +303,93 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     g = int(train["global_batch_size"])
     sizes = sorted({1, max(1, g // 4), g})
     samples = measure_block(arch, seq, sizes, device)
-    gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, samples)
+    zb_share = measure_zb_split(arch, seq, max(1, g // 4), device)
+    # groups are created collectively, in one order on every rank
+    singles = [dist.new_group([r]) for r in range(world)]
+    pairs = _pairs(world)
+    pair_groups = [dist.new_group(p) for p in pairs]
+    one = samples[0]
+    ops = measure_pipeline_ops(arch, seq, device, singles[rank], one["fwd_s"], one["bwd_s"])
+    optim = measure_optimizer(arch, train, device)
+    dist.barrier()
+    dp = None
+    mine = [i for i, p in enumerate(pairs) if rank in p]
+    if mine:
+        dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine[0]])
+    dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
-    one_way = measure_p2p(msg, device)
+    p2p = measure_p2p(msg, device)
+    local = {"block": samples, "zb_input_grad_share": zb_share, "pipeline_ops": ops, "optimizer": optim,
+             "data_parallel": dp}
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
     if rank == 0:
-        cal = dict(spec.calibration or {})
-        flops = meta.block_flops_fwd_per_token[0] * meta.block_repeats
-        eff, half = {}, {}
-        for name in sorted({d.name for d in spec.devices}):
-            fits = [fit_compute(gathered[d.rank], flops, d.peak_flops) for d in spec.devices
-                    if d.name == name and d.rank < len(gathered)]
-            eff[name] = statistics.median(f["compute_efficiency"] for f in fits)
-            half[name] = statistics.median(f["half_saturation_tokens"] for f in fits)
-        cal.update(compute_efficiency=eff, half_saturation_tokens=half, step_time_scale=1.0)
-        if one_way is not None and spec.world_size > 1:
-            wire = one_way - spec.lat(0, 1)
-            cal["bandwidth_efficiency"] = min(1.0, msg / (max(wire, 1e-9) * spec.bw(0, 1)))
-        spec.calibration = cal
+        cal = fit_calibration(spec, meta, gathered, p2p, msg)
+        # The one reference step, on rank 0 alone (the others wait): what it costs beyond the fitted
+        # terms is step_overhead_s. Its compute is predicted from blocks measured alone too, so the
+        # contention the concurrent fit above includes does not land in the overhead.
         config = {"arch": arch, "train": dict(train), "data": dict(data)}
         measured = measure_step(config)
-        predicted = _predict_one_process_step(meta, spec, train)
-        cal["step_time_scale"] = measured / predicted if predicted > 0 else 1.0
-        cal["measurements"] = {"model": meta.name, "seq_len": seq, "block": gathered, "p2p_bytes": msg,
-                               "p2p_one_way_s": one_way, "one_process_step_s": measured,
-                               "one_process_step_predicted_s": predicted}
+        alone = measure_block(arch, seq, sizes, device)
+        ref = copy.deepcopy(spec)
+        ref.calibration = dict(cal)
+        d0 = spec.devices[0]
+        fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats, d0.peak_flops)
+        ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
+                               half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]})
+        predicted = _predict_one_process_step(meta, ref, train)
+        cal["step_overhead_s"] = max(measured - predicted, 0.0)
+        cal["measurements"] = {"model": meta.name, "seq_len": seq, "ranks": gathered, "p2p_bytes": msg,
+                               "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
+                               "one_process_step_predicted_without_step_overhead_s": predicted}
+    dist.barrier()
     box = [cal]
     dist.broadcast_object_list(box, src=0)
     spec.calibration = box[0]
     return spec
 
 
+def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Dict[str, float]],
+                    msg_bytes: int) -> Dict[str, Any]:
+    """CALIBRATION_KEYS from every rank's micro-benchmarks (medians over ranks), without the
+    reference step's step_overhead_s (calibrate_in_job fits it last, from the rest)."""
+    med = statistics.median
+    cal = dict(spec.calibration or {})
+    flops = meta.block_flops_fwd_per_token[0] * meta.block_repeats
+    eff, half = {}, {}
+    for name in sorted({d.name for d in spec.devices}):
+        fits = [fit_compute(gathered[d.rank]["block"], flops, d.peak_flops) for d in spec.devices
+                if d.name == name and d.rank < len(gathered)]
+        eff[name] = med(f["compute_efficiency"] for f in fits)
+        half[name] = med(f["half_saturation_tokens"] for f in fits)
+    cal.update(compute_efficiency=eff, half_saturation_tokens=half, step_time_scale=1.0)
+    cal["zb_input_grad_share"] = med(r["zb_input_grad_share"] for r in gathered)
+    cal["op_overhead_s"] = {k: med(r["pipeline_ops"][k] for r in gathered) for k in ("fwd", "bwd")}
+    block = med(r["optimizer"]["block"] for r in gathered)
+    ends = med(r["optimizer"]["ends"] for r in gathered)
+    cal["optimizer_ends_blocks"] = ends / block if block > 0 else 0.0
+    dps = [r["data_parallel"] for r in gathered if r.get("data_parallel")]
+    cal["optimizer_s_per_block"] = {"plain": block, "sharded": med(d["optimizer_sharded"] for d in dps) if dps else block}
+    if dps:
+        cal["dp_collective_s"] = {"allgather": med(d["allgather"] for d in dps), "reduce": med(d["reduce"] for d in dps)}
+        cal["dp_hook_s"] = {"fwd": med(d["hook_fwd"] for d in dps), "bwd": med(d["hook_bwd"] for d in dps)}
+        cal["allreduce_latency_s"] = med(d["allreduce_s"] for d in dps)
+    if p2p is not None and spec.world_size > 1:
+        cal["p2p_latency_s"] = p2p["latency_s"]
+        wire = p2p["message_s"] - p2p["latency_s"]
+        cal["bandwidth_efficiency"] = min(1.0, msg_bytes / (max(wire, 1e-9) * spec.bw(0, 1)))
+    return cal
+
+
 def predict_plan(plan, meta, spec, train: Dict[str, Any]) -> Dict[str, Any]:
-    """The simulator's step time, bubble and memory per rank for any plan the runtime runs.
+    """The simulator's step time, bubble and memory per rank for any plan the runtime runs
+    (hrlplan.cost.plans.predict_any_plan: heterogeneous plans include the cross-replica reduce)."""
+    from hrlplan.cost.plans import options_for_train, predict_any_plan
 
-    A heterogeneous plan is simulated pipeline by pipeline (each as a dp=1 layout at its largest
-    tp degree) and takes the slowest; the cross-replica gradient reduce is not modelled."""
-    from hrlplan.cost.model import Layout
-    from hrlplan.cost.simulator import Simulator
-    from hrlplan.search import layout_of
-    from hrlplan.search.common import cost_options
-
-    sim = Simulator(meta, spec, cost_options({}, train))
-    devices = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
-    if not plan.heterogeneous and plan.uniform_tp:
-        layouts = [layout_of(plan)]
-    else:
-        layouts = [Layout(spans=tuple(tuple(s.layers) for s in p.stages),
-                          groups=tuple(tuple(devices[r] for r in s.ranks) for s in p.stages),
-                          tp=max(s.tp for s in p.stages), dp=1, microbatch_size=p.microbatch_size,
-                          num_microbatches=p.num_microbatches, schedule=plan.schedule) for p in plan.as_pipelines()]
-    results = [sim.evaluate(lay, detail=True) for lay in layouts]
-    worst = max(results, key=lambda r: r.step_time_s)
-    memory: Dict[int, float] = {}
-    for r in results:
-        memory.update(r.memory_bytes)
-    return {"step_time_s": worst.step_time_s, "bubble_fraction": worst.bubble_fraction,
-            "memory_bytes_per_rank": [int(memory.get(devices[r], 0)) for r in range(plan.world_size)]}
+    r = predict_any_plan(plan, meta, spec, options_for_train(train))
+    return {"step_time_s": r["step_time_s"], "bubble_fraction": r["bubble_fraction"],
+            "memory_bytes_per_rank": r["memory_bytes_per_rank"], "breakdown": r["breakdown"]}
 
 
 # ---------------------------------------------------------------- `hrlplan calibrate`

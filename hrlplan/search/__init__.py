@@ -91,7 +91,20 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
     if not cfg.get("plan_file"):
         raise UserError("planner=manual needs planner.plan_file=<plan.yaml>")
     plan = Plan.load(cfg["plan_file"])
-    result = sim.evaluate(layout_of(plan), detail=True)
+    if plan.heterogeneous or not plan.uniform_tp:
+        # Layouts cannot express it: the cost model's per-pipeline prediction (cross-replica reduce included)
+        from hrlplan.cost.plans import predict_any_plan
+        from hrlplan.cost.simulator import SimResult
+
+        any_plan = predict_any_plan(plan, meta, cluster, sim=sim)
+        devices = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
+        result = SimResult(any_plan["feasible"], any_plan["step_time_s"], reason=any_plan["reason"],
+                           bubble_fraction=any_plan["bubble_fraction"],
+                           memory_bytes={devices[r]: m for r, m in enumerate(any_plan["memory_bytes_per_rank"])},
+                           breakdown=dict(any_plan["breakdown"], memory_bytes_per_device={}),
+                           stages=any_plan["stages"])
+    else:
+        result = sim.evaluate(layout_of(plan), detail=True)
     if result.feasible:
         predicted = plan.meta.setdefault("predicted", {})
         predicted.update({"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,

@@ -1,0 +1,134 @@
+"""Predictions for any Plan the runtime runs, homogeneous or not (the planners' Layouts cover only
+homogeneous ones). Used by hrlplan.runtime.calibrate.predict_plan and the manual planner.
+
+A heterogeneous plan (replicas with different templates, or stages of unequal tp) is simulated
+pipeline by pipeline (each a dp=1 layout at its largest tp degree); the step then waits for the
+slowest pipeline, runs hetero.py's cross-replica gradient reduce (one all-reduce per distinct set of
+ranks holding a parameter unit, in sequence on a rank), the gradient-norm and loss all-reduces over
+the world and the optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.simulator import Simulator
+
+
+def options_for_train(train: Dict[str, Any], planner: Optional[Dict[str, Any]] = None) -> CostOptions:
+    """CostOptions from a train config (the same rule as hrlplan.search.common.cost_options)."""
+    planner = planner or {}
+    return CostOptions(bytes_per_value=2 if str(train.get("dtype", "float32")) == "bfloat16" else 4,
+                       dp_mode=str(train.get("dp_mode", "fsdp")),
+                       dp_overlap=bool(planner.get("dp_overlap", True)),
+                       memory_margin=float(planner.get("memory_margin", 0.9)))
+
+
+def rank_devices(plan) -> List[int]:
+    return list((plan.meta.get("launch") or {}).get("rank_to_device") or range(plan.world_size))
+
+
+def layout_of_plan(plan) -> Layout:
+    """A homogeneous, uniform-tp plan in the simulator's terms (plan ranks -> cluster devices)."""
+    devices = rank_devices(plan)
+    groups = tuple(tuple(devices[r] for r in g) for g in plan.device_groups)
+    return Layout(spans=tuple(tuple(s.layers) for s in plan.stages), groups=groups, tp=plan.stages[0].tp,
+                  dp=plan.dp, microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+                  schedule=plan.schedule, stages_per_rank=plan.stages_per_rank)
+
+
+def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
+    """Gradient bytes hetero.py reduces per unit (it reduces in float32 whatever the dtype)."""
+    out = {"embed": float(meta.embedding_params) * 4, "final": float(meta.head_params) * 4}
+    if meta.tied_embeddings:
+        out["final"] = max(out["final"] - meta.head_matmul_params * 4, 0.0)
+    for i, p in enumerate(meta.block_params):
+        out[f"block{i}"] = float(p) * 4
+    return out
+
+
+def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
+    """(seconds, collectives on the busiest rank) of hetero.py's per-unit gradient all-reduces."""
+    pipes = plan.as_pipelines()
+    devices = rank_devices(plan)
+    holders: Dict[str, List[Tuple[int, int]]] = {}
+    for p, pipe in enumerate(pipes):
+        last = len(pipe.stages) - 1
+        for s, st in enumerate(pipe.stages):
+            units = [f"block{i}" for i in range(*st.layers)]
+            if s == 0:
+                units.append("embed")
+            if s == last:
+                units.append("final")
+                if meta.tied_embeddings and s != 0:
+                    units.append("embed")
+            for u in units:
+                holders.setdefault(u, []).append((p, s))
+    sizes = _unit_bytes(meta)
+    buckets: Dict[Tuple[int, ...], float] = {}
+    for unit, hs in holders.items():
+        tps = {pipes[p].stages[s].tp for p, s in hs}
+        if len(tps) == 1:
+            tp = tps.pop()
+            for t in range(tp):
+                ranks = tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in hs}))
+                buckets[ranks] = buckets.get(ranks, 0.0) + sizes.get(unit, 0.0) / tp
+        else:
+            ranks = tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks}))
+            buckets[ranks] = buckets.get(ranks, 0.0) + sizes.get(unit, 0.0)
+    dev, lat = sim.devices, sim.devices.overheads.allreduce_latency
+    per_rank: Dict[int, float] = {}
+    count: Dict[int, int] = {}
+    for ranks, nbytes in buckets.items():
+        if len(ranks) < 2:
+            continue
+        ring = [devices[r] for r in ranks]
+        bw, ring_lat = dev.ring_bw_lat(ring)
+        n = len(ranks)
+        t = 2.0 * (n - 1) / n * nbytes / bw + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat)
+        for r in ranks:
+            per_rank[r] = per_rank.get(r, 0.0) + t
+            count[r] = count.get(r, 0) + 1
+    if not per_rank:
+        return 0.0, 0
+    worst = max(per_rank, key=per_rank.get)
+    return per_rank[worst], count[worst]
+
+
+def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
+                     sim: Optional[Simulator] = None) -> Dict[str, Any]:
+    """{feasible, reason, step_time_s, bubble_fraction, memory_bytes_per_rank, breakdown} for any plan."""
+    sim = sim or Simulator(meta, cluster, opts or CostOptions())
+    devices = rank_devices(plan)
+    if not plan.heterogeneous and plan.uniform_tp:
+        r = sim.evaluate(layout_of_plan(plan), detail=True)
+        return {"feasible": r.feasible, "reason": r.reason, "step_time_s": r.step_time_s,
+                "bubble_fraction": r.bubble_fraction, "breakdown": r.breakdown, "stages": r.stages,
+                "memory_bytes_per_rank": [int(r.memory_bytes.get(devices[k], 0)) for k in range(plan.world_size)]}
+    layouts = [Layout(spans=tuple(tuple(s.layers) for s in p.stages),
+                      groups=tuple(tuple(devices[r] for r in s.ranks) for s in p.stages),
+                      tp=max(s.tp for s in p.stages), dp=1, microbatch_size=p.microbatch_size,
+                      num_microbatches=p.num_microbatches, schedule=plan.schedule) for p in plan.as_pipelines()]
+    results = [sim.evaluate(lay, detail=True) for lay in layouts]
+    memory: Dict[int, float] = {}
+    for r in results:
+        memory.update(r.memory_bytes)
+    mem = [int(memory.get(devices[k], 0)) for k in range(plan.world_size)]
+    bad = [r for r in results if not r.feasible]
+    if bad:
+        return {"feasible": False, "reason": bad[0].reason, "step_time_s": float("inf"), "bubble_fraction": 0.0,
+                "breakdown": {}, "stages": [], "memory_bytes_per_rank": mem}
+    scale = sim.devices.time_scale
+    ov = sim.devices.overheads
+    pipe_end = max(r.breakdown["pipeline_end_s"] for r in results) / scale
+    optimizer = max(r.breakdown["optimizer_s"] for r in results) / scale
+    reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
+    world_collectives = (2 if plan.world_size > 1 else 0) * ov.allreduce_latency   # gradient norm, loss
+    step = (pipe_end + reduce_s + world_collectives + optimizer + ov.step) * scale
+    worst = max(results, key=lambda r: r.breakdown["pipeline_end_s"])
+    breakdown = dict(worst.breakdown, step_time_s=step, cross_replica_reduce_s=reduce_s * scale,
+                     cross_replica_collectives=reduce_n, step_collectives_s=world_collectives * scale,
+                     optimizer_s=optimizer * scale)
+    breakdown.pop("memory_bytes_per_device", None)
+    return {"feasible": True, "reason": "", "step_time_s": step, "bubble_fraction": worst.bubble_fraction,
+            "breakdown": breakdown, "stages": [s for r in results for s in r.stages], "memory_bytes_per_rank": mem}
