@@ -34,6 +34,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from hrlplan.data.publish import publish_build
+
 EOT = "<|endoftext|>"
 _EOT_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 _CODE_FIELDS = ("whole_func_string", "original_string", "code", "func_code_string", "content", "text")
@@ -273,11 +275,7 @@ def _build(out_dir: str, settings: Dict[str, object], vocab_size: int, max_files
     meta = {"vocab_size": real_vocab, "eot_id": eot, "dtype": np.dtype(dtype).name, "train_tokens": int(train_ids.size),
             "val_tokens": int(val_ids.size), "files": len(units), "train_functions": len(train_texts),
             "val_functions": len(val_texts), "build_seconds": round(time.time() - start, 2), "settings": settings}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    publish_build(tmp, out_dir, "meta.json", meta)
     log(f"code corpus in {out_dir}: vocab {real_vocab}, {train_ids.size:,} train / {val_ids.size:,} validation tokens, "
         f"{meta['build_seconds']} s")
     return out_dir

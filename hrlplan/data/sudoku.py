@@ -43,6 +43,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan.data.publish import publish_build
+
 # ---------------------------------------------------------------- solver (bitmask backtracking)
 _ROW = [i // 9 for i in range(81)]
 _COL = [i % 9 for i in range(81)]
@@ -335,11 +337,7 @@ def build_sudoku_dataset(out_dir: str, preset: SudokuPreset | str, seed: int = 0
                 test_examples=int(len(test_p)), clues_mean=float(clues.mean()), clues_min=int(clues.min()),
                 clues_max=int(clues.max()), rating_mean=float(ratings.mean()), rating_median=float(np.median(ratings)),
                 build_seconds=round(time.time() - start, 2))
-    with open(os.path.join(tmp, "build_info.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    publish_build(tmp, out_dir, "build_info.json", info)
     log(f"built {out_dir}: {info['train_examples']} train / {info['test_examples']} test examples, "
         f"{info['clues_mean']:.1f} clues on average, median rating {info['rating_median']:.0f}, {info['build_seconds']} s")
     return out_dir
