@@ -72,10 +72,18 @@ class TorchPipelineEngine:
         d = self.coords["dp"]
         return slice(d * rows, (d + 1) * rows)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it).
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, through the same schedule. Zero-bubble schedules split the backward and
+        cannot run without one in torch 2.13, so they run a full step whose gradients are dropped."""
+        if self.plan.schedule == "zero_bubble":
+            loss = self.forward_backward(inputs, targets)
+            for part in self.parts.values():
+                part.zero_grad(set_to_none=True)
+            return loss
+        return self.forward_backward(inputs, targets, train=False)
 
-        train=False runs the same schedule forward only (evaluation)."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it)."""
         losses: List[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         if self.has_first:

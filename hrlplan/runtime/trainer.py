@@ -9,7 +9,6 @@ and, at the end, writes plan-vs-measured into plan_info.json.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from contextlib import nullcontext
@@ -149,15 +148,14 @@ class PipelineTrainer:
 
     def evaluate(self, batches: int = 2) -> Dict[str, float]:
         """Loss and perplexity on the validation split (the same batches every time)."""
-        forward_only = "train" in inspect.signature(self.engine.forward_backward).parameters
         total = 0.0
         for k in range(batches):
             inputs, targets = self.data.batch(k, int(self.plan.global_batch_size), split="val")
             rows = self.engine.local_rows()
             inputs, targets = inputs[rows].to(self.device), targets[rows].to(self.device)
-            if forward_only:
-                loss = self.engine.forward_backward(inputs, targets, train=False)
-            else:  # hrlplan's own executor has no forward-only path: its gradients are dropped below
+            if hasattr(self.engine, "evaluate"):
+                loss = self.engine.evaluate(inputs, targets)
+            else:  # hrlplan's own executor has no forward-only path: its gradients are dropped
                 loss = self.engine.forward_backward(inputs, targets)
                 for opt in self.optimizers.values():
                     opt.zero_grad(set_to_none=True)
