@@ -126,6 +126,43 @@ def test_calibrated_fsdp_prediction_counts_a_collective_per_block():
     fwd = 1e-3 + 8 * 1e-5 + units * 2e-3       # op + hooks + all-gathers before the first forward
     bwd = 2e-3 + 8 * 2e-5 + units * 4e-3       # op + hooks + reduce-scatters in the last backward
     optimizer = (8 + 0.5) * 1e-3               # sharded: 8 blocks + embedding and head
-    assert got == pytest.approx(fwd + bwd + 1e-4 + optimizer + 3e-3, rel=1e-4)
+    collectives = 2 * 1e-4                     # the loss + the gradient norm over the FSDP shards, once
+    assert got == pytest.approx(fwd + bwd + collectives + optimizer + 3e-3, rel=1e-4)
     uncalibrated = Simulator(meta, _overhead_cluster({}), CostOptions()).evaluate(lay).step_time_s
     assert uncalibrated < 1e-3 < got
+
+
+def _hop_pair(lat, schedule="1f1b", m=4, f=(1e-3, 1.2e-3), b=(2e-3, 2.1e-3)):
+    from hrlplan.cost.timeline import simulate_timeline
+    from hrlplan.runtime.calibrate import HANDSHAKE_LATENCIES
+
+    span = simulate_timeline(schedule, 2, 1, m, list(f), list(b), [0.0, 0.0], [lat, 0.0], [lat, 0.0], [0.0, 0.0],
+                             recv_handshake=[HANDSHAKE_LATENCIES * lat] * 2).end[0]
+    first = {"stage": 0, "schedule": schedule, "m": m, "fwd_s": f[0], "bwd_s": b[0], "span_s": span}
+    return first, {"stage": 1, "schedule": schedule, "m": m, "fwd_s": f[1], "bwd_s": b[1], "span_s": span}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fit_hop_delay_recovers_a_known_pipeline_delay(schedule):
+    from hrlplan.runtime.calibrate import fit_hop_delay
+
+    assert fit_hop_delay(*_hop_pair(7e-4, schedule)) == pytest.approx(7e-4, rel=1e-6)
+    first, second = _hop_pair(0.0, schedule)
+    assert fit_hop_delay(dict(first, span_s=first["span_s"] * 0.9), second) == 0.0   # faster than no delay
+
+
+def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
+    from hrlplan.runtime.calibrate import HANDSHAKE_LATENCIES, fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
+    a1, b1 = _hop_pair(6e-4, "1f1b")
+    a2, b2 = _hop_pair(8e-4, "gpipe")
+    gathered = [{"block": block, "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+                 "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None,
+                 "pipeline_hop": {"1f1b": x, "gpipe": y}} for x, y in ((a1, a2), (b1, b2))]
+    cal = fit_calibration(spec, meta, gathered, {"latency_s": 5e-5, "message_s": 1e-4}, 1 << 16)
+    assert cal["p2p_latency_s"] == pytest.approx(7e-4, rel=1e-5)   # the mean of the schedules' fits
+    assert cal["p2p_handshake_s"] == pytest.approx(HANDSHAKE_LATENCIES * 7e-4, rel=1e-5)
+    assert set(cal) <= set(CALIBRATION_KEYS)

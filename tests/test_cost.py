@@ -115,3 +115,48 @@ def test_zero_bubble_v_shape_holds_no_more_than_1f1b_and_fills_the_bubble(pp, m)
     assert max(zbv.peak_activation) < 2.0 * m or m <= pp
     # And most of 1F1B's bubble is gone.
     assert zbv.makespan - 6 * m < 0.5 * (ref.makespan - 6 * m)
+
+
+def test_rendezvous_receive_waits_a_handshake_after_its_position_gets_to_it():
+    # GPipe, 2 stages x 2 micro-batches, unit ops, a 0.1 send and a 0.5 handshake, by hand: stage 1's
+    # second forward is sent at 2.0 but its receive is posted at 2.1 (stage 1 free), so it starts at 2.6;
+    # stage 0's second backward likewise waits 0.5 after stage 0 gets to it (5.7).
+    args = ("gpipe", 2, 1, 2, [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.1, 0.0], [0.1, 0.0], [1.0, 1.0])
+    assert simulate_timeline(*args).makespan == pytest.approx(6.2)
+    assert simulate_timeline(*args, recv_handshake=[0.5, 0.5]).makespan == pytest.approx(7.2)
+    assert simulate_timeline(*args, recv_handshake=[0.0, 0.0]).makespan == pytest.approx(6.2)
+
+
+def test_uncalibrated_costs_have_no_handshake_and_calibrated_ones_do():
+    meta, lay = toy_meta(), pipeline([(0, 4), (4, 8)], m=4)
+    base = Simulator(meta, toy_cluster()).evaluate(lay, detail=True)
+    assert all(s["recv_handshake_s"] == 0.0 for s in base.stages)
+    cl = toy_cluster()
+    cl.calibration = {"p2p_latency_s": 1e-3, "p2p_handshake_s": 2e-3}
+    cal = Simulator(meta, cl).evaluate(lay)
+    cl.calibration = {"p2p_latency_s": 1e-3}
+    no_hs = Simulator(meta, cl).evaluate(lay)
+    assert cal.step_time_s > no_hs.step_time_s > base.step_time_s
+
+
+@pytest.mark.parametrize("schedule,v", [("zero_bubble", 2), ("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_timeline_plot_replays_the_simulators_timeline(schedule, v):
+    """The drawn prediction is the simulator's own: calibrated zero-bubble split (B = 0 on the first
+    stage), handshakes and sends included."""
+    from hrlplan.runtime.timeline_plot import predicted_events
+
+    meta = toy_meta()
+    spans = [(0, 2), (2, 4), (4, 6), (6, 8)] if v == 2 else [(0, 4), (4, 8)]
+    lay = Layout(spans=tuple(spans), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=4,
+                 schedule=schedule, stages_per_rank=v)
+    cl = toy_cluster(flops=[1e9] * 4)
+    cl.calibration = {"zb_input_grad_share": 0.3, "p2p_latency_s": 1e-3, "p2p_handshake_s": 2e-3,
+                      "op_overhead_s": {"fwd": 1e-4, "bwd": 2e-4}}
+    res = Simulator(meta, cl).evaluate(lay, detail=True)
+    if schedule == "zero_bubble":
+        assert res.stages[0]["bwd_input_s"] == 0.0
+        assert res.stages[1]["bwd_input_s"] == pytest.approx(0.3 * res.stages[1]["bwd_s"])
+    plan = {"schedule": schedule, "stages_per_rank": v, "pp": 2, "num_microbatches": 4}
+    events = predicted_events(plan, {"chosen": {"stages": res.stages}})
+    assert len(events) == (3 if schedule == "zero_bubble" else 2) * 4 * len(spans)
+    assert max(e["end_s"] for e in events) == pytest.approx(res.breakdown["pipeline_s"], rel=1e-9)

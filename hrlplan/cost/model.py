@@ -27,6 +27,9 @@ CALIBRATION_KEYS = {
                      "stage (the pipeline library's per-call work), beside the blocks' own time",
     "p2p_latency_s": "float: one-way time of a tiny point-to-point message (replaces the probed link "
                      "latency for pipeline sends)",
+    "p2p_handshake_s": "float: rendezvous of a point-to-point receive (gloo): a stage that gets to a receive "
+                       "whose message was sent earlier still waits this long (its notice reaches the sender, "
+                       "which then sends); fitted with p2p_latency_s from a real two-stage pipeline",
     "dp_collective_s": "{allgather: s, reduce: s}: exposed time of one FSDP/replicate collective per "
                        "parameter unit (a block, or a stage's own embedding/head); all-gathers delay the "
                        "unit's first forward, reduces its last backward",
@@ -34,7 +37,8 @@ CALIBRATION_KEYS = {
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, tied-embedding and "
                            "heterogeneous cross-replica gradient reduces)",
     "optimizer_s_per_block": "{plain: s, sharded: s}: gradient clipping + optimizer step per block of "
-                             "a rank's stages (sharded: FSDP/replicate DTensor parameters)",
+                             "a rank's stages (sharded: FSDP/replicate DTensor parameters; clipping's norm "
+                             "all-reduce over the shards is one allreduce_latency_s per step, not per block)",
     "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
     "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
     "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W",
@@ -102,6 +106,7 @@ class Overheads:
     op_fwd: float = 0.0
     op_bwd: float = 0.0
     p2p_latency: Optional[float] = None
+    p2p_handshake: float = 0.0
     dp_allgather: float = 0.0
     dp_reduce: float = 0.0
     dp_hook_fwd: float = 0.0
@@ -121,7 +126,8 @@ class Overheads:
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
         p2p = cal.get("p2p_latency_s")
         zb = cal.get("zb_input_grad_share")
-        return cls(op_fwd=f, op_bwd=b, p2p_latency=None if p2p is None else float(p2p), dp_allgather=ag,
+        return cls(op_fwd=f, op_bwd=b, p2p_latency=None if p2p is None else float(p2p),
+                   p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)), dp_allgather=ag,
                    dp_reduce=rd, dp_hook_fwd=hf, dp_hook_bwd=hb,
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)), opt_plain=op, opt_sharded=osh,
                    opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),

@@ -11,6 +11,15 @@ from hrlplan.cost.timeline import simulate_timeline
 ZB_INPUT_GRAD_SHARE = 0.5   # zero-bubble splits backward into input-gradient (B) and weight-gradient (W)
 
 
+def zb_input_shares(n_stages: int, calibrated: Optional[float]) -> List[float]:
+    """Per model stage, the input-gradient (B) share of a zero-bubble backward: the default split
+    uncalibrated; calibrated, the measured share, and 0 on the first stage (its input is token ids,
+    so its whole backward is weight gradients)."""
+    if calibrated is None:
+        return [ZB_INPUT_GRAD_SHARE] * n_stages
+    return [0.0 if k == 0 else float(calibrated) for k in range(n_stages)]
+
+
 @dataclass
 class SimResult:
     feasible: bool
@@ -41,11 +50,14 @@ class Simulator:
         return self._links[key]
 
     def step_collectives(self, layout: Layout) -> int:
-        """Small all-reduces of every step: the loss (world > 1), the gradient norm (pp > 1) and a
-        tied embedding's gradient when its first and last stage sit on different groups."""
+        """Small all-reduces of every step: the loss (world > 1), the gradient norm over the pipeline
+        (pp > 1) and over FSDP's shards (dp > 1: the norm of sharded gradients is reduced once per
+        step), and a tied embedding's gradient when its first and last stage sit on different groups."""
         world = layout.pp * len(layout.groups[0])
         n = 0
         if world > 1:
+            n += 1
+        if layout.dp > 1 and self.opts.dp_mode == "fsdp":
             n += 1
         if layout.pp > 1:
             n += 1
@@ -71,19 +83,18 @@ class Simulator:
         ov = self.devices.overheads
         fwd = [c.fwd for c in stage_costs]
         if zb:
-            if ov.zb_input_grad_share is None:
-                shares = [ZB_INPUT_GRAD_SHARE] * n
-            else:   # calibrated; the first stage has no input gradient (its input is token ids)
-                shares = [0.0 if k == 0 else ov.zb_input_grad_share for k in range(n)]
+            shares = zb_input_shares(n, ov.zb_input_grad_share)
             bwd = [c.bwd * sh for c, sh in zip(stage_costs, shares)]
             wgt = [c.bwd * (1.0 - sh) for c, sh in zip(stage_costs, shares)]
         else:
             bwd = [c.bwd for c in stage_costs]
             wgt = [0.0] * n
         act = [c.activation for c in stage_costs]
+        handshake = [ov.p2p_handshake] * n if ov.p2p_handshake else None
         tl = simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
                                fwd, bwd, wgt, sends, sends, act,
-                               [c.first_fwd_extra for c in stage_costs], [c.last_bwd_extra for c in stage_costs])
+                               [c.first_fwd_extra for c in stage_costs], [c.last_bwd_extra for c in stage_costs],
+                               handshake)
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         pos_sync = [0.0] * layout.pp
@@ -157,6 +168,9 @@ class Simulator:
                     "stage": k, "layers": list(layout.spans[k]), "position": layout.stage_group(k),
                     "devices": list(groups[k]), "device_type": self.cluster.devices[groups[k][0]].name,
                     "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
+                    # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
+                    "bwd_input_s": bwd[k] * scale, "bwd_weight_s": wgt[k] * scale,
+                    "recv_handshake_s": ov.p2p_handshake * scale,
                     "dp_sync_s": c.dp_sync * scale, "params": c.params,
                     "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,

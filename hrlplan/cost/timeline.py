@@ -225,12 +225,17 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[float],
                       send_fwd: Sequence[float], send_bwd: Sequence[float],
                       activation: Sequence[float], first_fwd_extra: Optional[Sequence[float]] = None,
-                      last_bwd_extra: Optional[Sequence[float]] = None) -> TimelineResult:
+                      last_bwd_extra: Optional[Sequence[float]] = None,
+                      recv_handshake: Optional[Sequence[float]] = None) -> TimelineResult:
     """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
     activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
     bytes one micro-batch keeps on k until its backward. first_fwd_extra[k] lengthens stage k's
     first forward of the step and last_bwd_extra[k] its last backward (zero-bubble: its last W),
-    as FSDP's all-gathers and gradient reduces do."""
+    as FSDP's all-gathers and gradient reduces do. recv_handshake[k] (rendezvous transports such as
+    gloo's, where a send waits for its receive to be posted): an operation of stage k that receives
+    from another position starts no sooner than this long after its position gets to it, even when
+    the message was sent long before (the receive's notice has to reach the sender, which then sends);
+    a send that is late still arrives send_* after it was made."""
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     last = n - 1
@@ -245,6 +250,7 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     keep = ZB_W_ACTIVATION_SHARE if zb else 0.0
     f_extra = first_fwd_extra if first_fwd_extra is not None and any(first_fwd_extra) else None
     b_extra = last_bwd_extra if last_bwd_extra is not None and any(last_bwd_extra) else None
+    hs = recv_handshake if recv_handshake is not None and any(recv_handshake) else None
     seen_f = [False] * n
     done_b = [0] * n
     last_kind = W if zb else B
@@ -268,7 +274,11 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
             done_b[k] += 1
             if done_b[k] == m:
                 dur += b_extra[k]
-        start = free[pos] if free[pos] > ready else ready
+        at = free[pos]
+        if hs is not None and kind != W and ((kind == F and k > 0 and send_fwd[k - 1] > 0)
+                                             or (kind == B and k < last and send_bwd[k] > 0)):
+            at += hs[k]
+        start = at if at > ready else ready
         end = start + dur
         free[pos] = end
         busy[pos] += dur

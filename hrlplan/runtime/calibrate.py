@@ -25,15 +25,15 @@ import torch.distributed as dist
 REPEATS = 5
 
 
-def _block(arch: Dict[str, Any], device: torch.device):
-    """A one-block stage of the model (no embedding, no head), on `device`."""
+def _block(arch: Dict[str, Any], device: torch.device, n_blocks: int = 1):
+    """A stage of `n_blocks` blocks of the model (no embedding, no head), on `device`."""
     from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
 
     config = hf_config_from_arch(arch)
-    config.num_hidden_layers = 1   # GPT-2 maps n_layer onto this; only one block is built
+    config.num_hidden_layers = n_blocks   # GPT-2 maps n_layer onto this; only these blocks are built
     torch.manual_seed(0)
     model = build_hf_model(config)
-    return HFStage(model, 0, 1, first=False, last=False).to(device), int(config.hidden_size)
+    return HFStage(model, 0, n_blocks, first=False, last=False).to(device), int(config.hidden_size)
 
 
 def _sync(device: torch.device) -> None:
@@ -193,19 +193,104 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
     return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one}
 
 
+def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.device, pair_group, pair: List[int],
+                         m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = "1f1b",
+                         repeats: int = REPEATS) -> Optional[Dict[str, Any]]:
+    """Collective over `pair_group` (ranks `pair`): a real two-stage torch.distributed.pipelining
+    pipeline, an `n_blocks`-block stage on each rank, one step of `m` micro-batches per repeat.
+    Each rank returns its stage's median recorded forward / backward span and the span of its
+    operations in each step (first start to last end). fit_hop_delay turns the first stage's span
+    into the per-hop delay (p2p_latency_s) that makes the simulator's timeline end when the real one
+    did: the send/recv batching, gloo's rendezvous and the waits of torch's schedule, which a
+    ping-pong of a tiny message does not see."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+
+    me = pair.index(dist.get_rank())
+    block, hidden = _block(arch, device, n_blocks)
+    recorder = StepRecorder(device)
+    stage = PipelineStage(block, me, 2, device, group=pair_group)
+    instrument_pipeline_stage(stage, recorder, me)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().pow(2).mean())
+    torch.manual_seed(1)
+    x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
+    target = torch.zeros(m * microbatch_size, device=device)
+    spans, fwd, bwd, steps = [], [], [], []
+    for i in range(repeats + 2):   # two warm-up steps: shape inference, buffers, connections
+        block.zero_grad(set_to_none=True)
+        dist.barrier(group=pair_group)
+        recorder.begin()
+        t0 = time.perf_counter()
+        if me == 0:
+            sched.step(x)
+        else:
+            sched.step(target=target, losses=[])
+        t1 = time.perf_counter()
+        if i >= 2 and recorder.events:
+            ev = recorder.events
+            spans.append(max(e["end_s"] for e in ev) - min(e["start_s"] for e in ev))
+            fwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "F"]
+            bwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "B"]
+            steps.append(t1 - t0)
+            last_events = list(ev)
+    dist.barrier(group=pair_group)
+    med = statistics.median
+    return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
+            "fwd_s": med(fwd), "bwd_s": med(bwd), "span_s": med(spans), "spans_s": spans, "step_s": med(steps),
+            "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
+                       for e in last_events]}
+
+
+HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
+HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
+
+
+def fit_hop_delay(first: Dict[str, Any], second: Dict[str, Any], handshake: float = HANDSHAKE_LATENCIES) -> float:
+    """The one-way point-to-point delay l with which the simulator's two-stage timeline (the
+    stages' measured forward / backward spans, messages arriving l after a late send and a receive
+    posted after its send waiting `handshake` x l) ends when the first stage's measured operations
+    did (bisection: the makespan does not decrease as l grows). 0 when the timeline without delay
+    is already as long."""
+    from hrlplan.cost.timeline import simulate_timeline
+
+    m, schedule = int(first["m"]), str(first["schedule"])
+    fwd, bwd = [first["fwd_s"], second["fwd_s"]], [first["bwd_s"], second["bwd_s"]]
+
+    def makespan(lat: float) -> float:
+        return simulate_timeline(schedule, 2, 1, m, fwd, bwd, [0.0, 0.0], [lat, 0.0], [lat, 0.0],
+                                 [0.0, 0.0], recv_handshake=[handshake * lat] * 2).end[0]
+
+    target = float(first["span_s"])
+    if makespan(0.0) >= target:
+        return 0.0
+    lo, hi = 0.0, target
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if makespan(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
 def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
-                          pair_group, repeats: int = REPEATS) -> Dict[str, float]:
-    """FSDP2 over a pair of ranks on a one-block stage, wrapped as the runtime wraps stages
-    (fully_shard per block, reshard_after_forward=False). Per unit: the all-gather (first forward
-    minus a later one), the gradient reduce-scatter (a synchronising backward minus a
-    non-synchronising one), the hooks' overhead per forward / backward (vs the bare block), the
-    sharded clip + optimizer step; and one small all-reduce."""
+                          pair_group, repeats: int = REPEATS, n_blocks: int = 2) -> Dict[str, float]:
+    """FSDP2 over a pair of ranks on an `n_blocks`-block stage, wrapped as the runtime wraps stages
+    (fully_shard per block, reshard_after_forward=False). Per unit (block), the step's time divided
+    by the blocks, so what FSDP overlaps between blocks is not counted twice: the all-gather (first
+    forward minus a later one), the gradient reduce-scatter (a synchronising backward minus a
+    non-synchronising one), the hooks' overhead per forward / backward (vs the bare blocks), the
+    sharded optimizer step with clipping's local part; and one small all-reduce. Clipping's
+    all-reduce of the norm is timed apart (the trainer makes it once per step, not per block)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from hrlplan.runtime.parallel import clip_grad_norm
     from hrlplan.runtime.trainer import make_optimizer
 
-    plain, hidden = _block(arch, device)
+    plain, hidden = _block(arch, device, n_blocks)
     mbs = 1
     x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
     pf, pb = [], []
@@ -218,14 +303,14 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
         if i:
             pf.append(t1 - t0)
             pb.append(t2 - t1)
-    block, _ = _block(arch, device)
+    block, _ = _block(arch, device, n_blocks)
     mesh = DeviceMesh.from_group(pair_group, device.type)
     for child in getattr(block.base, block.blocks_attr).children():
         fully_shard(child, mesh=mesh, reshard_after_forward=False)
     fully_shard(block, mesh=mesh, reshard_after_forward=False)
     params = [p for p in block.parameters() if p.requires_grad]
     opt = make_optimizer(block, train)
-    first_f, later_f, nosync_b, sync_b, opt_t = [], [], [], [], []
+    first_f, later_f, nosync_b, sync_b, clip_t, opt_t = [], [], [], [], [], []
     for i in range(repeats + 1):
         opt.zero_grad(set_to_none=True)
         dist.barrier(group=pair_group)
@@ -241,15 +326,18 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
         block.set_is_last_backward(True)
         y2.backward(torch.ones_like(y2))
         t4 = time.perf_counter()
-        _clip_and_step(params, opt)
+        clip_grad_norm(params, 1.0, None, [])
         t5 = time.perf_counter()
+        opt.step()
+        t6 = time.perf_counter()
         block.reshard()
         if i:
             first_f.append(t1 - t0)
             later_f.append(t2 - t1)
             nosync_b.append(t3 - t2)
             sync_b.append(t4 - t3)
-            opt_t.append(t5 - t4)
+            clip_t.append(t5 - t4)
+            opt_t.append(t6 - t5)
     small = torch.zeros(1, device=device)
     ar = []
     for i in range(3 * repeats + 1):
@@ -259,9 +347,13 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
         if i:
             ar.append(time.perf_counter() - t0)
     med = statistics.median
-    return {"allgather": max(med(first_f) - med(later_f), 0.0), "reduce": max(med(sync_b) - med(nosync_b), 0.0),
-            "hook_fwd": max(med(later_f) - med(pf), 0.0), "hook_bwd": max(med(nosync_b) - med(pb), 0.0),
-            "optimizer_sharded": med(opt_t), "allreduce_s": med(ar)}
+    n = float(n_blocks)
+    clip_local = max(med(clip_t) - med(ar), 0.0)
+    return {"allgather": max(med(first_f) - med(later_f), 0.0) / n,
+            "reduce": max(med(sync_b) - med(nosync_b), 0.0) / n,
+            "hook_fwd": max(med(later_f) - med(pf), 0.0) / n, "hook_bwd": max(med(nosync_b) - med(pb), 0.0) / n,
+            "optimizer_sharded": (med(opt_t) + clip_local) / n, "clip_s": med(clip_t), "allreduce_s": med(ar),
+            "n_blocks": n_blocks}
 
 
 def measure_step(config: Dict[str, Any], steps: int = 4) -> float:
@@ -317,10 +409,15 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     if mine:
         dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine[0]])
     dist.barrier()
+    hop = None
+    if mine:   # every pair at once, as the plans' ranks run at once
+        hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine[0]], pairs[mine[0]], schedule=sched)
+               for sched in HOP_SCHEDULES}
+    dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     local = {"block": samples, "zb_input_grad_share": zb_share, "pipeline_ops": ops, "optimizer": optim,
-             "data_parallel": dp}
+             "data_parallel": dp, "pipeline_hop": hop}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -379,6 +476,17 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         cal["p2p_latency_s"] = p2p["latency_s"]
         wire = p2p["message_s"] - p2p["latency_s"]
         cal["bandwidth_efficiency"] = min(1.0, msg_bytes / (max(wire, 1e-9) * spec.bw(0, 1)))
+    # The real two-stage pipeline's hop replaces the ping-pong latency (see measure_pipeline_hop).
+    hops = []
+    for r in range(0, len(gathered) - 1, 2):
+        a, b = gathered[r].get("pipeline_hop") or {}, gathered[r + 1].get("pipeline_hop") or {}
+        fits = [fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1]
+        if fits:   # one figure for every schedule: the mean of their fits
+            hops.append(statistics.fmean(fits))
+    if hops:
+        lat = med(hops)
+        cal["p2p_latency_s"] = lat
+        cal["p2p_handshake_s"] = HANDSHAKE_LATENCIES * lat
     return cal
 
 

@@ -27,7 +27,7 @@ COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
 def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Replay the simulator's schedule for `plan` (Plan.to_dict()) with the durations in `info`
     (plan_info.json): the same dependency rules as hrlplan.cost.timeline.simulate_timeline."""
-    from hrlplan.cost.simulator import ZB_INPUT_GRAD_SHARE
+    from hrlplan.cost.simulator import zb_input_shares
     from hrlplan.cost.timeline import B, F, structure
 
     stages = sorted((info.get("chosen") or {}).get("stages") or [], key=lambda s: s["stage"])
@@ -38,11 +38,20 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
     n = pp * v
     if len(stages) != n:
         return []
-    zb = schedule == "zero_bubble"
     fwd = [float(s["fwd_s"]) for s in stages]
-    bwd = [float(s["bwd_s"]) * (ZB_INPUT_GRAD_SHARE if zb else 1.0) for s in stages]
-    wgt = [float(s["bwd_s"]) * (1.0 - ZB_INPUT_GRAD_SHARE) if zb else 0.0 for s in stages]
+    if all("bwd_input_s" in s and "bwd_weight_s" in s for s in stages):
+        # the simulator's own split (calibrated zb_input_grad_share, B = 0 on the first stage)
+        bwd = [float(s["bwd_input_s"]) for s in stages]
+        wgt = [float(s["bwd_weight_s"]) for s in stages]
+    elif schedule == "zero_bubble":   # an older plan_info.json: the share from the calibration, if given
+        shares = zb_input_shares(n, _calibrated_zb_share(info))
+        bwd = [float(s["bwd_s"]) * sh for s, sh in zip(stages, shares)]
+        wgt = [float(s["bwd_s"]) * (1.0 - sh) for s, sh in zip(stages, shares)]
+    else:
+        bwd = [float(s["bwd_s"]) for s in stages]
+        wgt = [0.0] * n
     send = [float(s.get("send_s", 0.0)) for s in stages]
+    handshake = [float(s.get("recv_handshake_s", 0.0)) for s in stages]
     f_end = [[0.0] * m for _ in range(n)]
     b_end = [[0.0] * m for _ in range(n)]
     free = [0.0] * pp
@@ -54,7 +63,10 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
             ready, dur = (b_end[k + 1][j] + send[k] if k < n - 1 else f_end[k][j]), bwd[k]
         else:
             ready, dur = b_end[k][j], wgt[k]
-        start = max(free[pos], ready)
+        at = free[pos]
+        if (kind == F and k > 0 and send[k - 1] > 0) or (kind == B and k < n - 1 and send[k] > 0):
+            at += handshake[k]   # a rendezvous receive (see simulate_timeline)
+        start = max(at, ready)
         end = free[pos] = start + dur
         if kind == F:
             f_end[k][j] = end
@@ -63,6 +75,15 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
         events.append({"position": pos, "kind": KIND_NAMES[kind], "stage": k, "microbatch": j,
                        "start_s": start, "end_s": end})
     return events
+
+
+def _calibrated_zb_share(info: Dict[str, Any]) -> Optional[float]:
+    """zb_input_grad_share from a cluster calibration recorded in plan_info.json, if any."""
+    for where in (info.get("calibration"), (info.get("cluster") or {}).get("calibration")
+                  if isinstance(info.get("cluster"), dict) else None):
+        if isinstance(where, dict) and where.get("zb_input_grad_share") is not None:
+            return float(where["zb_input_grad_share"])
+    return None
 
 
 def measured_events(info: Dict[str, Any]) -> List[Dict[str, Any]]:

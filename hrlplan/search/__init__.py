@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, Tuple
 
 from hrlplan.cost.model import Layout
+from hrlplan.cost.plans import layout_of_plan, rank_devices
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.plan import Plan, check_fits
@@ -80,11 +81,7 @@ def _info(meta, cluster, sim, best: Scored, detail, runner_up, planner_meta, his
 
 def layout_of(plan: Plan) -> Layout:
     """A plan back in the simulator's terms (plan ranks -> cluster devices via meta.launch)."""
-    devices = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
-    groups = tuple(tuple(devices[r] for r in g) for g in plan.device_groups)
-    return Layout(spans=tuple(tuple(s.layers) for s in plan.stages), groups=groups, tp=plan.stages[0].tp,
-                  dp=plan.dp, microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
-                  schedule=plan.schedule, stages_per_rank=plan.stages_per_rank)
+    return layout_of_plan(plan)
 
 
 def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
@@ -97,7 +94,7 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
         from hrlplan.cost.simulator import SimResult
 
         any_plan = predict_any_plan(plan, meta, cluster, sim=sim)
-        devices = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
+        devices = rank_devices(plan)
         result = SimResult(any_plan["feasible"], any_plan["step_time_s"], reason=any_plan["reason"],
                            bubble_fraction=any_plan["bubble_fraction"],
                            memory_bytes={devices[r]: m for r, m in enumerate(any_plan["memory_bytes_per_rank"])},
@@ -108,9 +105,7 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
     if result.feasible:
         predicted = plan.meta.setdefault("predicted", {})
         predicted.update({"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
-                          "memory_bytes_per_rank": [int(result.memory_bytes.get(d, 0)) for d in
-                                                    ((plan.meta.get("launch") or {}).get("rank_to_device")
-                                                     or range(plan.world_size))],
+                          "memory_bytes_per_rank": [int(result.memory_bytes.get(d, 0)) for d in rank_devices(plan)],
                           "breakdown": _plain({k: v for k, v in result.breakdown.items()
                                                if k != "memory_bytes_per_device"})})
     plan.meta["planner"] = {"name": "manual", "evaluations": 1, "time_s": time.perf_counter() - t0,
