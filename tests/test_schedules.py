@@ -28,7 +28,6 @@ def test_interleaved_1f1b_matches_one_process(tmp_path):
     kinds = {(e["stage"], e["microbatch"], e["kind"]) for e in info["measured_timeline"]}
     assert kinds == {(s, j, k) for s in range(4) for j in range(4) for k in "FB"}
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "train/lm_loss" in r]   # evaluation records carry eval/* only
     assert all(f"stage/{i}/compute_s" in r and f"stage/{i}/idle_s" in r for r in records for i in range(4))
 
 

@@ -148,6 +148,7 @@ class PipelineTrainer:
 
     def evaluate(self, batches: int = 2) -> Dict[str, float]:
         """Loss and perplexity on the validation split (the same batches every time)."""
+        kept = (list(self.recorder.events), self.recorder.origin)   # the training step's timeline stays
         total = 0.0
         for k in range(batches):
             inputs, targets = self.data.batch(k, int(self.plan.global_batch_size), split="val")
@@ -161,6 +162,7 @@ class PipelineTrainer:
                     opt.zero_grad(set_to_none=True)
             dist.all_reduce(loss)
             total += loss.item()
+        self.recorder.events, self.recorder.origin = kept
         mean = total / batches
         return {"eval/lm_loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
@@ -205,19 +207,19 @@ class PipelineTrainer:
                            "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
                 if flops_per_token and peak:
                     metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
-                if self.step % int(self.train["log_interval"]) == 0:
+                logging_now = self.step % int(self.train["log_interval"]) == 0 or self.step == total
+                if logging_now:
                     stats = timing.stage_stats(self._gather({"compute": self.recorder.compute_by_stage()}),
                                                out["step_time_s"])
                     for i, st in stats.items():
                         metrics[f"stage/{i}/compute_s"] = st["compute_s"]
                         metrics[f"stage/{i}/idle_s"] = st["idle_s"]
-                    if self.logger is not None:
-                        self.logger.log(metrics, step=self.step)
                 eval_every = self.train.get("eval_interval")
                 if (eval_every and self.step % int(eval_every) == 0) or self.step == total:
+                    # after the stage statistics: evaluation's forwards must not count as training
                     metrics.update(self.evaluate())
-                    if self.logger is not None:
-                        self.logger.log({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=self.step)
+                if logging_now and self.logger is not None:
+                    self.logger.log(metrics, step=self.step)
                 history.append({"step": self.step, **metrics})
                 # preempt.stop_agreed is collective: every rank stops at the same step, with a checkpoint
                 preempted = preempt.stop_agreed(self.device)
