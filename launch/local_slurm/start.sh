@@ -159,7 +159,9 @@ if running "$RUN/slurmctld.pid" slurmctld; then
 else
   say "starting slurmctld"
   rm -f "$RUN/slurmctld.pid"
-  /usr/sbin/slurmctld -f "$CONF" || die "slurmctld failed to start (see $LOG/slurmctld.log)"
+  # -c: a fresh controller forgets the jobs of earlier sessions; recovered ones would hold the
+  # node's 2 CPUs and leave every new test job pending.
+  /usr/sbin/slurmctld -c -f "$CONF" || die "slurmctld failed to start (see $LOG/slurmctld.log)"
   STARTED=started
 fi
 for _ in $(seq $((WAIT_S * 4))); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.25; done
