@@ -124,6 +124,7 @@ def main() -> None:
         t0 = time.time()
         specs[world] = specs_for(world, config)
         report["calibration"][str(world)] = {k: v for k, v in specs[world][1].calibration.items() if k != "measurements"}
+        report["calibration"][str(world)]["load_average_after"] = os.getloadavg()[0]   # a busy machine biases it
         print(f"[bench] probed + calibrated {world} worker(s) in {time.time() - t0:.1f} s: "
               f"{report['calibration'][str(world)]}", flush=True)
 

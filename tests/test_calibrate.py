@@ -166,3 +166,58 @@ def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
     assert cal["p2p_latency_s"] == pytest.approx(7e-4, rel=1e-5)   # the mean of the schedules' fits
     assert cal["p2p_handshake_s"] == pytest.approx(HANDSHAKE_LATENCIES * 7e-4, rel=1e-5)
     assert set(cal) <= set(CALIBRATION_KEYS)
+
+
+def test_contention_scales_alone_and_paired_figures_by_their_factors():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=2,
+                 schedule="gpipe")
+    cc, cp = 2.0, 1.5
+    got = Simulator(meta, _overhead_cluster(dict(CAL, contention_factor={"compute": cc, "paired": cp})),
+                    CostOptions()).evaluate(lay).step_time_s
+    f, b, lat = 1e-3 * cc, 2e-3 * cc, 5e-4 * cp     # op overheads measured alone, the p2p by a pair
+    pipeline = 3 * f + 2 * lat + 3 * b
+    assert got == pytest.approx(pipeline + 2 * 1e-4 * cp + (4 + 0.5 / 2) * 1e-4 * cc + 3e-3 * cc, rel=1e-4)
+    # compute too: with real compute the factor multiplies it
+    cl = _overhead_cluster({"contention_factor": {"compute": 3.0, "paired": 1.0}})
+    cl.devices[0].peak_flops = cl.devices[1].peak_flops = 1e9
+    slow = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
+    cl.calibration.pop("contention_factor")
+    fast = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
+    assert slow.stages[0]["fwd_s"] == pytest.approx(3 * fast.stages[0]["fwd_s"])
+
+
+def test_fit_calibration_contention_factors():
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
+    times = [{"alone_s": 1.0, "pair_s": 1.1, "together_s": 2.0}, {"alone_s": None, "pair_s": 1.1, "together_s": 2.2},
+             {"alone_s": None, "pair_s": None, "together_s": 2.1}]
+    gathered = [{"block": block, "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+                 "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None, "contention": t} for t in times]
+    cal = fit_calibration(spec, meta, gathered, None, 1 << 16)
+    assert cal["contention_factor"] == pytest.approx({"compute": 2.1, "paired": 2.1 / 1.1})
+
+
+def test_contention_beyond_the_jobs_own_ranks_per_core_is_other_load_and_capped():
+    from hrlplan.runtime.calibrate import CONTENTION_SLACK, fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()   # 2 ranks on one node
+    block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
+    base = {"block": block, "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+            "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None}
+    times = [{"alone_s": 1.0, "pair_s": 2.0, "together_s": 2.0, "cpu_cores": 2},
+             {"alone_s": None, "pair_s": 2.0, "together_s": 2.0, "cpu_cores": 2}]
+    cal = fit_calibration(spec, meta, [dict(base, contention=t) for t in times], None, 1 << 16)
+    # 2 ranks on 2 cores: a 2x slow-down was somebody else's load
+    assert cal["contention_factor"] == pytest.approx({"compute": CONTENTION_SLACK, "paired": 1.0})
+    one_core = [dict(t, cpu_cores=1) for t in times]
+    cal = fit_calibration(spec, meta, [dict(base, contention=t) for t in one_core], None, 1 << 16)
+    assert cal["contention_factor"]["compute"] == pytest.approx(2.0)   # 2 ranks on 1 core: their own

@@ -42,6 +42,11 @@ CALIBRATION_KEYS = {
     "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
     "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
     "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W",
+    "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
+                         "of the job works at once -- more ranks than cores share them. compute: vs one rank "
+                         "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
+                         "measured alone); paired: vs the two ranks of a pair (multiplies what the two-rank "
+                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, all-reduces)",
 }
 
 STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)
@@ -117,21 +122,26 @@ class Overheads:
     opt_ends_blocks: float = 0.0
     step: float = 0.0
     zb_input_grad_share: Optional[float] = None
+    contention: float = 1.0            # multiplies compute (the fields above already include theirs)
 
     @classmethod
     def from_calibration(cls, cal: Dict) -> "Overheads":
+        """The figures as a step with every rank busy pays them (see contention_factor)."""
         f, b = _pair(cal.get("op_overhead_s"), "fwd", "bwd")
         ag, rd = _pair(cal.get("dp_collective_s"), "allgather", "reduce")
         hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
+        c = cal.get("contention_factor")
+        cc, cp = (1.0, 1.0) if c is None else (max(x, 1.0) for x in _pair(c, "compute", "paired"))
         p2p = cal.get("p2p_latency_s")
         zb = cal.get("zb_input_grad_share")
-        return cls(op_fwd=f, op_bwd=b, p2p_latency=None if p2p is None else float(p2p),
-                   p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)), dp_allgather=ag,
-                   dp_reduce=rd, dp_hook_fwd=hf, dp_hook_bwd=hb,
-                   allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)), opt_plain=op, opt_sharded=osh,
-                   opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
-                   step=float(cal.get("step_overhead_s", 0.0)), zb_input_grad_share=None if zb is None else float(zb))
+        return cls(op_fwd=f * cc, op_bwd=b * cc, p2p_latency=None if p2p is None else float(p2p) * cp,
+                   p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)) * cp, dp_allgather=ag * cp,
+                   dp_reduce=rd * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
+                   allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
+                   opt_sharded=osh * cp, opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
+                   step=float(cal.get("step_overhead_s", 0.0)) * cc,
+                   zb_input_grad_share=None if zb is None else float(zb), contention=cc)
 
 
 class DeviceModel:
@@ -264,7 +274,7 @@ class StageCostModel:
         tokens = microbatch_size * meta.seq_len
         flops = tokens * self.span_flops(start, end, first, last) / tp
         slowest = min(self.dev.throughput(d, tokens) for d in group)
-        compute_fwd = flops / slowest
+        compute_fwd = flops / slowest * self.dev.overheads.contention
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats

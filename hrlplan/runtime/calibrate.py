@@ -8,8 +8,18 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
 - an activation-sized point-to-point transfer between ranks 0 and 1: bandwidth_efficiency, the
   fraction of the probed bandwidth that a message of that size achieves after the probed latency;
 - one whole one-process training step of the model vs the simulator's prediction for it with the
-  figures above: step_time_scale, which covers what the model does not count (optimizer, Python).
-Raw measurements are kept under calibration["measurements"] for inspection.
+  figures above: step_overhead_s, what the model does not count (Python, the scheduler);
+- fixed costs (CALIBRATION_KEYS: op_overhead_s, dp_collective_s, dp_hook_s, optimizer_s_per_block,
+  allreduce_latency_s, zb_input_grad_share) from micro-benchmarks of one stage;
+- the pipeline hop (p2p_latency_s, p2p_handshake_s): a real two-rank, two-stage torch pipeline
+  (1F1B and GPipe), the one-way delay that makes the simulator's timeline of it (with the stages'
+  recorded spans, and gloo's rendezvous: a receive posted after its send waits a round trip) end when
+  the real one did -- far above a ping-pong's latency;
+- contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means
+  over a long run); with more ranks than cores compute is then costed at the speed measured alone
+  times this factor.
+Nothing is fitted from a benchmarked plan's own step time. Raw measurements are kept under
+calibration["measurements"] for inspection.
 """
 from __future__ import annotations
 
@@ -243,6 +253,7 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
                        for e in last_events]}
 
 
+CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed for (memory bandwidth, caches)
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
 HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
 
@@ -356,6 +367,40 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
             "n_blocks": n_blocks}
 
 
+def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
+                       iters: int = 40, rounds: int = 5) -> Dict[str, Any]:
+    """Collective. The mean time of one block's forward + backward over `iters` back-to-back runs: on
+    rank 0 alone, on ranks 0 and 1 (the others wait) and on every rank at once. Means over a long
+    run, not medians of single runs: with more ranks than cores the scheduler time-slices them, and
+    most single runs fit inside one slice, so a median hides the sharing that a real step pays for."""
+    block, hidden = _block(arch, device)
+    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
+    rank = dist.get_rank()
+
+    def run() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            y = block(x)
+            y.backward(torch.ones_like(y))
+        _sync(device)
+        return (time.perf_counter() - t0) / iters
+
+    run()
+    out: Dict[str, List[float]] = {"alone": [], "pair": [], "together": []}
+    for _ in range(rounds):
+        for mode, busy in (("alone", rank == 0), ("pair", rank < 2), ("together", True)):
+            dist.barrier()
+            if busy:
+                out[mode].append(run())
+    dist.barrier()
+    # per round too: fit_calibration takes ratios within a round (a shared machine's load drifts)
+    return {**{f"{k}_s": statistics.median(v) if v else None for k, v in out.items()},
+            **{f"{k}_rounds_s": v for k, v in out.items()},
+            "cpu_cores": len(os.sched_getaffinity(0)) if device.type == "cpu" and hasattr(os, "sched_getaffinity")
+            else None}
+
+
 def measure_step(config: Dict[str, Any], steps: int = 4) -> float:
     """Median time of a one-process training step (model, data, AdamW as the trainer uses them)."""
     from hrlplan.runtime.reference import train_single_process
@@ -404,20 +449,20 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     ops = measure_pipeline_ops(arch, seq, device, singles[rank], one["fwd_s"], one["bwd_s"])
     optim = measure_optimizer(arch, train, device)
     dist.barrier()
-    dp = None
-    mine = [i for i, p in enumerate(pairs) if rank in p]
-    if mine:
-        dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine[0]])
-    dist.barrier()
-    hop = None
-    if mine:   # every pair at once, as the plans' ranks run at once
-        hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine[0]], pairs[mine[0]], schedule=sched)
-               for sched in HOP_SCHEDULES}
-    dist.barrier()
+    # The two-rank micro-benchmarks, one pair at a time (the others wait): contention_factor's
+    # `paired` figure scales them to every rank busy.
+    dp = hop = None
+    for i, pair in enumerate(pairs):
+        if rank in pair:
+            dp = measure_data_parallel(arch, seq, train, device, pair_groups[i])
+            hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[i], pair, schedule=sched)
+                   for sched in HOP_SCHEDULES}
+        dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
+    contention = measure_contention(arch, seq, max(1, g // 4), device)
     local = {"block": samples, "zb_input_grad_share": zb_share, "pipeline_ops": ops, "optimizer": optim,
-             "data_parallel": dp, "pipeline_hop": hop}
+             "data_parallel": dp, "pipeline_hop": hop, "contention": contention}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -427,16 +472,26 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
         # terms is step_overhead_s. Its compute is predicted from blocks measured alone too, so the
         # contention the concurrent fit above includes does not land in the overhead.
         config = {"arch": arch, "train": dict(train), "data": dict(data)}
-        measured = measure_step(config)
-        alone = measure_block(arch, seq, sizes, device)
+        # interleaved rounds, medians: a shared machine's load drifts between two measurements
+        rounds = [(measure_step(config, steps=6), measure_block(arch, seq, sizes, device)) for _ in range(3)]
+        measured = statistics.median(r[0] for r in rounds)
+        alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
+                      bwd_s=statistics.median(r[1][i]["bwd_s"] for r in rounds))
+                 for i, r0 in enumerate(rounds[0][1])]
         ref = copy.deepcopy(spec)
         ref.calibration = dict(cal)
         d0 = spec.devices[0]
         fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats, d0.peak_flops)
         ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
-                               half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]})
+                               half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
+                               contention_factor=None)   # the reference step ran alone
         predicted = _predict_one_process_step(meta, ref, train)
         cal["step_overhead_s"] = max(measured - predicted, 0.0)
+        if cal.get("contention_factor"):
+            # CPU work is then costed as measured alone, times the contention factor
+            cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
+            cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
+                                                 **ref.calibration["half_saturation_tokens"])
         cal["measurements"] = {"model": meta.name, "seq_len": seq, "ranks": gathered, "p2p_bytes": msg,
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
                                "one_process_step_predicted_without_step_overhead_s": predicted}
@@ -483,6 +538,30 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         fits = [fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1]
         if fits:   # one figure for every schedule: the mean of their fits
             hops.append(statistics.fmean(fits))
+    alone = (gathered[0].get("contention") or {}).get("alone_s")
+    pair = [r["contention"]["pair_s"] for r in gathered[:2] if (r.get("contention") or {}).get("pair_s")]
+    together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
+    if alone and pair and together and len(gathered) > 1:
+        compute, paired = med(together) / alone, med(together) / med(pair)
+        rounds = [r["contention"] for r in gathered if (r.get("contention") or {}).get("together_rounds_s")]
+        n = min(len(r["together_rounds_s"]) for r in rounds) if rounds else 0
+        if n and len(gathered[0]["contention"].get("alone_rounds_s") or []) >= n \
+                and all(len(r["contention"].get("pair_rounds_s") or []) >= n for r in gathered[:2]):
+            # the ratio within each round (ranks' median), then the median over rounds
+            tog = [med(r["together_rounds_s"][i] for r in rounds) for i in range(n)]
+            par = [med(r["contention"]["pair_rounds_s"][i] for r in gathered[:2]) for i in range(n)]
+            compute = med(t / a for t, a in zip(tog, gathered[0]["contention"]["alone_rounds_s"]))
+            paired = med(t / p for t, p in zip(tog, par))
+        cores = gathered[0]["contention"].get("cpu_cores")
+        if cores:
+            # The job's own ranks share the cores: at most ranks/cores slower (x CONTENTION_SLACK for
+            # memory bandwidth). More than that is other jobs' load, which comes and goes: not the plan's.
+            node = spec.devices[0].node
+            local = sum(1 for d in spec.devices if d.node == node)
+            share = max(1.0, local / cores)
+            compute = min(compute, share * CONTENTION_SLACK)
+            paired = min(paired, share / max(1.0, min(local, 2) / cores) * CONTENTION_SLACK)
+        cal["contention_factor"] = {"compute": max(1.0, compute), "paired": max(1.0, paired)}
     if hops:
         lat = med(hops)
         cal["p2p_latency_s"] = lat
