@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, Callable, Dict
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator
 
 from hrlplan.errors import UserError
 
@@ -16,6 +17,21 @@ from hrlplan.errors import UserError
 def in_distributed_job() -> bool:
     """True under torchrun (or any launcher that set the torch.distributed env variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set variables for the workers to inherit, and give this process its own back afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name: str = "hrlplan") -> Dict[int, Any]:
@@ -29,7 +45,7 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
 
     cores = len(os.sched_getaffinity(0))
     # As torchrun does: without this, N workers x all-core thread pools oversubscribe the CPU.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(nproc, 1))))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // max(nproc, 1)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
@@ -38,9 +54,9 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     # same traceback would only bury that message.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ["HRLPLAN_LOCAL_AGENT"] = "1"
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        with _environment(OMP_NUM_THREADS=threads, HRLPLAN_LOCAL_AGENT="1"):  # the workers inherit these
+            return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message if isinstance(failure.message, str) else str(failure.message)

@@ -97,7 +97,7 @@ else
 fi
 
 # ------------------------------------------------------------------ slurm.conf
-CPUS=$(nproc)
+CPUS=$(OMP_NUM_THREADS= nproc)  # nproc obeys OMP_NUM_THREADS, which a caller may have set to 1
 FREE_MB=$(awk '/MemAvailable/ {print int($2/1024)}' /proc/meminfo)
 MEM_MB=$(( FREE_MB > 2048 ? FREE_MB - 1024 : FREE_MB * 3 / 4 ))
 NEW_CONF=$(cat <<CONF
