@@ -12,15 +12,8 @@ set -uo pipefail
 DIR="${SLURM_LOCAL_DIR:-/tmp/local-slurm}"
 RUN="$DIR/run"
 export SLURM_CONF="$DIR/etc/slurm.conf"
-say() { echo "[local-slurm $(date +%T)] $*" >&2; }
-running() {
-  local pid
-  [[ -s "$1" ]] || return 1
-  pid=$(cat "$1")
-  [[ -r /proc/$pid/stat ]] || return 1
-  [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]] || return 1
-  [[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == *"$2"* ]]
-}
+# shellcheck source=launch/local_slurm/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # stop NAME PIDFILE: SIGTERM, up to 15 s of grace, then SIGKILL that one pid.
 stop() {
   local pid
