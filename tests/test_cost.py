@@ -160,3 +160,16 @@ def test_timeline_plot_replays_the_simulators_timeline(schedule, v):
     events = predicted_events(plan, {"chosen": {"stages": res.stages}})
     assert len(events) == (3 if schedule == "zero_bubble" else 2) * 4 * len(spans)
     assert max(e["end_s"] for e in events) == pytest.approx(res.breakdown["pipeline_s"], rel=1e-9)
+
+
+def test_zero_bubble_v_runs_torch_zbv_order():
+    """The runtime runs torch's ScheduleZBVZeroBubble: the simulator uses its order (as recorded in a
+    real pp=2, m=4 step: W right after its B until the cool-down)."""
+    from hrlplan.cost.timeline import structure
+
+    st = structure("zero_bubble", 2, 2, 4)
+    got = [" ".join("FBW"[k] + f"{s}.{j}" for k, s, j in ops) for ops in st.position_ops]
+    assert got[0] == ("F0.0 F0.1 F0.2 F3.0 B3.0 W3.0 F3.1 B3.1 W3.1 F0.3 B0.0 W0.0 F3.2 B3.2 W3.2 B0.1 W0.1 "
+                      "F3.3 B3.3 W3.3 B0.2 W0.2 B0.3 W0.3")
+    assert got[1] == ("F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 F1.2 B1.0 W1.0 F2.2 B2.1 W2.1 F1.3 B1.1 W1.1 F2.3 B2.2 W2.2 "
+                      "B1.2 B2.3 B1.3 W1.2 W2.3 W1.3")

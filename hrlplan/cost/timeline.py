@@ -119,6 +119,42 @@ def _v_shape_orders(pp: int, m: int, cap: float) -> List[List[Tuple[int, int, in
     return orders
 
 
+def _torch_zbv_orders(pp: int, m: int) -> List[List[Tuple[int, int, int]]]:
+    """torch.distributed.pipelining's ScheduleZBVZeroBubble order (the runtime's ZB-V), per position:
+    warm-up forwards of both legs, then F, B, W of the down leg and of the up leg in turn, W right
+    after its B while forwards remain, deferred in the cool-down (its _calculate_single_rank_operations)."""
+    n = 2 * pp
+    n_micro = max(2 * pp - 1, m)
+    orders = []
+    for rank in range(pp):
+        ops: List[Tuple[int, int, int]] = []
+        c0, c1 = rank, n - 1 - rank
+        f0 = f1 = b0 = b1 = 0
+        for _ in range(2 * (pp - rank) - 1):
+            ops.append((F, c0, f0)); f0 += 1
+        for _ in range(rank):
+            ops.append((F, c1, f1)); f1 += 1
+            ops.append((F, c0, f0)); f0 += 1
+        for _ in range(pp - rank):
+            ops += [(F, c1, f1), (B, c1, b1), (W, c1, b1)]
+            f1 += 1; b1 += 1
+        while f1 < f0 or f0 < n_micro:
+            if f0 < n_micro:
+                ops.append((F, c0, f0)); f0 += 1
+            ops += [(B, c0, b0), (W, c0, b0), (F, c1, f1), (B, c1, b1), (W, c1, b1)]
+            b0 += 1; f1 += 1; b1 += 1
+        w0, w1 = b0, b1
+        for _ in range(rank):
+            ops += [(B, c0, b0), (B, c1, b1)]
+            b0 += 1; b1 += 1
+        for _ in range(pp - rank):
+            ops += [(B, c0, b0), (W, c0, w0)]
+            b0 += 1; w0 += 1
+        ops += [(W, c1, j) for j in range(w1, b1)] + [(W, c0, j) for j in range(w0, b0)]
+        orders.append([op for op in ops if op[2] < m])
+    return orders
+
+
 def _position_ops(schedule: str, pp: int, v: int, m: int, pos: int, warmup: int) -> List[Tuple[int, int, int]]:
     fseq = _interleaved_sequence(pp, v, m, backward=False)
     bseq = _interleaved_sequence(pp, v, m, backward=True)
@@ -188,6 +224,10 @@ def structure(schedule: str, pp: int, stages_per_rank: int, m: int) -> Structure
     v = stages_per_rank
     n_stages = pp * v
     if schedule == "zero_bubble" and v == 2:
+        ops = _torch_zbv_orders(pp, m)   # the order the runtime runs, when it is executable
+        order = _topological(ops, n_stages)
+        if order is not None:
+            return Structure(tuple(tuple(o) for o in ops), tuple(order))
         cap = 2.0 * pp
         while True:   # a cap too tight for an unusual (pp, m) would stall: loosen it until it runs
             ops = _v_shape_orders(pp, m, cap)
