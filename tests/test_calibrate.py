@@ -221,3 +221,73 @@ def test_contention_beyond_the_jobs_own_ranks_per_core_is_other_load_and_capped(
     one_core = [dict(t, cpu_cores=1) for t in times]
     cal = fit_calibration(spec, meta, [dict(base, contention=t) for t in one_core], None, 1 << 16)
     assert cal["contention_factor"]["compute"] == pytest.approx(2.0)   # 2 ranks on 1 core: their own
+
+
+def test_fit_dp_scaling_separates_per_unit_and_per_stage_exposure():
+    from hrlplan.runtime.calibrate import fit_dp_scaling
+
+    pts = [{"n_blocks": n, "allgather_total": 1e-3 + n * 2e-4, "reduce_total": 4e-3 + n * 1e-3} for n in (1, 2, 4)]
+    fit = fit_dp_scaling(pts)
+    assert fit["allgather"] == pytest.approx((2e-4, 1e-3))
+    assert fit["reduce"] == pytest.approx((1e-3, 4e-3))
+    # noise that would give a negative slope or intercept is clamped: both parts stay >= 0
+    fit = fit_dp_scaling([{"n_blocks": 1, "allgather_total": 3e-3, "reduce_total": 0.0},
+                          {"n_blocks": 4, "allgather_total": 1e-3, "reduce_total": 8e-3}])
+    assert fit["allgather"][0] == 0.0 and fit["allgather"][1] > 0
+    assert fit["reduce"][0] > 0 and fit["reduce"][1] == 0.0
+
+
+def test_fit_calibration_takes_dp_scaling_when_measured():
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    dp = {"allgather": 1e-3, "reduce": 3e-3, "hook_fwd": 1e-4, "hook_bwd": 2e-4, "optimizer_sharded": 1e-3,
+          "allreduce_s": 1e-4,
+          "by_blocks": [{"n_blocks": n, "allgather_total": 5e-4 + n * 1e-4, "reduce_total": 2e-3 + n * 1e-3}
+                        for n in (2, 1, 4)]}
+    r = {"block": [{"tokens": n, "fwd_s": 1e-3 * n, "bwd_s": 2e-3 * n} for n in (128, 512)],
+         "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+         "optimizer": {"block": 1e-4, "ends": 0.0}, "data_parallel": dp}
+    cal = fit_calibration(spec, meta, [r, r], None, 1)
+    assert cal["dp_collective_s"] == pytest.approx({"allgather": 1e-4, "reduce": 1e-3})
+    assert cal["dp_collective_fixed_s"] == pytest.approx({"allgather": 5e-4, "reduce": 2e-3})
+    assert set(cal) <= set(CALIBRATION_KEYS)
+
+
+def test_dp_collective_fixed_adds_once_per_stage_and_defaults_to_nothing():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0, 1), (2, 3)), tp=1, dp=2, microbatch_size=1,
+                 num_microbatches=2, schedule="1f1b")
+    base = Simulator(meta, _overhead_cluster(CAL), CostOptions()).evaluate(lay).step_time_s
+    same = Simulator(meta, _overhead_cluster(dict(CAL, dp_collective_fixed_s=None)), CostOptions()).evaluate(lay)
+    assert same.step_time_s == pytest.approx(base)
+    fixed = dict(CAL, dp_collective_fixed_s={"allgather": 0.0, "reduce": 5e-3})
+    got = Simulator(meta, _overhead_cluster(fixed), CostOptions()).evaluate(lay).step_time_s
+    # each stage pays the tail once after its last backward (REDUCE_GRAD); stage 1's overlaps stage 0's
+    # remaining backward, so the step grows by one tail, not two
+    assert got == pytest.approx(base + 5e-3, rel=1e-6)
+    one = Layout(spans=((0, 8),), groups=((0,),), tp=1, dp=1, microbatch_size=1, num_microbatches=1, schedule="1f1b")
+    assert Simulator(meta, _overhead_cluster(fixed), CostOptions()).evaluate(one).step_time_s == pytest.approx(
+        Simulator(meta, _overhead_cluster(CAL), CostOptions()).evaluate(one).step_time_s)   # dp=1: no FSDP
+
+
+def test_fsdp_reduces_of_a_later_stage_overlap_an_earlier_stages_remaining_backward():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0, 1), (2, 3)), tp=1, dp=2, microbatch_size=1,
+                 num_microbatches=2, schedule="1f1b")
+    cal = dict(CAL, dp_collective_s={"allgather": 0.0, "reduce": 4e-3})
+    r = Simulator(meta, _overhead_cluster(cal), CostOptions()).evaluate(lay, detail=True)
+    no_reduce = Simulator(meta, _overhead_cluster(dict(cal, dp_collective_s={"allgather": 0.0, "reduce": 0.0})),
+                          CostOptions()).evaluate(lay).step_time_s
+    # both stages reduce 4 (+1 root) units after their last backward; stage 1 finishes its backward first,
+    # so only stage 0's reduces extend the step
+    assert r.step_time_s == pytest.approx(no_reduce + 5 * 4e-3, rel=1e-6)

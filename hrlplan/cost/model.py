@@ -33,6 +33,9 @@ CALIBRATION_KEYS = {
     "dp_collective_s": "{allgather: s, reduce: s}: exposed time of one FSDP/replicate collective per "
                        "parameter unit (a block, or a stage's own embedding/head); all-gathers delay the "
                        "unit's first forward, reduces its last backward",
+    "dp_collective_fixed_s": "{allgather: s, reduce: s} (default 0): exposed time per stage and step of its "
+                             "FSDP collectives beyond dp_collective_s per unit -- the last unit's tail, which no "
+                             "later compute hides; fitted with dp_collective_s over stage depths",
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, tied-embedding and "
                            "heterogeneous cross-replica gradient reduces)",
@@ -114,6 +117,8 @@ class Overheads:
     p2p_handshake: float = 0.0
     dp_allgather: float = 0.0
     dp_reduce: float = 0.0
+    dp_allgather_fixed: float = 0.0
+    dp_reduce_fixed: float = 0.0
     dp_hook_fwd: float = 0.0
     dp_hook_bwd: float = 0.0
     allreduce_latency: float = 0.0
@@ -129,6 +134,7 @@ class Overheads:
         """The figures as a step with every rank busy pays them (see contention_factor)."""
         f, b = _pair(cal.get("op_overhead_s"), "fwd", "bwd")
         ag, rd = _pair(cal.get("dp_collective_s"), "allgather", "reduce")
+        agx, rdx = _pair(cal.get("dp_collective_fixed_s"), "allgather", "reduce")
         hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
         c = cal.get("contention_factor")
@@ -137,7 +143,7 @@ class Overheads:
         zb = cal.get("zb_input_grad_share")
         return cls(op_fwd=f * cc, op_bwd=b * cc, p2p_latency=None if p2p is None else float(p2p) * cp,
                    p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)) * cp, dp_allgather=ag * cp,
-                   dp_reduce=rd * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
+                   dp_reduce=rd * cp, dp_allgather_fixed=agx * cp, dp_reduce_fixed=rdx * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
                    opt_sharded=osh * cp, opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
                    step=float(cal.get("step_overhead_s", 0.0)) * cc,
@@ -300,7 +306,7 @@ class StageCostModel:
         static += workspace
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
         ov = self.dev.overheads
-        if ov.dp_reduce or ov.dp_allgather:
+        if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
         first_extra = last_extra = 0.0
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
@@ -313,8 +319,8 @@ class StageCostModel:
             fwd += n_blocks * ov.dp_hook_fwd
             bwd += n_blocks * ov.dp_hook_bwd
             if o.dp_mode == "fsdp":
-                first_extra = units * ov.dp_allgather
-            last_extra = units * ov.dp_reduce
+                first_extra = units * ov.dp_allgather + ov.dp_allgather_fixed
+            last_extra = units * ov.dp_reduce + ov.dp_reduce_fixed
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer)

@@ -93,10 +93,15 @@ class Simulator:
         handshake = [ov.p2p_handshake] * n if ov.p2p_handshake else None
         tl = simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
                                fwd, bwd, wgt, sends, sends, act,
-                               [c.first_fwd_extra for c in stage_costs], [c.last_bwd_extra for c in stage_costs],
-                               handshake)
+                               [c.first_fwd_extra for c in stage_costs], [0.0] * n, handshake)
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
+        # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
+        # after a stage's last backward has sent its gradient on, so they delay the position's own end,
+        # not the earlier stages' remaining backward (which they overlap).
+        pos_reduce = [0.0] * layout.pp
+        for k, c in enumerate(stage_costs):
+            pos_reduce[layout.stage_group(k)] += c.last_bwd_extra
         pos_sync = [0.0] * layout.pp
         pos_static = [0.0] * layout.pp
         pos_opt = [0.0] * layout.pp
@@ -110,7 +115,7 @@ class Simulator:
         for pos in range(layout.pp):
             hidden = min(pos_sync[pos], tl.last_backward[pos]) if o.dp_overlap else 0.0
             exposed.append(pos_sync[pos] - hidden)
-            finish.append(tl.end[pos] + exposed[-1])
+            finish.append(tl.end[pos] + exposed[-1] + pos_reduce[pos])
         # Calibrated per-step costs after the pipeline: the small all-reduces every step makes (tied
         # embedding gradient, gradient norm over the pipeline, the loss), the optimizer, the rest.
         collectives = self.step_collectives(layout) * ov.allreduce_latency

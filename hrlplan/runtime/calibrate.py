@@ -27,12 +27,13 @@ import copy
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 REPEATS = 5
+DP_SCALING_BLOCKS = (1, 4)   # stage depths measure_data_parallel also runs at (beside its default 2)
 
 
 def _block(arch: Dict[str, Any], device: torch.device, n_blocks: int = 1):
@@ -287,12 +288,14 @@ def fit_hop_delay(first: Dict[str, Any], second: Dict[str, Any], handshake: floa
 
 
 def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
-                          pair_group, repeats: int = REPEATS, n_blocks: int = 2) -> Dict[str, float]:
+                          pair_group, repeats: int = REPEATS, n_blocks: int = 2,
+                          microbatch_size: int = 1) -> Dict[str, float]:
     """FSDP2 over a pair of ranks on an `n_blocks`-block stage, wrapped as the runtime wraps stages
     (fully_shard per block, reshard_after_forward=False). Per unit (block), the step's time divided
     by the blocks, so what FSDP overlaps between blocks is not counted twice: the all-gather (first
-    forward minus a later one), the gradient reduce-scatter (a synchronising backward minus a
-    non-synchronising one), the hooks' overhead per forward / backward (vs the bare blocks), the
+    forward minus a later one), the gradient reduce-scatters (issued back to back after a
+    non-synchronising backward, as the pipeline schedule's REDUCE_GRAD issues them; a synchronising
+    backward minus a non-synchronising one is kept as reduce_in_backward_total), the hooks' overhead per forward / backward (vs the bare blocks), the
     sharded optimizer step with clipping's local part; and one small all-reduce. Clipping's
     all-reduce of the norm is timed apart (the trainer makes it once per step, not per block)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -302,7 +305,7 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
     from hrlplan.runtime.trainer import make_optimizer
 
     plain, hidden = _block(arch, device, n_blocks)
-    mbs = 1
+    mbs = microbatch_size
     x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
     pf, pb = [], []
     for i in range(repeats + 1):
@@ -349,6 +352,31 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
             sync_b.append(t4 - t3)
             clip_t.append(t5 - t4)
             opt_t.append(t6 - t5)
+    # The runtime's pipeline schedules reduce as torch.distributed.pipelining's REDUCE_GRAD does: every
+    # backward without sync, then every unit's post-backward (reduce-scatter) issued back to back and one
+    # final wait -- the collectives overlap one another, so this, not a synchronising backward, is what a
+    # pipelined step pays.
+    batched = []
+    for i in range(repeats + 1):
+        opt.zero_grad(set_to_none=True)
+        block.set_is_last_backward(False)
+        block.set_reshard_after_backward(False)
+        block.set_requires_gradient_sync(False)
+        y = block(x)
+        y.backward(torch.ones_like(y))
+        dist.barrier(group=pair_group)
+        t0 = time.perf_counter()
+        block.set_is_last_backward(True)
+        block.set_reshard_after_backward(True)
+        block.set_requires_gradient_sync(True)
+        state = fully_shard.state(block)
+        for st in state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        if i:
+            batched.append(time.perf_counter() - t0)
+        block.reshard()
     small = torch.zeros(1, device=device)
     ar = []
     for i in range(3 * repeats + 1):
@@ -361,10 +389,12 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
     n = float(n_blocks)
     clip_local = max(med(clip_t) - med(ar), 0.0)
     return {"allgather": max(med(first_f) - med(later_f), 0.0) / n,
-            "reduce": max(med(sync_b) - med(nosync_b), 0.0) / n,
+            "allgather_total": med(first_f) - med(later_f), "reduce_total": med(batched),
+            "reduce_in_backward_total": med(sync_b) - med(nosync_b),
+            "reduce": max(med(batched), 0.0) / n,
             "hook_fwd": max(med(later_f) - med(pf), 0.0) / n, "hook_bwd": max(med(nosync_b) - med(pb), 0.0) / n,
             "optimizer_sharded": (med(opt_t) + clip_local) / n, "clip_s": med(clip_t), "allreduce_s": med(ar),
-            "n_blocks": n_blocks}
+            "n_blocks": n_blocks, "microbatch_size": mbs, "bwd_plain_s": med(pb)}
 
 
 def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
@@ -455,6 +485,11 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     for i, pair in enumerate(pairs):
         if rank in pair:
             dp = measure_data_parallel(arch, seq, train, device, pair_groups[i])
+            # the same stage at other depths: how the collectives' exposed time grows per unit (each
+            # unit's reduce-scatter overlaps the backward of the units after it) vs the stage's tail
+            dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total")}
+                               for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[i],
+                                                                      n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
             hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[i], pair, schedule=sched)
                    for sched in HOP_SCHEDULES}
         dist.barrier()
@@ -502,6 +537,25 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     return spec
 
 
+def fit_dp_scaling(points: List[Dict[str, float]]) -> Dict[str, Tuple[float, float]]:
+    """{allgather|reduce: (per unit s, per stage s)}: a least-squares line through the exposed time of
+    a stage's FSDP collectives vs its number of blocks (both parts >= 0). The slope is what one more
+    unit adds once the others' collectives overlap its compute; the intercept the stage's exposed tail."""
+    xs = [float(p["n_blocks"]) for p in points]
+    out = {}
+    for k in ("allgather", "reduce"):
+        ys = [max(float(p[f"{k}_total"]), 0.0) for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my / max(mx, 1.0)
+        slope = max(slope, 0.0)
+        fixed = max(my - slope * mx, 0.0)
+        if fixed == 0.0 and var > 0:   # line through the origin
+            slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        out[k] = (slope, fixed)
+    return out
+
+
 def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Dict[str, float]],
                     msg_bytes: int) -> Dict[str, Any]:
     """CALIBRATION_KEYS from every rank's micro-benchmarks (medians over ranks), without the
@@ -526,6 +580,10 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
     if dps:
         cal["dp_collective_s"] = {"allgather": med(d["allgather"] for d in dps), "reduce": med(d["reduce"] for d in dps)}
         cal["dp_hook_s"] = {"fwd": med(d["hook_fwd"] for d in dps), "bwd": med(d["hook_bwd"] for d in dps)}
+        fits = [fit_dp_scaling(d["by_blocks"]) for d in dps if len(d.get("by_blocks") or []) >= 2]
+        if fits:   # per unit: the slope over stage depths; per stage: the rest (the last unit's tail)
+            cal["dp_collective_s"] = {k: med(f[k][0] for f in fits) for k in ("allgather", "reduce")}
+            cal["dp_collective_fixed_s"] = {k: med(f[k][1] for f in fits) for k in ("allgather", "reduce")}
         cal["allreduce_latency_s"] = med(d["allreduce_s"] for d in dps)
     if p2p is not None and spec.world_size > 1:
         cal["p2p_latency_s"] = p2p["latency_s"]
