@@ -28,6 +28,15 @@ HEADER = """\
 """
 
 
+def stage_to_group(stage_index: int, pp: int, stages_per_rank: int, schedule: str) -> int:
+    """The device group that runs a (virtual) stage: looped for interleaved, V-shaped for ZBV."""
+    if stages_per_rank == 1:
+        return stage_index
+    if schedule == "zero_bubble" and stages_per_rank == 2:
+        return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
+    return stage_index % pp
+
+
 class PlanError(ValueError):
     """A plan that cannot run; `field` is the dotted path of the offending entry."""
 
@@ -121,12 +130,7 @@ class Plan:
         return len(self.stages)
 
     def stage_group(self, stage_index: int) -> int:
-        """The device group that runs a (virtual) stage: looped for interleaved, V-shaped for ZBV."""
-        if self.stages_per_rank == 1:
-            return stage_index
-        if self.schedule == "zero_bubble" and self.stages_per_rank == 2:
-            return stage_index if stage_index < self.pp else 2 * self.pp - 1 - stage_index
-        return stage_index % self.pp
+        return stage_to_group(stage_index, self.pp, self.stages_per_rank, self.schedule)
 
     def stages_of_rank(self, rank: int) -> List[int]:
         return [i for i, s in enumerate(self.stages) if rank in s.ranks]

@@ -13,6 +13,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan.plan import stage_to_group
+
 # Keys read from ClusterSpec.calibration (written by `hrlplan calibrate` or by hand):
 CALIBRATION_KEYS = {
     "compute_efficiency": "float, or {device name: float}: sustained fraction of peak_flops",
@@ -77,11 +79,7 @@ class Layout:
         return len(self.groups)
 
     def stage_group(self, k: int) -> int:
-        if self.stages_per_rank == 1:
-            return k
-        if self.schedule == "zero_bubble" and self.stages_per_rank == 2:
-            return k if k < self.pp else 2 * self.pp - 1 - k
-        return k % self.pp
+        return stage_to_group(k, self.pp, self.stages_per_rank, self.schedule)
 
 
 @dataclass
