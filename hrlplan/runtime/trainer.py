@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan.data.lm import build_lm_data
+from hrlplan.errors import UserError
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch
 from hrlplan.plan import Plan
 from hrlplan.runtime import checkpoint as ckpt
@@ -59,7 +60,7 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
