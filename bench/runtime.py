@@ -141,7 +141,8 @@ def main() -> None:
                 continue
             runs[name].append({"step": median_step_time([h["train/step_time_s"] for h in summary["history"]]),
                                "bubble": summary["measured"]["bubble_fraction"],
-                               "loss": summary["history"][-1]["train/lm_loss"]})
+                               "loss": summary["history"][-1]["train/lm_loss"],
+                               "phases": summary["measured"].get("phases_s_per_rank", [])})
             print(f"[bench] round {r + 1}/{args.repeats} {name:16s} {runs[name][-1]['step'] * 1e3:7.2f} ms", flush=True)
 
     for name, plan in chosen.items():
@@ -163,13 +164,23 @@ def main() -> None:
                "bubble_simulated": after["bubble_fraction"],
                "bubble_analytic": analytic_bubble(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
                if not plan.heterogeneous else None,
-               "final_loss": runs[name][-1]["loss"]}
+               "final_loss": runs[name][-1]["loss"],
+               # where the step went (per rank, median over the runs) beside the prediction's breakdown
+               "measured_phases_s_per_rank": [{k: statistics.median(x["phases"][r][k] for x in runs[name])
+                                               for k in runs[name][0]["phases"][r]}
+                                              for r in range(len(runs[name][0]["phases"]))]}
         report["plans"][name] = row
         print(f"[bench] {name:16s} measured {step * 1e3:7.2f} ms (spread {noise:5.1%} over {len(steps)}) | simulator "
               f"{before['step_time_s'] * 1e3:7.2f} ms ({row['error_uncalibrated']:+.1%}) -> calibrated "
               f"{after['step_time_s'] * 1e3:7.2f} ms ({row['error_calibrated']:+.1%}) | bubble measured "
               f"{row['bubble_measured']:.2f} simulated {after['bubble_fraction']:.2f} analytic {row['bubble_analytic']}",
               flush=True)
+        b = after.get("breakdown", {})
+        print(f"[bench] {'':16s} phases (ms, per rank): " + " | ".join(
+            " ".join(f"{k[:5]} {v * 1e3:.1f}" for k, v in ph.items()) for ph in row["measured_phases_s_per_rank"])
+            + f" || predicted pipeline_end {b.get('pipeline_end_s', 0) * 1e3:.1f} optimizer "
+              f"{b.get('optimizer_s', 0) * 1e3:.1f} collectives {b.get('step_collectives_s', 0) * 1e3:.1f} overhead "
+              f"{b.get('step_overhead_s', 0) * 1e3:.1f}", flush=True)
 
     if "1stage" in chosen:
         import torch

@@ -51,13 +51,14 @@ def test_fit_calibration_recovers_known_overheads_from_synthetic_measurements():
     flops = meta.block_flops_fwd_per_token[0]
     eff, half = 0.3, 50.0
     truth = {"op": (2e-4, 5e-4), "opt": (3e-4, 4e-3), "ends": 0.4, "ag": 1e-3, "rs": 3e-3, "hook": (1e-4, 2e-4),
-             "ar": 8e-5, "zb": 0.45, "lat": 6e-5}
+             "ar": 8e-5, "zb": (1.1, 0.7), "lat": 6e-5}
 
     def rank_measurements(jitter):
         t = lambda x: x * (1 + jitter)  # noqa: E731  (ranks disagree a little; the fit takes medians)
         return {"block": [{"tokens": n, "fwd_s": flops * (n + half) / (1e10 * eff),
                            "bwd_s": 2 * flops * (n + half) / (1e10 * eff)} for n in (128, 512, 1024)],
-                "zb_input_grad_share": t(truth["zb"]),
+                "zb_split": [{"tokens": n, "plain_s": 1e-3, "input_s": t(truth["zb"][0] * 1e-3),
+                              "weight_s": t(truth["zb"][1] * 1e-3)} for n in (128, 512, 1024)],
                 "pipeline_ops": {"fwd": t(truth["op"][0]), "bwd": t(truth["op"][1])},
                 "optimizer": {"block": truth["opt"][0], "ends": truth["ends"] * truth["opt"][0]},
                 "data_parallel": {"allgather": t(truth["ag"]), "reduce": t(truth["rs"]), "hook_fwd": t(truth["hook"][0]),
@@ -76,7 +77,9 @@ def test_fit_calibration_recovers_known_overheads_from_synthetic_measurements():
     assert cal["dp_collective_s"] == pytest.approx({"allgather": truth["ag"], "reduce": truth["rs"]})
     assert cal["dp_hook_s"] == pytest.approx({"fwd": truth["hook"][0], "bwd": truth["hook"][1]})
     assert cal["allreduce_latency_s"] == pytest.approx(truth["ar"])
-    assert cal["zb_input_grad_share"] == pytest.approx(truth["zb"])
+    assert cal["zb_backward_factors"][1] == pytest.approx({"tokens": 512, "input": 1.1, "weight": 0.7})
+    assert cal["zb_input_grad_share"] == pytest.approx(1.1 / 1.8)
+    assert [p["ratio"] for p in cal["backward_forward_ratio"]] == pytest.approx([2.0] * 3)
     assert cal["p2p_latency_s"] == pytest.approx(truth["lat"])
     assert cal["bandwidth_efficiency"] == pytest.approx(0.5)
     assert set(cal) <= set(CALIBRATION_KEYS)
@@ -159,12 +162,19 @@ def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
     block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
     a1, b1 = _hop_pair(6e-4, "1f1b")
     a2, b2 = _hop_pair(8e-4, "gpipe")
-    gathered = [{"block": block, "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+    # the step's all-reduces as timed after the pipeline: the first stage (the last to finish) counts
+    a1.update(tail_allreduce_s=3e-4, tail_tied_allreduce_s=9e-4)
+    a2.update(tail_allreduce_s=5e-4, tail_tied_allreduce_s=1.1e-3)
+    for x in (b1, b2):
+        x.update(tail_allreduce_s=1e-2, tail_tied_allreduce_s=1e-2)
+    gathered = [{"block": block, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
                  "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None,
                  "pipeline_hop": {"1f1b": x, "gpipe": y}} for x, y in ((a1, a2), (b1, b2))]
     cal = fit_calibration(spec, meta, gathered, {"latency_s": 5e-5, "message_s": 1e-4}, 1 << 16)
     assert cal["p2p_latency_s"] == pytest.approx(7e-4, rel=1e-5)   # the mean of the schedules' fits
     assert cal["p2p_handshake_s"] == pytest.approx(HANDSHAKE_LATENCIES * 7e-4, rel=1e-5)
+    assert cal["allreduce_latency_s"] == pytest.approx(4e-4)
+    assert cal["tied_allreduce_s"] == pytest.approx(1e-3)
     assert set(cal) <= set(CALIBRATION_KEYS)
 
 
@@ -199,7 +209,7 @@ def test_fit_calibration_contention_factors():
     block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
     times = [{"alone_s": 1.0, "pair_s": 1.1, "together_s": 2.0}, {"alone_s": None, "pair_s": 1.1, "together_s": 2.2},
              {"alone_s": None, "pair_s": None, "together_s": 2.1}]
-    gathered = [{"block": block, "zb_input_grad_share": 0.5, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
+    gathered = [{"block": block, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
                  "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None, "contention": t} for t in times]
     cal = fit_calibration(spec, meta, gathered, None, 1 << 16)
     assert cal["contention_factor"] == pytest.approx({"compute": 2.1, "paired": 2.1 / 1.1})

@@ -173,3 +173,25 @@ def test_zero_bubble_v_runs_torch_zbv_order():
                       "F3.3 B3.3 W3.3 B0.2 W0.2 B0.3 W0.3")
     assert got[1] == ("F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 F1.2 B1.0 W1.0 F2.2 B2.1 W2.1 F1.3 B1.1 W1.1 F2.3 B2.2 W2.2 "
                       "B1.2 B2.3 B1.3 W1.2 W2.3 W1.3")
+
+
+def test_calibrated_backward_ratio_and_zero_bubble_factors():
+    """Calibration's measured backward/forward ratio splits a stage's compute; zero-bubble's B and W
+    are the measured multiples of the plain backward (interpolated at the micro-batch's tokens), the
+    first stage's W one plain backward and its B nothing."""
+    meta = toy_meta()
+    lay = Layout(spans=((0, 2), (2, 4), (4, 6), (6, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1,
+                 num_microbatches=4, schedule="zero_bubble", stages_per_rank=2)
+    cl = toy_cluster(flops=[1e9] * 4)
+    base = Simulator(meta, cl).evaluate(lay, detail=True).stages[1]
+    tokens = meta.seq_len
+    cl.calibration = {"backward_forward_ratio": [{"tokens": tokens / 2, "ratio": 1.0}, {"tokens": tokens * 2, "ratio": 1.5}],
+                      "zb_backward_factors": [{"tokens": tokens, "input": 1.2, "weight": 0.8}]}
+    st = Simulator(meta, cl).evaluate(lay, detail=True).stages
+    ratio = 1.0 + 0.5 * (tokens - tokens / 2) / (tokens * 2 - tokens / 2)
+    total = base["fwd_s"] + base["bwd_s"]
+    assert st[1]["fwd_s"] == pytest.approx(total / (1 + ratio))
+    assert st[1]["bwd_s"] == pytest.approx(total * ratio / (1 + ratio))
+    assert st[1]["bwd_input_s"] == pytest.approx(1.2 * st[1]["bwd_s"])
+    assert st[1]["bwd_weight_s"] == pytest.approx(0.8 * st[1]["bwd_s"])
+    assert st[0]["bwd_input_s"] == 0.0 and st[0]["bwd_weight_s"] == pytest.approx(st[0]["bwd_s"])

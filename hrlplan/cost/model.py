@@ -39,14 +39,22 @@ CALIBRATION_KEYS = {
                              "FSDP collectives beyond dp_collective_s per unit -- the last unit's tail, which no "
                              "later compute hides; fitted with dp_collective_s over stage depths",
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
-    "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, tied-embedding and "
-                           "heterogeneous cross-replica gradient reduces)",
+    "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
+                           "gradient reduces) as a step pays it after the pipeline",
+    "tied_allreduce_s": "float (default allreduce_latency_s): the all-reduce of a tied embedding's gradient "
+                        "between the first and the last stage, after the pipeline",
     "optimizer_s_per_block": "{plain: s, sharded: s}: gradient clipping + optimizer step per block of "
                              "a rank's stages (sharded: FSDP/replicate DTensor parameters; clipping's norm "
                              "all-reduce over the shards is one allreduce_latency_s per step, not per block)",
     "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
     "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
-    "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W",
+    "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W "
+                           "(used when zb_backward_factors is absent)",
+    "zb_backward_factors": "[{tokens, input, weight}]: zero-bubble's B and W of a block (torch's "
+                           "stage_backward_input / _weight) as multiples of its plain backward, per "
+                           "micro-batch size in tokens (interpolated between)",
+    "backward_forward_ratio": "[{tokens, ratio}] (default 2): a block's measured backward / forward time "
+                              "per micro-batch size in tokens; splits the fitted forward + backward time",
     "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
@@ -90,6 +98,24 @@ class CostOptions:
     memory_margin: float = 0.9
 
 
+def interpolate_by_tokens(points: Sequence[Tuple[float, ...]], tokens: float, index: int = 1) -> float:
+    """points[i][index] at `tokens` (points[i][0]): piecewise linear, constant beyond the measured sizes."""
+    if tokens <= points[0][0]:
+        return float(points[0][index])
+    for a, b in zip(points, points[1:]):
+        if tokens <= b[0]:
+            w = (tokens - a[0]) / max(b[0] - a[0], 1e-12)
+            return float(a[index] + w * (b[index] - a[index]))
+    return float(points[-1][index])
+
+
+def _points(value, keys: Sequence[str]) -> Tuple[Tuple[float, ...], ...]:
+    """[{tokens, k1, k2..}] -> ((tokens, k1, k2..), ...) sorted by tokens; () when absent."""
+    if not value:
+        return ()
+    return tuple(sorted(tuple(float(p[k]) for k in ("tokens", *keys)) for p in value))
+
+
 def _per_device(value, name: str, default: float) -> float:
     if value is None:
         return default
@@ -120,11 +146,14 @@ class Overheads:
     dp_hook_fwd: float = 0.0
     dp_hook_bwd: float = 0.0
     allreduce_latency: float = 0.0
+    tied_allreduce: Optional[float] = None
     opt_plain: float = 0.0
     opt_sharded: float = 0.0
     opt_ends_blocks: float = 0.0
     step: float = 0.0
     zb_input_grad_share: Optional[float] = None
+    zb_factors: Tuple[Tuple[float, ...], ...] = ()       # (tokens, input, weight): see zb_backward_factors
+    bwd_ratio: Tuple[Tuple[float, ...], ...] = ()        # (tokens, backward / forward)
     contention: float = 1.0            # multiplies compute (the fields above already include theirs)
 
     @classmethod
@@ -143,9 +172,21 @@ class Overheads:
                    p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)) * cp, dp_allgather=ag * cp,
                    dp_reduce=rd * cp, dp_allgather_fixed=agx * cp, dp_reduce_fixed=rdx * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
+                   tied_allreduce=None if cal.get("tied_allreduce_s") is None else float(cal["tied_allreduce_s"]) * cp,
                    opt_sharded=osh * cp, opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
                    step=float(cal.get("step_overhead_s", 0.0)) * cc,
-                   zb_input_grad_share=None if zb is None else float(zb), contention=cc)
+                   zb_input_grad_share=None if zb is None else float(zb),
+                   zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
+                   bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc)
+
+    def backward_forward_ratio(self, tokens: float) -> float:
+        return interpolate_by_tokens(self.bwd_ratio, tokens) if self.bwd_ratio else 2.0
+
+    def zb_backward_factors(self, tokens: float) -> Optional[Tuple[float, float]]:
+        """(B, W) of zero-bubble's split backward as multiples of a plain backward; None uncalibrated."""
+        if not self.zb_factors:
+            return None
+        return interpolate_by_tokens(self.zb_factors, tokens, 1), interpolate_by_tokens(self.zb_factors, tokens, 2)
 
 
 class DeviceModel:
@@ -285,8 +326,10 @@ class StageCostModel:
         # Megatron TP: two all-reduces of the activations per block in forward, two in backward.
         tp_comm = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
         ov = self.dev.overheads
-        fwd = compute_fwd + tp_comm + ov.op_fwd
-        bwd = 2.0 * compute_fwd + tp_comm + ov.op_bwd
+        # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
+        ratio = ov.backward_forward_ratio(tokens)
+        fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd
+        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm + ov.op_bwd
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
         activation = tokens * act_per_token * scale / tp

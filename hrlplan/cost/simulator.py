@@ -49,12 +49,14 @@ class Simulator:
             self._links[key] = self.costs.group_links(group, tp, dp)
         return self._links[key]
 
-    def step_collectives(self, layout: Layout) -> int:
-        """Small all-reduces of every step: the loss (world > 1), the gradient norm over the pipeline
-        (pp > 1) and over FSDP's shards (dp > 1: the norm of sharded gradients is reduced once per
-        step), and a tied embedding's gradient when its first and last stage sit on different groups."""
+    def step_collectives(self, layout: Layout) -> float:
+        """Time of the small all-reduces every step makes after the pipeline: the loss (world > 1),
+        the gradient norm over the pipeline (pp > 1) and over FSDP's shards (dp > 1: the norm of
+        sharded gradients is reduced once per step), and a tied embedding's gradient when its first
+        and last stage sit on different groups."""
+        ov = self.devices.overheads
         world = layout.pp * len(layout.groups[0])
-        n = 0
+        n, t = 0, 0.0
         if world > 1:
             n += 1
         if layout.dp > 1 and self.opts.dp_mode == "fsdp":
@@ -62,8 +64,8 @@ class Simulator:
         if layout.pp > 1:
             n += 1
             if self.meta.tied_embeddings and layout.stage_group(0) != layout.stage_group(len(layout.spans) - 1):
-                n += 1
-        return n
+                t += ov.allreduce_latency if ov.tied_allreduce is None else ov.tied_allreduce
+        return t + n * ov.allreduce_latency
 
     def evaluate(self, layout: Layout, detail: bool = False) -> SimResult:
         self.evaluations += 1
@@ -82,7 +84,14 @@ class Simulator:
         zb = layout.schedule == "zero_bubble"
         ov = self.devices.overheads
         fwd = [c.fwd for c in stage_costs]
-        if zb:
+        factors = ov.zb_backward_factors(layout.microbatch_size * meta.seq_len) if zb else None
+        if factors is not None:
+            # as torch runs the split: B (d/dx, 0 on the first stage, whose input is token ids) and W
+            # cost these multiples of a plain backward; the first stage's W is one plain backward
+            fin, fw = factors
+            bwd = [0.0 if k == 0 else c.bwd * fin for k, c in enumerate(stage_costs)]
+            wgt = [c.bwd if k == 0 else c.bwd * fw for k, c in enumerate(stage_costs)]
+        elif zb:
             shares = zb_input_shares(n, ov.zb_input_grad_share)
             bwd = [c.bwd * sh for c, sh in zip(stage_costs, shares)]
             wgt = [c.bwd * (1.0 - sh) for c, sh in zip(stage_costs, shares)]
@@ -118,7 +127,7 @@ class Simulator:
             finish.append(tl.end[pos] + exposed[-1] + pos_reduce[pos])
         # Calibrated per-step costs after the pipeline: the small all-reduces every step makes (tied
         # embedding gradient, gradient norm over the pipeline, the loss), the optimizer, the rest.
-        collectives = self.step_collectives(layout) * ov.allreduce_latency
+        collectives = self.step_collectives(layout)
         scale = self.devices.time_scale
         step = (max(f + collectives + opt for f, opt in zip(finish, pos_opt)) + ov.step) * scale
 

@@ -9,8 +9,10 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   fraction of the probed bandwidth that a message of that size achieves after the probed latency;
 - one whole one-process training step of the model vs the simulator's prediction for it with the
   figures above: step_overhead_s, what the model does not count (Python, the scheduler);
+- the same block's backward / forward ratio per micro-batch size (backward_forward_ratio), and its
+  backward split as zero-bubble runs it, by torch's own functions (zb_backward_factors);
 - fixed costs (CALIBRATION_KEYS: op_overhead_s, dp_collective_s, dp_hook_s, optimizer_s_per_block,
-  allreduce_latency_s, zb_input_grad_share) from micro-benchmarks of one stage;
+  allreduce_latency_s) from micro-benchmarks of one stage;
 - the pipeline hop (p2p_latency_s, p2p_handshake_s): a real two-rank, two-stage torch pipeline
   (1F1B and GPipe), the one-way delay that makes the simulator's timeline of it (with the stages'
   recorded spans, and gloo's rendezvous: a receive posted after its send waits a round trip) end when
@@ -116,26 +118,44 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
-                     repeats: int = REPEATS) -> float:
-    """Input-gradient share of one block's backward, as zero-bubble splits it (B: d/dx, W: d/dw)."""
+def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
+                     repeats: int = REPEATS) -> List[Dict[str, float]]:
+    """Zero-bubble's split backward of one block as the runtime runs it -- torch.distributed.pipelining's
+    own stage_backward_input (B: d/dx, walking the graph for the weights' inputs) and
+    stage_backward_weight (W: d/dw) -- beside a plain backward, per micro-batch size. On CPU the split
+    costs 1.5-2x a plain backward (B alone more than all of it), so shares of the plain one undercount."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
     block, hidden = _block(arch, device)
-    params = [p for p in block.parameters() if p.requires_grad]
-    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
-    b_times, w_times = [], []
-    for i in range(repeats + 1):
-        y = block(x)
-        g = torch.ones_like(y)
-        t0 = time.perf_counter()
-        torch.autograd.grad(y, [x], g, retain_graph=True)
-        t1 = time.perf_counter()
-        torch.autograd.grad(y, params, g)
-        t2 = time.perf_counter()
-        if i:
-            b_times.append(t1 - t0)
-            w_times.append(t2 - t1)
-    b, w = statistics.median(b_times), statistics.median(w_times)
-    return b / (b + w) if b + w > 0 else 0.5
+    out = []
+    for mbs in microbatch_sizes:
+        x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
+        plain, b_times, w_times = [], [], []
+        for i in range(repeats + 1):
+            y = block(x)
+            g = torch.ones_like(y)
+            _sync(device)
+            t0 = time.perf_counter()
+            y.backward(g)
+            _sync(device)
+            plain.append(time.perf_counter() - t0)
+            block.zero_grad(set_to_none=True)
+            y = block(x)
+            _sync(device)
+            t0 = time.perf_counter()
+            _, param_groups = stage_backward_input([y], [g], [x], block.parameters())
+            _sync(device)
+            t1 = time.perf_counter()
+            stage_backward_weight(block.parameters(), param_groups)
+            _sync(device)
+            t2 = time.perf_counter()
+            block.zero_grad(set_to_none=True)
+            if i:
+                b_times.append(t1 - t0)
+                w_times.append(t2 - t1)
+        out.append({"tokens": mbs * seq_len, "plain_s": statistics.median(plain[1:]),
+                    "input_s": statistics.median(b_times), "weight_s": statistics.median(w_times)})
+    return out
 
 
 def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
@@ -206,14 +226,17 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
 
 def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.device, pair_group, pair: List[int],
                          m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = "1f1b",
-                         repeats: int = REPEATS) -> Optional[Dict[str, Any]]:
+                         repeats: int = REPEATS, tied_numel: int = 0) -> Optional[Dict[str, Any]]:
     """Collective over `pair_group` (ranks `pair`): a real two-stage torch.distributed.pipelining
     pipeline, an `n_blocks`-block stage on each rank, one step of `m` micro-batches per repeat.
     Each rank returns its stage's median recorded forward / backward span and the span of its
     operations in each step (first start to last end). fit_hop_delay turns the first stage's span
     into the per-hop delay (p2p_latency_s) that makes the simulator's timeline end when the real one
     did: the send/recv batching, gloo's rendezvous and the waits of torch's schedule, which a
-    ping-pong of a tiny message does not see."""
+    ping-pong of a tiny message does not see. After each step, the small all-reduces a training step
+    then makes (a tied embedding's gradient of `tied_numel` values, the gradient norm, the loss) are
+    timed as they run there -- one rank arriving late, the other woken from a wait -- which costs
+    several times an all-reduce between two ranks that have just met at a barrier."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
@@ -228,7 +251,8 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
     torch.manual_seed(1)
     x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
     target = torch.zeros(m * microbatch_size, device=device)
-    spans, fwd, bwd, steps = [], [], [], []
+    spans, fwd, bwd, steps, tied_t, small_t = [], [], [], [], [], []
+    tied, small = torch.zeros(max(tied_numel, 1), device=device), torch.zeros(1, device=device)
     for i in range(repeats + 2):   # two warm-up steps: shape inference, buffers, connections
         block.zero_grad(set_to_none=True)
         dist.barrier(group=pair_group)
@@ -239,7 +263,15 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
         else:
             sched.step(target=target, losses=[])
         t1 = time.perf_counter()
+        if tied_numel:
+            dist.all_reduce(tied, group=pair_group)
+        t2 = time.perf_counter()
+        dist.all_reduce(small, group=pair_group)
+        dist.all_reduce(small, group=pair_group)
+        t3 = time.perf_counter()
         if i >= 2 and recorder.events:
+            tied_t.append(t2 - t1)
+            small_t.append((t3 - t2) / 2)
             ev = recorder.events
             spans.append(max(e["end_s"] for e in ev) - min(e["start_s"] for e in ev))
             fwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "F"]
@@ -250,6 +282,7 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
     med = statistics.median
     return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
             "fwd_s": med(fwd), "bwd_s": med(bwd), "span_s": med(spans), "spans_s": spans, "step_s": med(steps),
+            "tail_allreduce_s": med(small_t), "tail_tied_allreduce_s": med(tied_t) if tied_numel else None,
             "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
                        for e in last_events]}
 
@@ -470,7 +503,7 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     g = int(train["global_batch_size"])
     sizes = sorted({1, max(1, g // 4), g})
     samples = measure_block(arch, seq, sizes, device)
-    zb_share = measure_zb_split(arch, seq, max(1, g // 4), device)
+    zb_split = measure_zb_split(arch, seq, sizes, device)
     # groups are created collectively, in one order on every rank
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = _pairs(world)
@@ -490,13 +523,15 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
             dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total")}
                                for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[i],
                                                                       n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
-            hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[i], pair, schedule=sched)
+            tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
+            hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[i], pair, schedule=sched, repeats=3 * REPEATS,
+                                               tied_numel=tied_numel)
                    for sched in HOP_SCHEDULES}
         dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
-    local = {"block": samples, "zb_input_grad_share": zb_share, "pipeline_ops": ops, "optimizer": optim,
+    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
              "data_parallel": dp, "pipeline_hop": hop, "contention": contention}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
@@ -570,7 +605,18 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         eff[name] = med(f["compute_efficiency"] for f in fits)
         half[name] = med(f["half_saturation_tokens"] for f in fits)
     cal.update(compute_efficiency=eff, half_saturation_tokens=half, step_time_scale=1.0)
-    cal["zb_input_grad_share"] = med(r["zb_input_grad_share"] for r in gathered)
+    # per micro-batch size (medians over ranks): backward / forward, and zero-bubble's B and W as
+    # multiples of the plain backward (the simulator interpolates them at a layout's micro-batch)
+    cal["backward_forward_ratio"] = [
+        {"tokens": s0["tokens"], "ratio": med(r["block"][i]["bwd_s"] / r["block"][i]["fwd_s"] for r in gathered)}
+        for i, s0 in enumerate(gathered[0]["block"])]
+    if all(r.get("zb_split") for r in gathered):
+        cal["zb_backward_factors"] = [
+            {"tokens": z0["tokens"], "input": med(r["zb_split"][i]["input_s"] / r["zb_split"][i]["plain_s"] for r in gathered),
+             "weight": med(r["zb_split"][i]["weight_s"] / r["zb_split"][i]["plain_s"] for r in gathered)}
+            for i, z0 in enumerate(gathered[0]["zb_split"])]
+        mid = cal["zb_backward_factors"][len(cal["zb_backward_factors"]) // 2]
+        cal["zb_input_grad_share"] = mid["input"] / (mid["input"] + mid["weight"])
     cal["op_overhead_s"] = {k: med(r["pipeline_ops"][k] for r in gathered) for k in ("fwd", "bwd")}
     block = med(r["optimizer"]["block"] for r in gathered)
     ends = med(r["optimizer"]["ends"] for r in gathered)
@@ -620,6 +666,15 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
             compute = min(compute, share * CONTENTION_SLACK)
             paired = min(paired, share / max(1.0, min(local, 2) / cores) * CONTENTION_SLACK)
         cal["contention_factor"] = {"compute": max(1.0, compute), "paired": max(1.0, paired)}
+    # The step's small all-reduces as a pipelined step pays them: on the rank that finishes last
+    # (the first stage, under 1F1B and GPipe), after the pipeline (see measure_pipeline_hop).
+    tails = [h for r in gathered for h in (r.get("pipeline_hop") or {}).values()
+             if h and h.get("stage") == 0 and h.get("tail_allreduce_s") is not None]
+    if tails:
+        cal["allreduce_latency_s"] = med(h["tail_allreduce_s"] for h in tails)
+        tied = [h["tail_tied_allreduce_s"] for h in tails if h.get("tail_tied_allreduce_s") is not None]
+        if tied:
+            cal["tied_allreduce_s"] = med(tied)
     if hops:
         lat = med(hops)
         cal["p2p_latency_s"] = lat

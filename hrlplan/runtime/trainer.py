@@ -10,6 +10,7 @@ and, at the end, writes plan-vs-measured into plan_info.json.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -102,6 +103,7 @@ class PipelineTrainer:
         vocab = full_vocab(cfg["arch"])
         self.data = build_lm_data(cfg["data"], vocab, int(self.train["seed"]))
         self.step = 0
+        self.phase_times: List[Dict[str, float]] = []
         self.ckpt_root = self.run_dir / "checkpoints"
 
     # ------------------------------------------------------------ state
@@ -135,17 +137,26 @@ class PipelineTrainer:
         self.recorder.begin()
         t0 = time.perf_counter()
         loss = self.engine.forward_backward(inputs, targets)
+        t1 = self._now()
         grad_norm = self.engine.sync_and_clip(float(self.train["grad_clip"]))
+        t2 = self._now()
         for opt in self.optimizers.values():
             opt.step()
         lr = float(self.train["lr"]) * self.lr_factor(step)
         for sched in self.schedulers.values():
             sched.step()
+        t3 = self._now()
         dist.all_reduce(loss)   # each rank holds its share of the global loss (zero off the last stage)
+        dt = self._now() - t0
+        # where this rank's step went, beside the simulator's breakdown (plan_info.json "phases_s")
+        self.phase_times.append({"schedule": t1 - t0, "sync_and_clip": t2 - t1, "optimizer": t3 - t2,
+                                 "loss_allreduce": t0 + dt - t3})
+        return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
+
+    def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
+        return time.perf_counter()
 
     def evaluate(self, batches: int = 2) -> Dict[str, float]:
         """Loss and perplexity on the validation split (the same batches every time)."""
@@ -238,8 +249,10 @@ class PipelineTrainer:
     def report_plan_vs_measured(self, step_times: List[float]) -> Optional[Dict[str, Any]]:
         """Collective. Rank 0 writes measured values beside the predicted ones in plan_info.json."""
         events = [{**e, "rank": self.rank} for e in self.recorder.events]
+        kept = self.phase_times[timing.SKIP_STEPS:] or self.phase_times
+        phases = {k: statistics.median(p[k] for p in kept) for k in kept[0]} if kept else {}
         gathered = self._gather({"events": events, "compute": self.recorder.compute_by_stage(),
-                                 "memory": timing.peak_memory_bytes(self.device)})
+                                 "memory": timing.peak_memory_bytes(self.device), "phases": phases})
         if self.rank != 0 or not step_times:
             return None
         step = timing.median_step_time(step_times)
@@ -250,6 +263,7 @@ class PipelineTrainer:
                                                                        self.plan.num_microbatches,
                                                                        self.plan.stages_per_rank),
                     "memory_bytes_per_rank": [g["memory"] for g in gathered],
+                    "phases_s_per_rank": [g["phases"] for g in gathered],
                     "memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
                     "stages": {str(i): st for i, st in stats.items()}}
         timeline = sorted((e for g in gathered for e in g["events"]), key=lambda e: (e["start_s"], e["stage"]))
