@@ -125,3 +125,22 @@ def test_executor_orders():
     assert schedule_ops("gpipe", 2, 0, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     assert schedule_ops("1f1b", 2, 0, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
     assert schedule_ops("1f1b", 2, 1, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+def test_heterogeneous_prediction_shares_contention_over_the_whole_world(modules):
+    """More ranks than cores: every replica's compute is slowed by the calibrated factor times the
+    busy share of all the world's ranks (a one-stage replica never idles, a two-stage one does)."""
+    from hrlplan.cost.plans import predict_any_plan
+    from hrlplan.model_meta import introspect, resolve_arch
+    from tests.test_cost import toy_cluster
+
+    one, two = PipelineTemplate("gpt2-tiny", [modules]), PipelineTemplate("gpt2-tiny", [modules[:5], modules[5:]])
+    plan = build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny")
+    meta = introspect(resolve_arch("gpt2-tiny"), seq_len=64)
+    cl = toy_cluster(n=3, flops=[1e9] * 3)
+    fast = predict_any_plan(plan, meta, cl)
+    cl.calibration = {"contention_factor": {"compute": 2.0, "paired": 1.0}}
+    slow = predict_any_plan(plan, meta, cl)
+    ratio = slow["stages"][0]["fwd_s"] / fast["stages"][0]["fwd_s"]
+    assert 1.0 < ratio < 2.0
+    assert slow["stages"][1]["fwd_s"] / fast["stages"][1]["fwd_s"] == pytest.approx(ratio)

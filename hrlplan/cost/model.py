@@ -314,12 +314,13 @@ class StageCostModel:
         return worst
 
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
-              microbatch_size: int, pp: int, links=None) -> StageCost:
+              microbatch_size: int, pp: int, links=None, contention: Optional[float] = None) -> StageCost:
+        """`contention` (default: the calibrated factor for every rank busy) multiplies compute."""
         meta, o = self.meta, self.opts
         tokens = microbatch_size * meta.seq_len
         flops = tokens * self.span_flops(start, end, first, last) / tp
         slowest = min(self.dev.throughput(d, tokens) for d in group)
-        compute_fwd = flops / slowest * self.dev.overheads.contention
+        compute_fwd = flops / slowest * (self.dev.overheads.contention if contention is None else contention)
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats

@@ -109,7 +109,17 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                       groups=tuple(tuple(devices[r] for r in s.ranks) for s in p.stages),
                       tp=max(s.tp for s in p.stages), dp=1, microbatch_size=p.microbatch_size,
                       num_microbatches=p.num_microbatches, schedule=plan.schedule) for p in plan.as_pipelines()]
-    results = [sim.evaluate(lay, detail=True) for lay in layouts]
+    contention = None
+    if sim.devices.overheads.contention > 1.0:
+        # the simulator's mean-field contention (see Simulator.evaluate) over the whole world: replicas
+        # share the cores, and a one-stage replica that is always busy slows the others' compute too
+        alone = [sim.evaluate(lay, detail=True, contention=1.0) for lay in layouts]
+        span = max(r.breakdown.get("pipeline_s", 0.0) for r in alone)
+        busy = sum((1.0 - r.bubble_fraction) * r.breakdown.get("pipeline_s", 0.0) * sum(len(g) for g in lay.groups)
+                   for r, lay in zip(alone, layouts) if r.feasible)
+        if span > 0:
+            contention = max(1.0, sim.devices.overheads.contention * min(busy / (span * plan.world_size), 1.0))
+    results = [sim.evaluate(lay, detail=True, contention=contention) for lay in layouts]
     memory: Dict[int, float] = {}
     for r in results:
         memory.update(r.memory_bytes)

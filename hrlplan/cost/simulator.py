@@ -67,42 +67,56 @@ class Simulator:
                 t += ov.allreduce_latency if ov.tied_allreduce is None else ov.tied_allreduce
         return t + n * ov.allreduce_latency
 
-    def evaluate(self, layout: Layout, detail: bool = False) -> SimResult:
+    def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None) -> SimResult:
+        """`contention` overrides the compute slowdown from more ranks than cores (default: the
+        calibrated factor times this layout's busy share, see below)."""
         self.evaluations += 1
         meta, o = self.meta, self.opts
         n = len(layout.spans)
         last = n - 1
         groups = [layout.groups[layout.stage_group(k)] for k in range(n)]
-        stage_costs = []
-        for k, (start, end) in enumerate(layout.spans):
-            g = groups[k]
-            stage_costs.append(self.costs.stage(start, end, k == 0, k == last, g, layout.tp, layout.dp,
-                                                layout.microbatch_size, layout.pp,
-                                                links=self.links(g, layout.tp, layout.dp)))
         msg = self.costs.activation_message(layout.microbatch_size)
         sends = [self.costs.p2p(groups[k], groups[k + 1], msg) if k < last else 0.0 for k in range(n)]
         zb = layout.schedule == "zero_bubble"
         ov = self.devices.overheads
-        fwd = [c.fwd for c in stage_costs]
-        factors = ov.zb_backward_factors(layout.microbatch_size * meta.seq_len) if zb else None
-        if factors is not None:
-            # as torch runs the split: B (d/dx, 0 on the first stage, whose input is token ids) and W
-            # cost these multiples of a plain backward; the first stage's W is one plain backward
-            fin, fw = factors
-            bwd = [0.0 if k == 0 else c.bwd * fin for k, c in enumerate(stage_costs)]
-            wgt = [c.bwd if k == 0 else c.bwd * fw for k, c in enumerate(stage_costs)]
-        elif zb:
-            shares = zb_input_shares(n, ov.zb_input_grad_share)
-            bwd = [c.bwd * sh for c, sh in zip(stage_costs, shares)]
-            wgt = [c.bwd * (1.0 - sh) for c, sh in zip(stage_costs, shares)]
-        else:
-            bwd = [c.bwd for c in stage_costs]
-            wgt = [0.0] * n
-        act = [c.activation for c in stage_costs]
         handshake = [ov.p2p_handshake] * n if ov.p2p_handshake else None
-        tl = simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
-                               fwd, bwd, wgt, sends, sends, act,
-                               [c.first_fwd_extra for c in stage_costs], [0.0] * n, handshake)
+
+        def stage_costs_at(contention: Optional[float]):
+            return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp, layout.dp,
+                                     layout.microbatch_size, layout.pp, links=self.links(groups[k], layout.tp, layout.dp),
+                                     contention=contention) for k, (start, end) in enumerate(layout.spans)]
+
+        def durations(costs):
+            fwd = [c.fwd for c in costs]
+            factors = ov.zb_backward_factors(layout.microbatch_size * meta.seq_len) if zb else None
+            if factors is not None:
+                # as torch runs the split: B (d/dx, 0 on the first stage, whose input is token ids) and
+                # W cost these multiples of a plain backward; the first stage's W is one plain backward
+                fin, fw = factors
+                return (fwd, [0.0 if k == 0 else c.bwd * fin for k, c in enumerate(costs)],
+                        [c.bwd if k == 0 else c.bwd * fw for k, c in enumerate(costs)])
+            if zb:
+                shares = zb_input_shares(n, ov.zb_input_grad_share)
+                return (fwd, [c.bwd * sh for c, sh in zip(costs, shares)],
+                        [c.bwd * (1.0 - sh) for c, sh in zip(costs, shares)])
+            return fwd, [c.bwd for c in costs], [0.0] * n
+
+        def timeline(costs):
+            fwd, bwd, wgt = durations(costs)
+            return simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
+                                     fwd, bwd, wgt, sends, sends, [c.activation for c in costs],
+                                     [c.first_fwd_extra for c in costs], [0.0] * n, handshake)
+
+        if contention is None and ov.contention > 1.0:
+            # More ranks than cores (CPU): contention_factor is the slowdown with every rank busy, but
+            # a pipeline's ranks idle in its bubbles. Mean field: compute is slowed by the factor times
+            # the busy share of the ranks, from the timeline at full speed.
+            alone = timeline(stage_costs_at(1.0))
+            busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
+            contention = max(1.0, ov.contention * min(busy_share, 1.0))
+        stage_costs = stage_costs_at(contention)
+        fwd, bwd, wgt = durations(stage_costs)
+        tl = timeline(stage_costs)
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:

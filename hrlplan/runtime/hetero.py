@@ -118,6 +118,10 @@ class GradientReducer:
             for ranks, full in self.unit_groups[unit]:
                 if self.rank in ranks:
                     buckets.setdefault(ranks, []).append((param, full))
+        # Every bucket's all-reduce is started before any is waited for: each group's collectives run
+        # on their own gloo/NCCL queue, so a bucket whose ranks are ready does not wait behind one
+        # whose ranks are still finishing their pipeline (one group per rank set, same order everywhere).
+        launched = []
         for ranks in self.order:
             items = buckets.get(ranks)
             if not items:
@@ -134,8 +138,11 @@ class GradientReducer:
                     g = g.to_local() if hasattr(g, "to_local") else g
                     flats.append((g.detach().float() * weight).reshape(-1))
             buf = torch.cat(flats)
-            if self.groups[ranks] is not None:
-                dist.all_reduce(buf, group=self.groups[ranks])
+            work = dist.all_reduce(buf, group=self.groups[ranks], async_op=True) if self.groups[ranks] is not None else None
+            launched.append((items, buf, work))
+        for items, buf, work in launched:
+            if work is not None:
+                work.wait()
             offset = 0
             with torch.no_grad():
                 for param, full in items:
