@@ -101,8 +101,8 @@ class Simulator:
                         [c.bwd * (1.0 - sh) for c, sh in zip(costs, shares)])
             return fwd, [c.bwd for c in costs], [0.0] * n
 
-        def timeline(costs):
-            fwd, bwd, wgt = durations(costs)
+        def timeline(costs, durs):
+            fwd, bwd, wgt = durs
             return simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
                                      fwd, bwd, wgt, sends, sends, [c.activation for c in costs],
                                      [c.first_fwd_extra for c in costs], [0.0] * n, handshake)
@@ -111,12 +111,13 @@ class Simulator:
             # More ranks than cores (CPU): contention_factor is the slowdown with every rank busy, but
             # a pipeline's ranks idle in its bubbles. Mean field: compute is slowed by the factor times
             # the busy share of the ranks, from the timeline at full speed.
-            alone = timeline(stage_costs_at(1.0))
+            at_full_speed = stage_costs_at(1.0)
+            alone = timeline(at_full_speed, durations(at_full_speed))
             busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
             contention = max(1.0, ov.contention * min(busy_share, 1.0))
         stage_costs = stage_costs_at(contention)
         fwd, bwd, wgt = durations(stage_costs)
-        tl = timeline(stage_costs)
+        tl = timeline(stage_costs, (fwd, bwd, wgt))
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
