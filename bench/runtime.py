@@ -3,15 +3,15 @@ calibration), and the measured bubble vs the analytic and simulated ones.
 
     python bench/runtime.py [--steps 10] [--repeats 3] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
 
-Every plan is run --repeats times (interleaved with the other plans: round r runs every plan once)
-and the median of the runs' median step times is compared with the prediction; the runs' spread
-(max - min) / median is reported beside it as the run-to-run noise a reader should judge the
-error against. The calibration is fitted from micro-benchmarks and one one-process reference
-step only, never from the plans' own step times.
-
-For each world size the plans need, a job of that many CPU workers probes this machine and
-calibrates (hrlplan.runtime.calibrate.calibrate_in_job) with the same process count the plans run
-with: on a shared 2-core machine the per-rank speed depends on how many ranks compete for it.
+Every plan is run --repeats times (interleaved with the other plans: round r runs every plan once).
+In each round, for each world size the plans need, a job of that many CPU workers first probes
+this machine and calibrates (hrlplan.runtime.calibrate.calibrate_in_job) with the same process
+count the plans run with (on a shared 2-core machine the per-rank speed depends on how many ranks
+compete for it); that world's plans then run right after and are predicted from that calibration,
+as pretrain.py planner.calibrate=true calibrates and then trains. A plan's error is the median of
+its runs' errors; the runs' spread (max - min) / median is reported beside it as the run-to-run
+noise a reader should judge the error against. The calibration is fitted from micro-benchmarks and
+one one-process reference step only, never from the plans' own step times.
 On a GPU machine it would also report GPT-2 124M bf16 MFU; without one it says so.
 """
 from __future__ import annotations
@@ -119,45 +119,59 @@ def main() -> None:
     chosen = {k: v for k, v in plans().items() if not args.only or k in args.only.split(",")}
     report: Dict[str, Any] = {"model": "gpt2-tiny", "steps": args.steps, "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores",
                               "plans": {}, "calibration": {}}
-    specs = {}
-    for world in sorted({p.world_size for p in chosen.values()}):
-        t0 = time.time()
-        specs[world] = specs_for(world, config)
-        report["calibration"][str(world)] = {k: v for k, v in specs[world][1].calibration.items() if k != "measurements"}
-        report["calibration"][str(world)]["load_average_after"] = os.getloadavg()[0]   # a busy machine biases it
-        print(f"[bench] probed + calibrated {world} worker(s) in {time.time() - t0:.1f} s: "
-              f"{report['calibration'][str(world)]}", flush=True)
-
+    # Each round calibrates afresh for every world size and runs that world's plans right after, as
+    # pretrain.py with planner.calibrate=true does: on a shared machine the load drifts over minutes,
+    # so a calibration is compared with the runs it would have planned, not with runs much later.
     runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in chosen}
+    worlds = sorted({p.world_size for p in chosen.values()})
     for r in range(args.repeats):
-        for name, plan in chosen.items():
-            threads_for(plan.world_size)
-            try:
-                summary = train_plan(plan, config, Path(args.run_dir) / name,
-                                     predicted=predict_plan(plan, meta, specs[plan.world_size][1], config["train"]))
-            except Exception as e:   # a runtime failure of one plan must not hide the others' figures
-                print(f"[bench] round {r + 1}/{args.repeats} {name:16s} FAILED: {str(e)[:300]}", flush=True)
-                report.setdefault("failed", {})[name] = str(e)[:1000]
-                continue
-            runs[name].append({"step": median_step_time([h["train/step_time_s"] for h in summary["history"]]),
-                               "bubble": summary["measured"]["bubble_fraction"],
-                               "loss": summary["history"][-1]["train/lm_loss"],
-                               "phases": summary["measured"].get("phases_s_per_rank", [])})
-            print(f"[bench] round {r + 1}/{args.repeats} {name:16s} {runs[name][-1]['step'] * 1e3:7.2f} ms", flush=True)
+        for world in worlds:
+            t0 = time.time()
+            uncalibrated, calibrated = specs_for(world, config)
+            cal = {k: v for k, v in calibrated.calibration.items() if k != "measurements"}
+            cal["load_average_after"] = os.getloadavg()[0]   # a busy machine biases it
+            report["calibration"].setdefault(str(world), []).append(cal)
+            print(f"[bench] round {r + 1}/{args.repeats}: probed + calibrated {world} worker(s) in "
+                  f"{time.time() - t0:.1f} s", flush=True)
+            for name, plan in chosen.items():
+                if plan.world_size != world:
+                    continue
+                threads_for(world)
+                after = predict_plan(plan, meta, calibrated, config["train"])
+                try:
+                    summary = train_plan(plan, config, Path(args.run_dir) / name, predicted=after)
+                except Exception as e:   # a runtime failure of one plan must not hide the others' figures
+                    print(f"[bench] round {r + 1}/{args.repeats} {name:16s} FAILED: {str(e)[:300]}", flush=True)
+                    report.setdefault("failed", {})[name] = str(e)[:1000]
+                    continue
+                runs[name].append({"step": median_step_time([h["train/step_time_s"] for h in summary["history"]]),
+                                   "bubble": summary["measured"]["bubble_fraction"],
+                                   "loss": summary["history"][-1]["train/lm_loss"],
+                                   "phases": summary["measured"].get("phases_s_per_rank", []),
+                                   "before": predict_plan(plan, meta, uncalibrated, config["train"]), "after": after})
+                print(f"[bench] round {r + 1}/{args.repeats} {name:16s} {runs[name][-1]['step'] * 1e3:7.2f} ms "
+                      f"(predicted {after['step_time_s'] * 1e3:.2f} ms)", flush=True)
 
     for name, plan in chosen.items():
         if not runs[name]:
             continue
-        before = predict_plan(plan, meta, specs[plan.world_size][0], config["train"])
-        after = predict_plan(plan, meta, specs[plan.world_size][1], config["train"])
         steps = [x["step"] for x in runs[name]]
         step = statistics.median(steps)
         noise = (max(steps) - min(steps)) / step if step else float("nan")
+        errors = [rel(x["step"], x["after"]["step_time_s"]) for x in runs[name]]
+        errors0 = [rel(x["step"], x["before"]["step_time_s"]) for x in runs[name]]
+        # the run whose error is the median one stands for the plan (its prediction and breakdown)
+        mid = sorted(range(len(errors)), key=lambda i: errors[i])[len(errors) // 2]
+        before, after = runs[name][mid]["before"], runs[name][mid]["after"]
         row = {"layout": plan.layout(), "world_size": plan.world_size, "measured_step_s": step,
                "measured_step_s_runs": steps, "run_to_run_spread": noise,
                "predicted_step_s_uncalibrated": before["step_time_s"], "predicted_step_s_calibrated": after["step_time_s"],
-               "error_uncalibrated": rel(step, before["step_time_s"]), "error_calibrated": rel(step, after["step_time_s"]),
-               "error_calibrated_runs": [rel(x, after["step_time_s"]) for x in steps],
+               "predicted_step_s_calibrated_runs": [x["after"]["step_time_s"] for x in runs[name]],
+               "predicted_breakdown_runs": [{k: v for k, v in x["after"].get("breakdown", {}).items()
+                                             if isinstance(v, (int, float))} for x in runs[name]],
+               "measured_phases_runs": [x["phases"] for x in runs[name]],
+               "error_uncalibrated": statistics.median(errors0), "error_calibrated": statistics.median(errors),
+               "error_calibrated_runs": errors,
                "predicted_breakdown": {k: v for k, v in after.get("breakdown", {}).items()
                                        if isinstance(v, (int, float))},
                "bubble_measured": statistics.median(x["bubble"] for x in runs[name]),
@@ -172,14 +186,16 @@ def main() -> None:
         report["plans"][name] = row
         print(f"[bench] {name:16s} measured {step * 1e3:7.2f} ms (spread {noise:5.1%} over {len(steps)}) | simulator "
               f"{before['step_time_s'] * 1e3:7.2f} ms ({row['error_uncalibrated']:+.1%}) -> calibrated "
-              f"{after['step_time_s'] * 1e3:7.2f} ms ({row['error_calibrated']:+.1%}) | bubble measured "
+              f"{after['step_time_s'] * 1e3:7.2f} ms ({row['error_calibrated']:+.1%}; runs "
+              + " ".join(f"{e:+.1%}" for e in errors) + f") | bubble measured "
               f"{row['bubble_measured']:.2f} simulated {after['bubble_fraction']:.2f} analytic {row['bubble_analytic']}",
               flush=True)
         b = after.get("breakdown", {})
         print(f"[bench] {'':16s} phases (ms, per rank): " + " | ".join(
             " ".join(f"{k[:5]} {v * 1e3:.1f}" for k, v in ph.items()) for ph in row["measured_phases_s_per_rank"])
             + f" || predicted pipeline_end {b.get('pipeline_end_s', 0) * 1e3:.1f} optimizer "
-              f"{b.get('optimizer_s', 0) * 1e3:.1f} collectives {b.get('step_collectives_s', 0) * 1e3:.1f} overhead "
+              f"{b.get('optimizer_s', 0) * 1e3:.1f} collectives {b.get('step_collectives_s', 0) * 1e3:.1f}"
+              f" cross-replica {b.get('cross_replica_reduce_s', 0) * 1e3:.1f} overhead "
               f"{b.get('step_overhead_s', 0) * 1e3:.1f}", flush=True)
 
     if "1stage" in chosen:

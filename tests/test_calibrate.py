@@ -304,3 +304,85 @@ def test_fsdp_reduces_of_a_later_stage_overlap_an_earlier_stages_remaining_backw
     # both stages reduce 4 (+1 root) units after their last backward; stage 1 finishes its backward first,
     # so only stage 0's reduces extend the step
     assert r.step_time_s == pytest.approx(no_reduce + 5 * 4e-3, rel=1e-6)
+
+
+def test_fit_allreduce_takes_the_last_arrival_to_the_last_end_per_group_size():
+    from hrlplan.runtime.calibrate_comm import ALLREDUCE_PAYLOAD_VALUES, allreduce_partitions, fit_allreduce
+
+    assert allreduce_partitions(3) == [(2, [[0, 1], [2]]), (3, [[0, 1, 2]])]
+    lat, per_byte = {2: 2e-4, 3: 2e-3}, {2: 1e-9, 3: 4e-9}
+
+    def rank(r):   # rank r arrives r ms late; the group's last member ends latency + bytes x per_byte later
+        out = {}
+        for k, lists in allreduce_partitions(3):
+            for values in ALLREDUCE_PAYLOAD_VALUES:
+                members = next(m for m in lists if r in m)
+                done = max(members) * 1e-3 + lat[k] + 4 * values * per_byte[k]
+                out[f"{k}/{values * 4}"] = [(r * 1e-3, done - (0 if r == max(members) else 1e-5))] * 3
+        return out
+
+    fits = fit_allreduce([rank(r) for r in range(3)], 3, one_clock=True)
+    assert [f["ranks"] for f in fits] == [2, 3]
+    for f in fits:
+        assert f["latency_s"] == pytest.approx(lat[f["ranks"]], rel=1e-3)
+        assert f["s_per_byte"] == pytest.approx(per_byte[f["ranks"]], rel=1e-3)
+    # without one clock: the quickest member's own time (the last to arrive waited for no one)
+    fits = fit_allreduce([rank(r) for r in range(3)], 3, one_clock=False)
+    assert fits[1]["latency_s"] == pytest.approx(lat[3], rel=1e-3)
+
+
+def test_allreduce_by_ranks_costs_the_steps_collectives_and_the_cross_replica_reduce():
+    from hrlplan.cost.model import CostOptions, Layout, Overheads
+    from hrlplan.cost.plans import predict_any_plan
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    table = [{"ranks": 2, "latency_s": 1e-3, "s_per_byte": 0.0}, {"ranks": 3, "latency_s": 5e-3, "s_per_byte": 1e-9}]
+    ov = Overheads.from_calibration({"allreduce_by_ranks": table, "allreduce_latency_s": 1e-4})
+    assert ov.allreduce(1, 4, 7.0) == 0.0
+    assert ov.allreduce(3, 1e6, 7.0) == pytest.approx(5e-3 + 1e-3)
+    assert ov.allreduce(5, 4, 7.0) == pytest.approx(2 * (5e-3 + 4e-9))   # beyond the table: per ring step
+    assert Overheads.from_calibration({}).allreduce(3, 4, 7.0) == 7.0
+
+    meta = toy_meta()   # untied: no embedding all-reduce
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=2,
+                 schedule="gpipe")
+    base = dict(CAL, allreduce_by_ranks=table)
+    sim = Simulator(meta, _overhead_cluster(base), CostOptions())
+    assert sim.step_collectives(lay) == pytest.approx(2 * 1e-3)          # loss + norm over the 2 stages
+    # a heterogeneous plan over 3 ranks, [all layers] + [5 modules, the rest]: the world's loss and
+    # norm at the 3-rank figure; rank 0 reduces the (tied) embedding with both others, its first
+    # blocks with rank 1 and its last blocks + head with rank 2
+    from hrlplan.model_meta import introspect, resolve_arch
+    from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
+
+    modules = get_modules("gpt2-tiny")
+    one, two = PipelineTemplate("gpt2-tiny", [modules]), PipelineTemplate("gpt2-tiny", [modules[:5], modules[5:]])
+    plan = build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny")
+    flat = [{"ranks": 2, "latency_s": 1e-3, "s_per_byte": 0.0}, {"ranks": 3, "latency_s": 5e-3, "s_per_byte": 0.0}]
+    got = predict_any_plan(plan, introspect(resolve_arch("gpt2-tiny"), seq_len=64),
+                           _overhead_cluster(dict(CAL, allreduce_by_ranks=flat)), CostOptions())
+    assert got["breakdown"]["step_collectives_s"] == pytest.approx(2 * 5e-3)
+    assert got["breakdown"]["cross_replica_reduce_s"] == pytest.approx(5e-3 + 2 * 1e-3)
+    assert got["breakdown"]["cross_replica_collectives"] == 3
+
+
+def test_fit_optimizer_separates_the_per_call_cost_from_the_per_block_one():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.runtime.calibrate import fit_optimizer
+    from tests.test_cost import toy_meta
+
+    fixed, per_block = 5e-4, 1e-4
+    got = fit_optimizer(fixed + per_block, fixed + 4 * per_block, 4, fixed + 2 * per_block)
+    assert got == pytest.approx({"per_block": per_block, "fixed": fixed, "ends_blocks": 2.0})
+    assert fit_optimizer(3e-4, None, 1, 3e-4)["fixed"] == 0.0   # older measurements: all per block
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 2), (2, 4), (4, 6), (6, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1,
+                 num_microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2)
+    cal = dict(CAL, optimizer_fixed_s={"plain": 1e-2, "sharded": 0.0})
+    with_fixed = Simulator(meta, _overhead_cluster(cal), CostOptions()).evaluate(lay, detail=True)
+    without = Simulator(meta, _overhead_cluster(CAL), CostOptions()).evaluate(lay, detail=True)
+    # once per rank, though each rank holds two stages
+    assert with_fixed.breakdown["optimizer_s"] - without.breakdown["optimizer_s"] == pytest.approx(1e-2)

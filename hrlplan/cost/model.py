@@ -41,11 +41,18 @@ CALIBRATION_KEYS = {
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
                            "gradient reduces) as a step pays it after the pipeline",
+    "allreduce_by_ranks": "[{ranks, latency_s, s_per_byte}]: an all-reduce over a group of `ranks` ranks as a "
+                          "step pays it (every group of the world at once, ranks arriving as their work ends): "
+                          "latency + bytes x s_per_byte; when present it costs the step's all-reduces (loss, "
+                          "gradient norms, tied embedding, heterogeneous cross-replica reduces) instead of "
+                          "allreduce_latency_s / tied_allreduce_s",
     "tied_allreduce_s": "float (default allreduce_latency_s): the all-reduce of a tied embedding's gradient "
                         "between the first and the last stage, after the pipeline",
     "optimizer_s_per_block": "{plain: s, sharded: s}: gradient clipping + optimizer step per block of "
                              "a rank's stages (sharded: FSDP/replicate DTensor parameters; clipping's norm "
                              "all-reduce over the shards is one allreduce_latency_s per step, not per block)",
+    "optimizer_fixed_s": "{plain: s, sharded: s} (default 0): the optimizer's per-call cost (norms, foreach "
+                         "launches, Python), paid once per rank and step beside optimizer_s_per_block",
     "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
     "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
     "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W "
@@ -59,7 +66,8 @@ CALIBRATION_KEYS = {
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
                          "measured alone); paired: vs the two ranks of a pair (multiplies what the two-rank "
-                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, all-reduces)",
+                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, all-reduces; 1 when "
+                         "they ran with every rank busy, as `hrlplan calibrate` now runs them)",
 }
 
 STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)
@@ -147,9 +155,12 @@ class Overheads:
     dp_hook_bwd: float = 0.0
     allreduce_latency: float = 0.0
     tied_allreduce: Optional[float] = None
+    allreduce_fits: Tuple[Tuple[float, ...], ...] = ()   # (ranks, latency, s per byte): see allreduce_by_ranks
     opt_plain: float = 0.0
     opt_sharded: float = 0.0
     opt_ends_blocks: float = 0.0
+    opt_plain_fixed: float = 0.0
+    opt_sharded_fixed: float = 0.0
     step: float = 0.0
     zb_input_grad_share: Optional[float] = None
     zb_factors: Tuple[Tuple[float, ...], ...] = ()       # (tokens, input, weight): see zb_backward_factors
@@ -164,6 +175,7 @@ class Overheads:
         agx, rdx = _pair(cal.get("dp_collective_fixed_s"), "allgather", "reduce")
         hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
+        opx, oshx = _pair(cal.get("optimizer_fixed_s"), "plain", "sharded")
         c = cal.get("contention_factor")
         cc, cp = (1.0, 1.0) if c is None else (max(x, 1.0) for x in _pair(c, "compute", "paired"))
         p2p = cal.get("p2p_latency_s")
@@ -174,10 +186,24 @@ class Overheads:
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
                    tied_allreduce=None if cal.get("tied_allreduce_s") is None else float(cal["tied_allreduce_s"]) * cp,
                    opt_sharded=osh * cp, opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
+                   opt_plain_fixed=opx * cc, opt_sharded_fixed=oshx * cp,
                    step=float(cal.get("step_overhead_s", 0.0)) * cc,
                    zb_input_grad_share=None if zb is None else float(zb),
                    zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
-                   bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc)
+                   bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc,
+                   allreduce_fits=tuple(sorted((float(f["ranks"]), float(f["latency_s"]), float(f["s_per_byte"]))
+                                               for f in cal.get("allreduce_by_ranks") or ())))
+
+    def allreduce(self, ranks: int, nbytes: float, default: float) -> float:
+        """A step's all-reduce over `ranks` ranks of `nbytes` (allreduce_by_ranks); `default` without
+        that calibration. Beyond the largest group measured, its figure grows with the ring's steps."""
+        if ranks < 2:
+            return 0.0
+        if not self.allreduce_fits:
+            return default
+        fit = next((f for f in self.allreduce_fits if f[0] >= ranks), self.allreduce_fits[-1])
+        scale = (ranks - 1) / (fit[0] - 1) if ranks > fit[0] else 1.0
+        return scale * (fit[1] + nbytes * fit[2])
 
     def backward_forward_ratio(self, tokens: float) -> float:
         return interpolate_by_tokens(self.bwd_ratio, tokens) if self.bwd_ratio else 2.0
@@ -315,8 +341,12 @@ class StageCostModel:
 
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None) -> StageCost:
-        """`contention` (default: the calibrated factor for every rank busy) multiplies compute."""
+        """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
+        fixed costs calibrated as every rank busy pays them (per-op overhead, FSDP hooks and
+        collectives) shrink in the same proportion when it is below that factor."""
         meta, o = self.meta, self.opts
+        full = self.dev.overheads.contention
+        derate = 1.0 if contention is None or full <= 1.0 else min(contention / full, 1.0)
         tokens = microbatch_size * meta.seq_len
         flops = tokens * self.span_flops(start, end, first, last) / tp
         slowest = min(self.dev.throughput(d, tokens) for d in group)
@@ -329,8 +359,8 @@ class StageCostModel:
         ov = self.dev.overheads
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
-        fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd
-        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm + ov.op_bwd
+        fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd * derate
+        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm + ov.op_bwd * derate
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
         activation = tokens * act_per_token * scale / tp
@@ -358,11 +388,11 @@ class StageCostModel:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
             units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
-            fwd += n_blocks * ov.dp_hook_fwd
-            bwd += n_blocks * ov.dp_hook_bwd
+            fwd += n_blocks * ov.dp_hook_fwd * derate
+            bwd += n_blocks * ov.dp_hook_bwd * derate
             if o.dp_mode == "fsdp":
-                first_extra = units * ov.dp_allgather + ov.dp_allgather_fixed
-            last_extra = units * ov.dp_reduce + ov.dp_reduce_fixed
+                first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * derate
+            last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * derate
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer)

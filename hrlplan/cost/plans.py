@@ -9,7 +9,7 @@ the world and the optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.simulator import Simulator
@@ -85,7 +85,8 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
         ring = [devices[r] for r in ranks]
         bw, ring_lat = dev.ring_bw_lat(ring)
         n = len(ranks)
-        t = 2.0 * (n - 1) / n * nbytes / bw + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat)
+        t = dev.overheads.allreduce(n, nbytes, 2.0 * (n - 1) / n * nbytes / bw
+                                    + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat))
         for r in ranks:
             per_rank[r] = per_rank.get(r, 0.0) + t
             count[r] = count.get(r, 0) + 1
@@ -133,7 +134,7 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     pipe_end = max(r.breakdown["pipeline_end_s"] for r in results) / scale
     optimizer = max(r.breakdown["optimizer_s"] for r in results) / scale
     reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
-    world_collectives = (2 if plan.world_size > 1 else 0) * ov.allreduce_latency   # gradient norm, loss
+    world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
     step = (pipe_end + reduce_s + world_collectives + optimizer + ov.step) * scale
     worst = max(results, key=lambda r: r.breakdown["pipeline_end_s"])
     breakdown = dict(worst.breakdown, step_time_s=step, cross_replica_reduce_s=reduce_s * scale,

@@ -56,16 +56,17 @@ class Simulator:
         and last stage sit on different groups."""
         ov = self.devices.overheads
         world = layout.pp * len(layout.groups[0])
-        n, t = 0, 0.0
-        if world > 1:
-            n += 1
+        small = ov.allreduce_latency
+        t = ov.allreduce(world, 4, small)                                    # the loss
         if layout.dp > 1 and self.opts.dp_mode == "fsdp":
-            n += 1
+            t += ov.allreduce(layout.dp * layout.tp, 4, small)               # the norm over the shards
         if layout.pp > 1:
-            n += 1
+            t += ov.allreduce(layout.pp, 4, small)                           # the norm over the stages
             if self.meta.tied_embeddings and layout.stage_group(0) != layout.stage_group(len(layout.spans) - 1):
-                t += ov.allreduce_latency if ov.tied_allreduce is None else ov.tied_allreduce
-        return t + n * ov.allreduce_latency
+                shards = layout.dp if self.opts.dp_mode == "fsdp" else 1
+                tied = self.meta.head_matmul_params * 4.0 / shards / layout.tp
+                t += ov.allreduce(2, tied, small if ov.tied_allreduce is None else ov.tied_allreduce)
+        return t
 
     def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None) -> SimResult:
         """`contention` overrides the compute slowdown from more ranks than cores (default: the
@@ -116,6 +117,11 @@ class Simulator:
             busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
             contention = max(1.0, ov.contention * min(busy_share, 1.0))
         stage_costs = stage_costs_at(contention)
+        if contention is not None and ov.contention > 1.0 and contention < ov.contention:
+            # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
+            derate = contention / ov.contention
+            sends = [x * derate for x in sends]
+            handshake = [x * derate for x in handshake] if handshake else None
         fwd, bwd, wgt = durations(stage_costs)
         tl = timeline(stage_costs, (fwd, bwd, wgt))
 
@@ -134,6 +140,9 @@ class Simulator:
             pos_sync[pos] += c.dp_sync
             pos_static[pos] += c.static_memory
             pos_opt[pos] += c.optimizer
+        # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
+        fixed = ov.opt_sharded_fixed if layout.dp > 1 else ov.opt_plain_fixed
+        pos_opt = [t + fixed for t in pos_opt]
         finish = []
         exposed = []
         for pos in range(layout.pp):

@@ -29,47 +29,32 @@ import copy
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-REPEATS = 5
-DP_SCALING_BLOCKS = (1, 4)   # stage depths measure_data_parallel also runs at (beside its default 2)
-
-
-def _block(arch: Dict[str, Any], device: torch.device, n_blocks: int = 1):
-    """A stage of `n_blocks` blocks of the model (no embedding, no head), on `device`."""
-    from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
-
-    config = hf_config_from_arch(arch)
-    config.num_hidden_layers = n_blocks   # GPT-2 maps n_layer onto this; only these blocks are built
-    torch.manual_seed(0)
-    model = build_hf_model(config)
-    return HFStage(model, 0, n_blocks, first=False, last=False).to(device), int(config.hidden_size)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
+from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS, block_stage,
+                                           allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
+                                           measure_allreduce, measure_data_parallel, measure_p2p,
+                                           measure_pipeline_hop, sync_device)
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                   repeats: int = REPEATS) -> List[Dict[str, float]]:
     """Median forward and backward time of one block per micro-batch size."""
-    block, hidden = _block(arch, device)
+    block, hidden = block_stage(arch, device)
     out = []
     for mbs in microbatch_sizes:
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
         fwd, bwd = [], []
         for i in range(repeats + 1):   # the first run pays for allocation
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             y = block(x)
-            _sync(device)
+            sync_device(device)
             t1 = time.perf_counter()
             y.backward(torch.ones_like(y))
-            _sync(device)
+            sync_device(device)
             t2 = time.perf_counter()
             if i:
                 fwd.append(t1 - t0)
@@ -94,20 +79,6 @@ def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: f
     return {"compute_efficiency": flops_per_token / (peak * a), "half_saturation_tokens": b / a}
 
 
-def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
-    """Collective. Ranks 0 and 1 ping-pong a tiny and an activation-sized message; rank 0 gets the
-    one-way times {latency_s, message_s}."""
-    from hrlplan.cluster import _ping_pong
-
-    rank = dist.get_rank()
-    result = None
-    if rank in (0, 1) and dist.get_world_size() > 1:
-        bw, lat = _ping_pong(rank, 1 - rank, nbytes, repeats, device)
-        result = {"latency_s": lat, "message_s": nbytes / bw}
-    dist.barrier()
-    return result
-
-
 def _median_time(fn, repeats: int) -> float:
     fn()   # the first run pays for allocation
     times = []
@@ -126,7 +97,7 @@ def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[
     costs 1.5-2x a plain backward (B alone more than all of it), so shares of the plain one undercount."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    block, hidden = _block(arch, device)
+    block, hidden = block_stage(arch, device)
     out = []
     for mbs in microbatch_sizes:
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
@@ -134,20 +105,20 @@ def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[
         for i in range(repeats + 1):
             y = block(x)
             g = torch.ones_like(y)
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             y.backward(g)
-            _sync(device)
+            sync_device(device)
             plain.append(time.perf_counter() - t0)
             block.zero_grad(set_to_none=True)
             y = block(x)
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             _, param_groups = stage_backward_input([y], [g], [x], block.parameters())
-            _sync(device)
+            sync_device(device)
             t1 = time.perf_counter()
             stage_backward_weight(block.parameters(), param_groups)
-            _sync(device)
+            sync_device(device)
             t2 = time.perf_counter()
             block.zero_grad(set_to_none=True)
             if i:
@@ -165,19 +136,25 @@ def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
     opt.step()
 
 
+OPTIMIZER_DEEP_BLOCKS = 4   # the second stage depth the optimizer is timed at (beside one block)
+
+
 def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device,
                       repeats: int = REPEATS) -> Dict[str, float]:
-    """Gradient clipping + AdamW step (as the trainer runs them) of one block, and of the embedding +
-    final norm/head (a first-and-last stage without blocks), on plain tensors."""
+    """Gradient clipping + AdamW step (as the trainer runs them) of a one-block and an
+    OPTIMIZER_DEEP_BLOCKS-block stage, and of the embedding + final norm/head (a first-and-last stage
+    without blocks), on plain tensors: fit_calibration separates the per-call cost, paid once per
+    rank and step, from the per-block one."""
     from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
     from hrlplan.runtime.trainer import make_optimizer
 
     config = hf_config_from_arch(arch)
-    config.num_hidden_layers = 1
+    config.num_hidden_layers = OPTIMIZER_DEEP_BLOCKS
     torch.manual_seed(0)
     model = build_hf_model(config)
     out = {}
     for name, part in (("block", HFStage(model, 0, 1, first=False, last=False)),
+                       ("deep", HFStage(model, 0, OPTIMIZER_DEEP_BLOCKS, first=False, last=False)),
                        ("ends", HFStage(model, 0, 0, first=True, last=True))):
         part = part.to(device)
         params = [p for p in part.parameters() if p.requires_grad]
@@ -185,7 +162,21 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
             p.grad = torch.randn_like(p) * 1e-3
         opt = make_optimizer(part, train)
         out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats)
+    out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
     return out
+
+
+def fit_optimizer(one: float, deep: Optional[float], deep_blocks: int, ends: float) -> Dict[str, float]:
+    """{per_block, fixed, ends_blocks}: a line through the one-block and the deep stage's optimizer
+    time (the intercept is the per-call cost: norms, foreach launches, Python), and the embedding +
+    head's time beyond that per-call cost, in blocks."""
+    per_block, fixed = one, 0.0
+    if deep is not None and deep_blocks > 1 and deep > one:
+        per_block = (deep - one) / (deep_blocks - 1)
+        fixed = max(one - per_block, 0.0)
+        per_block = one - fixed
+    return {"per_block": per_block, "fixed": fixed,
+            "ends_blocks": max(ends - fixed, 0.0) / per_block if per_block > 0 else 0.0}
 
 
 def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.device, group,
@@ -198,7 +189,7 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
 
     from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
 
-    block, hidden = _block(arch, device)
+    block, hidden = block_stage(arch, device)
     recorder = StepRecorder(device)
     loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
 
@@ -224,229 +215,24 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
     return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one}
 
 
-def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.device, pair_group, pair: List[int],
-                         m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = "1f1b",
-                         repeats: int = REPEATS, tied_numel: int = 0) -> Optional[Dict[str, Any]]:
-    """Collective over `pair_group` (ranks `pair`): a real two-stage torch.distributed.pipelining
-    pipeline, an `n_blocks`-block stage on each rank, one step of `m` micro-batches per repeat.
-    Each rank returns its stage's median recorded forward / backward span and the span of its
-    operations in each step (first start to last end). fit_hop_delay turns the first stage's span
-    into the per-hop delay (p2p_latency_s) that makes the simulator's timeline end when the real one
-    did: the send/recv batching, gloo's rendezvous and the waits of torch's schedule, which a
-    ping-pong of a tiny message does not see. After each step, the small all-reduces a training step
-    then makes (a tied embedding's gradient of `tied_numel` values, the gradient norm, the loss) are
-    timed as they run there -- one rank arriving late, the other woken from a wait -- which costs
-    several times an all-reduce between two ranks that have just met at a barrier."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
-
-    me = pair.index(dist.get_rank())
-    block, hidden = _block(arch, device, n_blocks)
-    recorder = StepRecorder(device)
-    stage = PipelineStage(block, me, 2, device, group=pair_group)
-    instrument_pipeline_stage(stage, recorder, me)
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().pow(2).mean())
-    torch.manual_seed(1)
-    x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
-    target = torch.zeros(m * microbatch_size, device=device)
-    spans, fwd, bwd, steps, tied_t, small_t = [], [], [], [], [], []
-    tied, small = torch.zeros(max(tied_numel, 1), device=device), torch.zeros(1, device=device)
-    for i in range(repeats + 2):   # two warm-up steps: shape inference, buffers, connections
-        block.zero_grad(set_to_none=True)
-        dist.barrier(group=pair_group)
-        recorder.begin()
-        t0 = time.perf_counter()
-        if me == 0:
-            sched.step(x)
-        else:
-            sched.step(target=target, losses=[])
-        t1 = time.perf_counter()
-        if tied_numel:
-            dist.all_reduce(tied, group=pair_group)
-        t2 = time.perf_counter()
-        dist.all_reduce(small, group=pair_group)
-        dist.all_reduce(small, group=pair_group)
-        t3 = time.perf_counter()
-        if i >= 2 and recorder.events:
-            tied_t.append(t2 - t1)
-            small_t.append((t3 - t2) / 2)
-            ev = recorder.events
-            spans.append(max(e["end_s"] for e in ev) - min(e["start_s"] for e in ev))
-            fwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "F"]
-            bwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "B"]
-            steps.append(t1 - t0)
-            last_events = list(ev)
-    dist.barrier(group=pair_group)
-    med = statistics.median
-    return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
-            "fwd_s": med(fwd), "bwd_s": med(bwd), "span_s": med(spans), "spans_s": spans, "step_s": med(steps),
-            "tail_allreduce_s": med(small_t), "tail_tied_allreduce_s": med(tied_t) if tied_numel else None,
-            "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
-                       for e in last_events]}
-
-
 CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed for (memory bandwidth, caches)
-HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
-HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
-
-
-def fit_hop_delay(first: Dict[str, Any], second: Dict[str, Any], handshake: float = HANDSHAKE_LATENCIES) -> float:
-    """The one-way point-to-point delay l with which the simulator's two-stage timeline (the
-    stages' measured forward / backward spans, messages arriving l after a late send and a receive
-    posted after its send waiting `handshake` x l) ends when the first stage's measured operations
-    did (bisection: the makespan does not decrease as l grows). 0 when the timeline without delay
-    is already as long."""
-    from hrlplan.cost.timeline import simulate_timeline
-
-    m, schedule = int(first["m"]), str(first["schedule"])
-    fwd, bwd = [first["fwd_s"], second["fwd_s"]], [first["bwd_s"], second["bwd_s"]]
-
-    def makespan(lat: float) -> float:
-        return simulate_timeline(schedule, 2, 1, m, fwd, bwd, [0.0, 0.0], [lat, 0.0], [lat, 0.0],
-                                 [0.0, 0.0], recv_handshake=[handshake * lat] * 2).end[0]
-
-    target = float(first["span_s"])
-    if makespan(0.0) >= target:
-        return 0.0
-    lo, hi = 0.0, target
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if makespan(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
-                          pair_group, repeats: int = REPEATS, n_blocks: int = 2,
-                          microbatch_size: int = 1) -> Dict[str, float]:
-    """FSDP2 over a pair of ranks on an `n_blocks`-block stage, wrapped as the runtime wraps stages
-    (fully_shard per block, reshard_after_forward=False). Per unit (block), the step's time divided
-    by the blocks, so what FSDP overlaps between blocks is not counted twice: the all-gather (first
-    forward minus a later one), the gradient reduce-scatters (issued back to back after a
-    non-synchronising backward, as the pipeline schedule's REDUCE_GRAD issues them; a synchronising
-    backward minus a non-synchronising one is kept as reduce_in_backward_total), the hooks' overhead per forward / backward (vs the bare blocks), the
-    sharded optimizer step with clipping's local part; and one small all-reduce. Clipping's
-    all-reduce of the norm is timed apart (the trainer makes it once per step, not per block)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    from hrlplan.runtime.parallel import clip_grad_norm
-    from hrlplan.runtime.trainer import make_optimizer
-
-    plain, hidden = _block(arch, device, n_blocks)
-    mbs = microbatch_size
-    x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
-    pf, pb = [], []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        y = plain(x)
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
-        if i:
-            pf.append(t1 - t0)
-            pb.append(t2 - t1)
-    block, _ = _block(arch, device, n_blocks)
-    mesh = DeviceMesh.from_group(pair_group, device.type)
-    for child in getattr(block.base, block.blocks_attr).children():
-        fully_shard(child, mesh=mesh, reshard_after_forward=False)
-    fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    params = [p for p in block.parameters() if p.requires_grad]
-    opt = make_optimizer(block, train)
-    first_f, later_f, nosync_b, sync_b, clip_t, opt_t = [], [], [], [], [], []
-    for i in range(repeats + 1):
-        opt.zero_grad(set_to_none=True)
-        dist.barrier(group=pair_group)
-        block.set_requires_gradient_sync(False)
-        t0 = time.perf_counter()
-        y1 = block(x)
-        t1 = time.perf_counter()
-        y2 = block(x)
-        t2 = time.perf_counter()
-        y1.backward(torch.ones_like(y1))
-        t3 = time.perf_counter()
-        block.set_requires_gradient_sync(True)
-        block.set_is_last_backward(True)
-        y2.backward(torch.ones_like(y2))
-        t4 = time.perf_counter()
-        clip_grad_norm(params, 1.0, None, [])
-        t5 = time.perf_counter()
-        opt.step()
-        t6 = time.perf_counter()
-        block.reshard()
-        if i:
-            first_f.append(t1 - t0)
-            later_f.append(t2 - t1)
-            nosync_b.append(t3 - t2)
-            sync_b.append(t4 - t3)
-            clip_t.append(t5 - t4)
-            opt_t.append(t6 - t5)
-    # The runtime's pipeline schedules reduce as torch.distributed.pipelining's REDUCE_GRAD does: every
-    # backward without sync, then every unit's post-backward (reduce-scatter) issued back to back and one
-    # final wait -- the collectives overlap one another, so this, not a synchronising backward, is what a
-    # pipelined step pays.
-    batched = []
-    for i in range(repeats + 1):
-        opt.zero_grad(set_to_none=True)
-        block.set_is_last_backward(False)
-        block.set_reshard_after_backward(False)
-        block.set_requires_gradient_sync(False)
-        y = block(x)
-        y.backward(torch.ones_like(y))
-        dist.barrier(group=pair_group)
-        t0 = time.perf_counter()
-        block.set_is_last_backward(True)
-        block.set_reshard_after_backward(True)
-        block.set_requires_gradient_sync(True)
-        state = fully_shard.state(block)
-        for st in state._state_ctx.all_states:
-            for group in st._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
-        if i:
-            batched.append(time.perf_counter() - t0)
-        block.reshard()
-    small = torch.zeros(1, device=device)
-    ar = []
-    for i in range(3 * repeats + 1):
-        dist.barrier(group=pair_group)
-        t0 = time.perf_counter()
-        dist.all_reduce(small, group=pair_group)
-        if i:
-            ar.append(time.perf_counter() - t0)
-    med = statistics.median
-    n = float(n_blocks)
-    clip_local = max(med(clip_t) - med(ar), 0.0)
-    return {"allgather": max(med(first_f) - med(later_f), 0.0) / n,
-            "allgather_total": med(first_f) - med(later_f), "reduce_total": med(batched),
-            "reduce_in_backward_total": med(sync_b) - med(nosync_b),
-            "reduce": max(med(batched), 0.0) / n,
-            "hook_fwd": max(med(later_f) - med(pf), 0.0) / n, "hook_bwd": max(med(nosync_b) - med(pb), 0.0) / n,
-            "optimizer_sharded": (med(opt_t) + clip_local) / n, "clip_s": med(clip_t), "allreduce_s": med(ar),
-            "n_blocks": n_blocks, "microbatch_size": mbs, "bwd_plain_s": med(pb)}
-
-
 def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
                        iters: int = 40, rounds: int = 5) -> Dict[str, Any]:
     """Collective. The mean time of one block's forward + backward over `iters` back-to-back runs: on
     rank 0 alone, on ranks 0 and 1 (the others wait) and on every rank at once. Means over a long
     run, not medians of single runs: with more ranks than cores the scheduler time-slices them, and
     most single runs fit inside one slice, so a median hides the sharing that a real step pays for."""
-    block, hidden = _block(arch, device)
+    block, hidden = block_stage(arch, device)
     x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
     rank = dist.get_rank()
 
     def run() -> float:
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             y = block(x)
             y.backward(torch.ones_like(y))
-        _sync(device)
+        sync_device(device)
         return (time.perf_counter() - t0) / iters
 
     run()
@@ -464,13 +250,14 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
             else None}
 
 
-def measure_step(config: Dict[str, Any], steps: int = 4) -> float:
-    """Median time of a one-process training step (model, data, AdamW as the trainer uses them)."""
+def measure_step(config: Dict[str, Any], steps: int = 10) -> float:
+    """Median time of a one-process training step (model, data, AdamW as the trainer uses them),
+    without the warm-up steps that the runtime's own step times leave out too."""
     from hrlplan.runtime.reference import train_single_process
+    from hrlplan.runtime.timing import median_step_time
 
     cfg = dict(config, train=dict(config["train"], steps=steps))
-    times = [h["step_time_s"] for h in train_single_process(cfg, steps)]
-    return statistics.median(times[1:] if len(times) > 1 else times)
+    return median_step_time([h["step_time_s"] for h in train_single_process(cfg, steps)])
 
 
 def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> float:
@@ -481,6 +268,17 @@ def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> float:
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
                     microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
     return Simulator(meta, spec, options_for_train(train)).evaluate(layout).step_time_s
+
+
+def _busy_until_barrier(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device) -> None:
+    """One block's forward + backward, over and over, until every other rank reaches the barrier."""
+    block, hidden = block_stage(arch, device)
+    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
+    done = dist.barrier(async_op=True)
+    while not done.is_completed():
+        y = block(x)
+        y.backward(torch.ones_like(y))
+    done.wait()
 
 
 def _pairs(world: int) -> List[List[int]]:
@@ -512,27 +310,33 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     ops = measure_pipeline_ops(arch, seq, device, singles[rank], one["fwd_s"], one["bwd_s"])
     optim = measure_optimizer(arch, train, device)
     dist.barrier()
-    # The two-rank micro-benchmarks, one pair at a time (the others wait): contention_factor's
-    # `paired` figure scales them to every rank busy.
+    # The two-rank micro-benchmarks, every pair at once and a rank left over kept busy: a step has
+    # every rank working too, so what they measure needs no scaling for ranks sharing cores.
     dp = hop = None
-    for i, pair in enumerate(pairs):
-        if rank in pair:
-            dp = measure_data_parallel(arch, seq, train, device, pair_groups[i])
-            # the same stage at other depths: how the collectives' exposed time grows per unit (each
-            # unit's reduce-scatter overlaps the backward of the units after it) vs the stage's tail
-            dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total")}
-                               for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[i],
-                                                                      n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
-            tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
-            hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[i], pair, schedule=sched, repeats=3 * REPEATS,
-                                               tied_numel=tied_numel)
-                   for sched in HOP_SCHEDULES}
+    mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
+    if mine is None:
+        _busy_until_barrier(arch, seq, max(1, g // 4), device)
+    else:
+        dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine])
+        # the same stage at other depths: how the collectives' exposed time grows per unit (each
+        # unit's reduce-scatter overlaps the backward of the units after it) vs the stage's tail
+        dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total", "optimizer_total")}
+                           for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[mine],
+                                                                  n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
+        tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
+        hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine], schedule=sched,
+                                           repeats=3 * REPEATS, tied_numel=tied_numel)
+               for sched in HOP_SCHEDULES}
         dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
+    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
+                  for k, lists in allreduce_partitions(world)]
+    allreduce = measure_allreduce(device, partitions)
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
-             "data_parallel": dp, "pipeline_hop": hop, "contention": contention}
+             "data_parallel": dp, "pipeline_hop": hop, "contention": contention, "allreduce": allreduce,
+             "pairs_concurrent": True}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -543,7 +347,7 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
         # contention the concurrent fit above includes does not land in the overhead.
         config = {"arch": arch, "train": dict(train), "data": dict(data)}
         # interleaved rounds, medians: a shared machine's load drifts between two measurements
-        rounds = [(measure_step(config, steps=6), measure_block(arch, seq, sizes, device)) for _ in range(3)]
+        rounds = [(measure_step(config), measure_block(arch, seq, sizes, device)) for _ in range(3)]
         measured = statistics.median(r[0] for r in rounds)
         alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
                       bwd_s=statistics.median(r[1][i]["bwd_s"] for r in rounds))
@@ -570,25 +374,6 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     dist.broadcast_object_list(box, src=0)
     spec.calibration = box[0]
     return spec
-
-
-def fit_dp_scaling(points: List[Dict[str, float]]) -> Dict[str, Tuple[float, float]]:
-    """{allgather|reduce: (per unit s, per stage s)}: a least-squares line through the exposed time of
-    a stage's FSDP collectives vs its number of blocks (both parts >= 0). The slope is what one more
-    unit adds once the others' collectives overlap its compute; the intercept the stage's exposed tail."""
-    xs = [float(p["n_blocks"]) for p in points]
-    out = {}
-    for k in ("allgather", "reduce"):
-        ys = [max(float(p[f"{k}_total"]), 0.0) for p in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my / max(mx, 1.0)
-        slope = max(slope, 0.0)
-        fixed = max(my - slope * mx, 0.0)
-        if fixed == 0.0 and var > 0:   # line through the origin
-            slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        out[k] = (slope, fixed)
-    return out
 
 
 def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Dict[str, float]],
@@ -618,11 +403,19 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         mid = cal["zb_backward_factors"][len(cal["zb_backward_factors"]) // 2]
         cal["zb_input_grad_share"] = mid["input"] / (mid["input"] + mid["weight"])
     cal["op_overhead_s"] = {k: med(r["pipeline_ops"][k] for r in gathered) for k in ("fwd", "bwd")}
-    block = med(r["optimizer"]["block"] for r in gathered)
-    ends = med(r["optimizer"]["ends"] for r in gathered)
-    cal["optimizer_ends_blocks"] = ends / block if block > 0 else 0.0
+    deep = [r["optimizer"]["deep"] for r in gathered if r["optimizer"].get("deep") is not None]
+    opt = fit_optimizer(med(r["optimizer"]["block"] for r in gathered), med(deep) if deep else None,
+                        int(gathered[0]["optimizer"].get("deep_blocks", 1)), med(r["optimizer"]["ends"] for r in gathered))
+    cal["optimizer_ends_blocks"] = opt["ends_blocks"]
     dps = [r["data_parallel"] for r in gathered if r.get("data_parallel")]
-    cal["optimizer_s_per_block"] = {"plain": block, "sharded": med(d["optimizer_sharded"] for d in dps) if dps else block}
+    sharded = med(d["optimizer_sharded"] for d in dps) if dps else opt["per_block"]
+    sharded_fixed = 0.0
+    fits = [fit_dp_scaling(d["by_blocks"], ("optimizer",)) for d in dps
+            if len(d.get("by_blocks") or []) >= 2 and all("optimizer_total" in p for p in d["by_blocks"])]
+    if fits:
+        sharded, sharded_fixed = med(f["optimizer"][0] for f in fits), med(f["optimizer"][1] for f in fits)
+    cal["optimizer_s_per_block"] = {"plain": opt["per_block"], "sharded": sharded}
+    cal["optimizer_fixed_s"] = {"plain": opt["fixed"], "sharded": sharded_fixed}
     if dps:
         cal["dp_collective_s"] = {"allgather": med(d["allgather"] for d in dps), "reduce": med(d["reduce"] for d in dps)}
         cal["dp_hook_s"] = {"fwd": med(d["hook_fwd"] for d in dps), "bwd": med(d["hook_bwd"] for d in dps)}
@@ -665,6 +458,8 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
             share = max(1.0, local / cores)
             compute = min(compute, share * CONTENTION_SLACK)
             paired = min(paired, share / max(1.0, min(local, 2) / cores) * CONTENTION_SLACK)
+        if all(r.get("pairs_concurrent") for r in gathered):
+            paired = 1.0   # the pair micro-benchmarks ran with every rank busy: nothing to scale
         cal["contention_factor"] = {"compute": max(1.0, compute), "paired": max(1.0, paired)}
     # The step's small all-reduces as a pipelined step pays them: on the rank that finishes last
     # (the first stage, under 1F1B and GPipe), after the pipeline (see measure_pipeline_hop).
@@ -675,6 +470,11 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         tied = [h["tail_tied_allreduce_s"] for h in tails if h.get("tail_tied_allreduce_s") is not None]
         if tied:
             cal["tied_allreduce_s"] = med(tied)
+    if len(gathered) > 1 and all(r.get("allreduce") for r in gathered):
+        one_clock = len({d.hostname for d in spec.devices}) == 1
+        fits = fit_allreduce([r["allreduce"] for r in gathered], len(gathered), one_clock)
+        if fits:
+            cal["allreduce_by_ranks"] = fits
     if hops:
         lat = med(hops)
         cal["p2p_latency_s"] = lat

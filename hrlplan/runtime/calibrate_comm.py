@@ -1,0 +1,362 @@
+"""Calibration's communication micro-benchmarks and their fits (hrlplan.runtime.calibrate runs them).
+
+- measure_p2p: a ping-pong between ranks 0 and 1 (bandwidth_efficiency);
+- measure_pipeline_hop + fit_hop_delay: a real two-stage torch pipeline (p2p_latency_s,
+  p2p_handshake_s) and the small all-reduces a step makes after it (allreduce_latency_s,
+  tied_allreduce_s);
+- measure_data_parallel + fit_dp_scaling: FSDP2 over a pair of ranks (dp_collective_s,
+  dp_collective_fixed_s, dp_hook_s, the sharded optimizer);
+- measure_allreduce + fit_allreduce: all-reduces over groups of every size the world holds, every
+  group at once, each rank arriving when its own work ends (allreduce_by_ranks).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+REPEATS = 5
+DP_SCALING_BLOCKS = (1, 4)   # stage depths measure_data_parallel also runs at (beside its default 2)
+
+
+def block_stage(arch: Dict[str, Any], device: torch.device, n_blocks: int = 1):
+    """A stage of `n_blocks` blocks of the model (no embedding, no head), on `device`."""
+    from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
+
+    config = hf_config_from_arch(arch)
+    config.num_hidden_layers = n_blocks   # GPT-2 maps n_layer onto this; only these blocks are built
+    torch.manual_seed(0)
+    model = build_hf_model(config)
+    return HFStage(model, 0, n_blocks, first=False, last=False).to(device), int(config.hidden_size)
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
+    """Collective. Ranks 0 and 1 ping-pong a tiny and an activation-sized message; rank 0 gets the
+    one-way times {latency_s, message_s}."""
+    from hrlplan.cluster import _ping_pong
+
+    rank = dist.get_rank()
+    result = None
+    if rank in (0, 1) and dist.get_world_size() > 1:
+        bw, lat = _ping_pong(rank, 1 - rank, nbytes, repeats, device)
+        result = {"latency_s": lat, "message_s": nbytes / bw}
+    dist.barrier()
+    return result
+
+
+def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.device, pair_group, pair: List[int],
+                         m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = "1f1b",
+                         repeats: int = REPEATS, tied_numel: int = 0) -> Optional[Dict[str, Any]]:
+    """Collective over `pair_group` (ranks `pair`): a real two-stage torch.distributed.pipelining
+    pipeline, an `n_blocks`-block stage on each rank, one step of `m` micro-batches per repeat.
+    Each rank returns its stage's median recorded forward / backward span and the span of its
+    operations in each step (first start to last end). fit_hop_delay turns the first stage's span
+    into the per-hop delay (p2p_latency_s) that makes the simulator's timeline end when the real one
+    did: the send/recv batching, gloo's rendezvous and the waits of torch's schedule, which a
+    ping-pong of a tiny message does not see. After each step, the small all-reduces a training step
+    then makes (a tied embedding's gradient of `tied_numel` values, the gradient norm, the loss) are
+    timed as they run there -- one rank arriving late, the other woken from a wait -- which costs
+    several times an all-reduce between two ranks that have just met at a barrier."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+
+    me = pair.index(dist.get_rank())
+    block, hidden = block_stage(arch, device, n_blocks)
+    recorder = StepRecorder(device)
+    stage = PipelineStage(block, me, 2, device, group=pair_group)
+    instrument_pipeline_stage(stage, recorder, me)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().pow(2).mean())
+    torch.manual_seed(1)
+    x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
+    target = torch.zeros(m * microbatch_size, device=device)
+    spans, fwd, bwd, steps, tied_t, small_t = [], [], [], [], [], []
+    tied, small = torch.zeros(max(tied_numel, 1), device=device), torch.zeros(1, device=device)
+    for i in range(repeats + 2):   # two warm-up steps: shape inference, buffers, connections
+        block.zero_grad(set_to_none=True)
+        dist.barrier(group=pair_group)
+        recorder.begin()
+        t0 = time.perf_counter()
+        if me == 0:
+            sched.step(x)
+        else:
+            sched.step(target=target, losses=[])
+        t1 = time.perf_counter()
+        if tied_numel:
+            dist.all_reduce(tied, group=pair_group)
+        t2 = time.perf_counter()
+        dist.all_reduce(small, group=pair_group)
+        dist.all_reduce(small, group=pair_group)
+        t3 = time.perf_counter()
+        if i >= 2 and recorder.events:
+            tied_t.append(t2 - t1)
+            small_t.append((t3 - t2) / 2)
+            ev = recorder.events
+            spans.append(max(e["end_s"] for e in ev) - min(e["start_s"] for e in ev))
+            fwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "F"]
+            bwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "B"]
+            steps.append(t1 - t0)
+            last_events = list(ev)
+    dist.barrier(group=pair_group)
+    med = statistics.median
+    return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
+            "fwd_s": med(fwd), "bwd_s": med(bwd), "span_s": med(spans), "spans_s": spans, "step_s": med(steps),
+            "tail_allreduce_s": med(small_t), "tail_tied_allreduce_s": med(tied_t) if tied_numel else None,
+            "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
+                       for e in last_events]}
+
+
+HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
+HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
+
+
+def fit_hop_delay(first: Dict[str, Any], second: Dict[str, Any], handshake: float = HANDSHAKE_LATENCIES) -> float:
+    """The one-way point-to-point delay l with which the simulator's two-stage timeline (the
+    stages' measured forward / backward spans, messages arriving l after a late send and a receive
+    posted after its send waiting `handshake` x l) ends when the first stage's measured operations
+    did (bisection: the makespan does not decrease as l grows). 0 when the timeline without delay
+    is already as long."""
+    from hrlplan.cost.timeline import simulate_timeline
+
+    m, schedule = int(first["m"]), str(first["schedule"])
+    fwd, bwd = [first["fwd_s"], second["fwd_s"]], [first["bwd_s"], second["bwd_s"]]
+
+    def makespan(lat: float) -> float:
+        return simulate_timeline(schedule, 2, 1, m, fwd, bwd, [0.0, 0.0], [lat, 0.0], [lat, 0.0],
+                                 [0.0, 0.0], recv_handshake=[handshake * lat] * 2).end[0]
+
+    target = float(first["span_s"])
+    if makespan(0.0) >= target:
+        return 0.0
+    lo, hi = 0.0, target
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if makespan(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
+                          pair_group, repeats: int = REPEATS, n_blocks: int = 2,
+                          microbatch_size: int = 1) -> Dict[str, float]:
+    """FSDP2 over a pair of ranks on an `n_blocks`-block stage, wrapped as the runtime wraps stages
+    (fully_shard per block, reshard_after_forward=False). Per unit (block), the step's time divided
+    by the blocks, so what FSDP overlaps between blocks is not counted twice: the all-gather (first
+    forward minus a later one), the gradient reduce-scatters (issued back to back after a
+    non-synchronising backward, as the pipeline schedule's REDUCE_GRAD issues them; a synchronising
+    backward minus a non-synchronising one is kept as reduce_in_backward_total), the hooks' overhead per forward / backward (vs the bare blocks), the
+    sharded optimizer step with clipping's local part; and one small all-reduce. Clipping's
+    all-reduce of the norm is timed apart (the trainer makes it once per step, not per block)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hrlplan.runtime.parallel import clip_grad_norm
+    from hrlplan.runtime.trainer import make_optimizer
+
+    plain, hidden = block_stage(arch, device, n_blocks)
+    mbs = microbatch_size
+    x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
+    pf, pb = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        y = plain(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if i:
+            pf.append(t1 - t0)
+            pb.append(t2 - t1)
+    block, _ = block_stage(arch, device, n_blocks)
+    mesh = DeviceMesh.from_group(pair_group, device.type)
+    for child in getattr(block.base, block.blocks_attr).children():
+        fully_shard(child, mesh=mesh, reshard_after_forward=False)
+    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    params = [p for p in block.parameters() if p.requires_grad]
+    opt = make_optimizer(block, train)
+    first_f, later_f, nosync_b, sync_b, clip_t, opt_t = [], [], [], [], [], []
+    for i in range(repeats + 1):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier(group=pair_group)
+        block.set_requires_gradient_sync(False)
+        t0 = time.perf_counter()
+        y1 = block(x)
+        t1 = time.perf_counter()
+        y2 = block(x)
+        t2 = time.perf_counter()
+        y1.backward(torch.ones_like(y1))
+        t3 = time.perf_counter()
+        block.set_requires_gradient_sync(True)
+        block.set_is_last_backward(True)
+        y2.backward(torch.ones_like(y2))
+        t4 = time.perf_counter()
+        clip_grad_norm(params, 1.0, None, [])
+        t5 = time.perf_counter()
+        opt.step()
+        t6 = time.perf_counter()
+        block.reshard()
+        if i:
+            first_f.append(t1 - t0)
+            later_f.append(t2 - t1)
+            nosync_b.append(t3 - t2)
+            sync_b.append(t4 - t3)
+            clip_t.append(t5 - t4)
+            opt_t.append(t6 - t5)
+    # The runtime's pipeline schedules reduce as torch.distributed.pipelining's REDUCE_GRAD does: every
+    # backward without sync, then every unit's post-backward (reduce-scatter) issued back to back and one
+    # final wait -- the collectives overlap one another, so this, not a synchronising backward, is what a
+    # pipelined step pays.
+    batched = []
+    for i in range(repeats + 1):
+        opt.zero_grad(set_to_none=True)
+        block.set_is_last_backward(False)
+        block.set_reshard_after_backward(False)
+        block.set_requires_gradient_sync(False)
+        y = block(x)
+        y.backward(torch.ones_like(y))
+        dist.barrier(group=pair_group)
+        t0 = time.perf_counter()
+        block.set_is_last_backward(True)
+        block.set_reshard_after_backward(True)
+        block.set_requires_gradient_sync(True)
+        state = fully_shard.state(block)
+        for st in state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        if i:
+            batched.append(time.perf_counter() - t0)
+        block.reshard()
+    small = torch.zeros(1, device=device)
+    ar = []
+    for i in range(3 * repeats + 1):
+        dist.barrier(group=pair_group)
+        t0 = time.perf_counter()
+        dist.all_reduce(small, group=pair_group)
+        if i:
+            ar.append(time.perf_counter() - t0)
+    med = statistics.median
+    n = float(n_blocks)
+    clip_local = max(med(clip_t) - med(ar), 0.0)
+    return {"allgather": max(med(first_f) - med(later_f), 0.0) / n,
+            "allgather_total": med(first_f) - med(later_f), "reduce_total": med(batched),
+            "reduce_in_backward_total": med(sync_b) - med(nosync_b),
+            "reduce": max(med(batched), 0.0) / n,
+            "hook_fwd": max(med(later_f) - med(pf), 0.0) / n, "hook_bwd": max(med(nosync_b) - med(pb), 0.0) / n,
+            "optimizer_sharded": (med(opt_t) + clip_local) / n, "optimizer_total": med(opt_t) + clip_local,
+            "clip_s": med(clip_t), "allreduce_s": med(ar),
+            "n_blocks": n_blocks, "microbatch_size": mbs, "bwd_plain_s": med(pb)}
+
+
+def fit_dp_scaling(points: List[Dict[str, float]],
+                   keys: Sequence[str] = ("allgather", "reduce")) -> Dict[str, Tuple[float, float]]:
+    """{allgather|reduce: (per unit s, per stage s)}: a least-squares line through the exposed time of
+    a stage's FSDP collectives vs its number of blocks (both parts >= 0). The slope is what one more
+    unit adds once the others' collectives overlap its compute; the intercept the stage's exposed tail.
+    keys=("optimizer",): the sharded optimizer's per-block and per-call time the same way."""
+    xs = [float(p["n_blocks"]) for p in points]
+    out = {}
+    for k in keys:
+        ys = [max(float(p[f"{k}_total"]), 0.0) for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my / max(mx, 1.0)
+        slope = max(slope, 0.0)
+        fixed = max(my - slope * mx, 0.0)
+        if fixed == 0.0 and var > 0:   # line through the origin
+            slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        out[k] = (slope, fixed)
+    return out
+
+
+ALLREDUCE_PAYLOAD_VALUES = (1, 8192, 131072)   # float32 values: a norm or loss, a small model's gradient bucket, a larger one
+
+
+def allreduce_partitions(world: int) -> List[Tuple[int, List[List[int]]]]:
+    """(k, the world cut into consecutive groups of k ranks, the rest in a last smaller group) for
+    every group size k from 2 to the world."""
+    return [(k, [list(range(s, min(s + k, world))) for s in range(0, world, k)]) for k in range(2, world + 1)]
+
+
+def measure_allreduce(device: torch.device, partitions: List[Tuple[int, List[List[int]], List[Any]]],
+                      repeats: int = 3 * REPEATS, before_s: Tuple[float, float] = (0.5e-3, 3e-3),
+                      after_s: Tuple[float, float] = (1e-3, 4e-3)) -> Dict[str, Any]:
+    """Collective. For each (k, rank lists, their groups): every group all-reduces at once, for each
+    payload of ALLREDUCE_PAYLOAD_VALUES, between busy work of random lengths: ranks reach a step's
+    collectives as their own pipeline ends, and go on to clipping, the optimizer and the next step
+    as soon as theirs returns. Each rank returns its arrival and end times (time.monotonic: one
+    clock for every process of a host) per repeat; fit_allreduce turns them into the time from the
+    last member's arrival to the last member's end. With more ranks than cores that is far above a
+    pair's figure: a ring's every step waits for a member to be scheduled, while members that are
+    done already compete for the cores."""
+    rank = dist.get_rank()
+    rng = random.Random(1000 + rank)
+    work = torch.randn(96, 96, device=device)
+
+    def busy(span: Tuple[float, float]) -> None:
+        t0, length = time.monotonic(), rng.uniform(*span)
+        while time.monotonic() - t0 < length:
+            work @ work
+
+    out: Dict[str, Any] = {}
+    for k, rank_lists, groups in partitions:
+        mine = next((g for ranks, g in zip(rank_lists, groups) if rank in ranks and len(ranks) > 1), None)
+        for values in ALLREDUCE_PAYLOAD_VALUES:
+            buf = torch.zeros(values, device=device)
+            times = []
+            for i in range(repeats + 1):
+                dist.barrier()
+                busy(before_s)
+                arrive = time.monotonic()
+                if mine is not None:
+                    dist.all_reduce(buf, group=mine)
+                sync_device(device)
+                end = time.monotonic()
+                busy(after_s)
+                if i:
+                    times.append((arrive, end))
+            out[f"{k}/{values * 4}"] = times
+    dist.barrier()
+    return out
+
+
+def fit_allreduce(gathered: Sequence[Dict[str, Any]], world: int, one_clock: bool) -> List[Dict[str, float]]:
+    """[{ranks: k, latency_s, s_per_byte}] per group size, from measure_allreduce on every rank: per
+    repeat the time from the first group's last arrival to its last member's end (one_clock: the
+    ranks share a host's clock; otherwise the quickest member's own time, which is the last to
+    arrive's), the median over repeats per payload, then a line through the smallest payload's
+    point, least squares over the others (both parts >= 0)."""
+    fits = []
+    for k, rank_lists in allreduce_partitions(world):
+        members = rank_lists[0]
+        points = []
+        for values in ALLREDUCE_PAYLOAD_VALUES:
+            key = f"{k}/{values * 4}"
+            runs = [(gathered[r] or {}).get(key) for r in members]
+            if any(run is None for run in runs):
+                return []
+            per_repeat = []
+            for i in range(min(len(run) for run in runs)):
+                arrive = [run[i][0] for run in runs]
+                end = [run[i][1] for run in runs]
+                per_repeat.append(max(end) - max(arrive) if one_clock
+                                  else min(e - a for a, e in zip(arrive, end)))
+            points.append((values * 4.0, max(statistics.median(per_repeat), 0.0)))
+        # anchored at the smallest payload (a norm's or a loss's all-reduce, the most frequent): a
+        # line through it, least squares over the larger ones
+        (x0, y0), rest = points[0], points[1:]
+        den = sum((x - x0) ** 2 for x, _ in rest)
+        slope = max(sum((x - x0) * (y - y0) for x, y in rest) / den, 0.0) if den > 0 else 0.0
+        fits.append({"ranks": k, "latency_s": max(y0 - slope * x0, 0.0), "s_per_byte": slope})
+    return fits
