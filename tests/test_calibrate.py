@@ -173,6 +173,12 @@ def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
     cal = fit_calibration(spec, meta, gathered, {"latency_s": 5e-5, "message_s": 1e-4}, 1 << 16)
     assert cal["p2p_latency_s"] == pytest.approx(7e-4, rel=1e-5)   # the mean of the schedules' fits
     assert cal["p2p_handshake_s"] == pytest.approx(HANDSHAKE_LATENCIES * 7e-4, rel=1e-5)
+    assert cal["p2p_latency_by_schedule_s"] == pytest.approx({"1f1b": 6e-4, "gpipe": 8e-4}, rel=1e-5)
+    # the simulator takes each schedule's own hop, the mean for the others; the handshake scales along
+    from hrlplan.cost.model import Overheads
+    ov = Overheads.from_calibration(cal)
+    assert ov.hop("gpipe") == pytest.approx((8e-4, HANDSHAKE_LATENCIES * 8e-4), rel=1e-5)
+    assert ov.hop("zero_bubble") == pytest.approx((7e-4, HANDSHAKE_LATENCIES * 7e-4), rel=1e-5)
     assert cal["allreduce_latency_s"] == pytest.approx(4e-4)
     assert cal["tied_allreduce_s"] == pytest.approx(1e-3)
     assert set(cal) <= set(CALIBRATION_KEYS)

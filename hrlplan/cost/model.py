@@ -29,6 +29,9 @@ CALIBRATION_KEYS = {
                      "stage (the pipeline library's per-call work), beside the blocks' own time",
     "p2p_latency_s": "float: one-way time of a tiny point-to-point message (replaces the probed link "
                      "latency for pipeline sends)",
+    "p2p_latency_by_schedule_s": "{schedule: s}: p2p_latency_s as fitted from that schedule's own real "
+                                 "pipeline (GPipe's back-to-back forwards keep a sender busy, which delays its "
+                                 "messages); schedules not named use p2p_latency_s, the handshake scales along",
     "p2p_handshake_s": "float: rendezvous of a point-to-point receive (gloo): a stage that gets to a receive "
                        "whose message was sent earlier still waits this long (its notice reaches the sender, "
                        "which then sends); fitted with p2p_latency_s from a real two-stage pipeline",
@@ -53,6 +56,9 @@ CALIBRATION_KEYS = {
                              "all-reduce over the shards is one allreduce_latency_s per step, not per block)",
     "optimizer_fixed_s": "{plain: s, sharded: s} (default 0): the optimizer's per-call cost (norms, foreach "
                          "launches, Python), paid once per rank and step beside optimizer_s_per_block",
+    "optimizer_in_step_scale": "float (informational): how much longer clipping + AdamW took in a real "
+                               "one-process step than in the optimizer micro-benchmark; the plain optimizer "
+                               "figures above already include it",
     "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
     "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
     "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W "
@@ -147,6 +153,7 @@ class Overheads:
     op_bwd: float = 0.0
     p2p_latency: Optional[float] = None
     p2p_handshake: float = 0.0
+    p2p_by_schedule: Tuple[Tuple[str, float], ...] = ()
     dp_allgather: float = 0.0
     dp_reduce: float = 0.0
     dp_allgather_fixed: float = 0.0
@@ -182,6 +189,8 @@ class Overheads:
         zb = cal.get("zb_input_grad_share")
         return cls(op_fwd=f * cc, op_bwd=b * cc, p2p_latency=None if p2p is None else float(p2p) * cp,
                    p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)) * cp, dp_allgather=ag * cp,
+                   p2p_by_schedule=tuple(sorted((str(k), float(v) * cp)
+                                                for k, v in (cal.get("p2p_latency_by_schedule_s") or {}).items())),
                    dp_reduce=rd * cp, dp_allgather_fixed=agx * cp, dp_reduce_fixed=rdx * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
                    tied_allreduce=None if cal.get("tied_allreduce_s") is None else float(cal["tied_allreduce_s"]) * cp,
@@ -204,6 +213,13 @@ class Overheads:
         fit = next((f for f in self.allreduce_fits if f[0] >= ranks), self.allreduce_fits[-1])
         scale = (ranks - 1) / (fit[0] - 1) if ranks > fit[0] else 1.0
         return scale * (fit[1] + nbytes * fit[2])
+
+    def hop(self, schedule: str) -> Tuple[Optional[float], float]:
+        """(p2p latency, receive handshake) of a pipeline hop under `schedule`."""
+        lat = dict(self.p2p_by_schedule).get(schedule)
+        if lat is None or not self.p2p_latency:
+            return self.p2p_latency, self.p2p_handshake
+        return lat, self.p2p_handshake * lat / self.p2p_latency
 
     def backward_forward_ratio(self, tokens: float) -> float:
         return interpolate_by_tokens(self.bwd_ratio, tokens) if self.bwd_ratio else 2.0
@@ -328,13 +344,13 @@ class StageCostModel:
         dp_lat = max(la for _, la in dp_ring)
         return (tp_bw, tp_lat), (dp_bw, dp_lat)
 
-    def p2p(self, group_a: Sequence[int], group_b: Sequence[int], nbytes: float) -> float:
+    def p2p(self, group_a: Sequence[int], group_b: Sequence[int], nbytes: float, schedule: str = "") -> float:
         """Every rank of group a sends its copy to the same-index rank of group b, in parallel."""
         worst = 0.0
+        lat = self.dev.overheads.hop(schedule)[0]
         for a, b in zip(group_a, group_b):
             if a == b:
                 continue
-            lat = self.dev.overheads.p2p_latency
             t = nbytes / self.dev.bw(a, b) + (self.dev.cluster.lat(a, b) if lat is None else lat)
             worst = max(worst, t)
         return worst
@@ -342,8 +358,9 @@ class StageCostModel:
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None) -> StageCost:
         """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
-        fixed costs calibrated as every rank busy pays them (per-op overhead, FSDP hooks and
-        collectives) shrink in the same proportion when it is below that factor."""
+        per-op overhead, calibrated as every rank busy pays it, shrinks in the same proportion when
+        it is below that factor. FSDP's hooks and collectives do not: data-parallel replicas run one
+        schedule in lockstep, so when a rank's collective runs its peers' run too."""
         meta, o = self.meta, self.opts
         full = self.dev.overheads.contention
         derate = 1.0 if contention is None or full <= 1.0 else min(contention / full, 1.0)
@@ -388,11 +405,11 @@ class StageCostModel:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
             units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
-            fwd += n_blocks * ov.dp_hook_fwd * derate
-            bwd += n_blocks * ov.dp_hook_bwd * derate
+            fwd += n_blocks * ov.dp_hook_fwd
+            bwd += n_blocks * ov.dp_hook_bwd
             if o.dp_mode == "fsdp":
-                first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * derate
-            last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * derate
+                first_extra = units * ov.dp_allgather + ov.dp_allgather_fixed
+            last_extra = units * ov.dp_reduce + ov.dp_reduce_fixed
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer)

@@ -77,10 +77,11 @@ class Simulator:
         last = n - 1
         groups = [layout.groups[layout.stage_group(k)] for k in range(n)]
         msg = self.costs.activation_message(layout.microbatch_size)
-        sends = [self.costs.p2p(groups[k], groups[k + 1], msg) if k < last else 0.0 for k in range(n)]
+        sends = [self.costs.p2p(groups[k], groups[k + 1], msg, layout.schedule) if k < last else 0.0 for k in range(n)]
         zb = layout.schedule == "zero_bubble"
         ov = self.devices.overheads
-        handshake = [ov.p2p_handshake] * n if ov.p2p_handshake else None
+        hop_handshake = ov.hop(layout.schedule)[1]
+        handshake = [hop_handshake] * n if hop_handshake else None
 
         def stage_costs_at(contention: Optional[float]):
             return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp, layout.dp,
@@ -208,7 +209,7 @@ class Simulator:
                     "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
                     # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
                     "bwd_input_s": bwd[k] * scale, "bwd_weight_s": wgt[k] * scale,
-                    "recv_handshake_s": ov.p2p_handshake * scale,
+                    "recv_handshake_s": hop_handshake * scale,
                     "dp_sync_s": c.dp_sync * scale, "params": c.params,
                     "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,

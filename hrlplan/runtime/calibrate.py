@@ -136,6 +136,7 @@ def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
     opt.step()
 
 
+REFERENCE_ROUNDS = 5        # reference steps, interleaved with block timings: a shared machine's load drifts
 OPTIMIZER_DEEP_BLOCKS = 4   # the second stage depth the optimizer is timed at (beside one block)
 
 
@@ -250,24 +251,47 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
             else None}
 
 
-def measure_step(config: Dict[str, Any], steps: int = 10) -> float:
-    """Median time of a one-process training step (model, data, AdamW as the trainer uses them),
-    without the warm-up steps that the runtime's own step times leave out too."""
-    from hrlplan.runtime.reference import train_single_process
+def measure_step(config: Dict[str, Any], steps: int = 10) -> Dict[str, float]:
+    """{step_s, optimizer_s}: median time of a one-process training step of the whole model as the
+    runtime runs its stages (one HFStage holding every layer, its loss, our gradient clipping,
+    AdamW), and of its clipping + optimizer step, without the warm-up steps that the runtime's own
+    step times leave out too. Not HF's full forward: what that
+    adds (mask and output bookkeeping) no pipeline stage pays, and it would land in step_overhead_s."""
+    from hrlplan.data.lm import build_lm_data
+    from hrlplan.models.hf import HFStage, causal_lm_loss
+    from hrlplan.runtime.parallel import clip_grad_norm
     from hrlplan.runtime.timing import median_step_time
+    from hrlplan.runtime.trainer import build_full_model, make_optimizer
 
-    cfg = dict(config, train=dict(config["train"], steps=steps))
-    return median_step_time([h["step_time_s"] for h in train_single_process(cfg, steps)])
+    train = config["train"]
+    model = build_full_model(config["arch"], int(train["seed"]))
+    stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True)
+    data = build_lm_data(config["data"], model.config.vocab_size, int(train["seed"]))
+    opt = make_optimizer(stage, train)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    times, after = [], []
+    for step in range(steps):
+        inputs, targets = data.batch(step, int(train["global_batch_size"]))
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        causal_lm_loss(stage(inputs), targets).backward()
+        t1 = time.perf_counter()
+        clip_grad_norm(params, float(train["grad_clip"]), None, [])
+        opt.step()
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        after.append(t2 - t1)
+    return {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}
 
 
-def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> float:
+def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> Dict[str, float]:
     from hrlplan.cost.model import Layout
     from hrlplan.cost.plans import options_for_train
     from hrlplan.cost.simulator import Simulator
 
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
                     microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
-    return Simulator(meta, spec, options_for_train(train)).evaluate(layout).step_time_s
+    return Simulator(meta, spec, options_for_train(train)).evaluate(layout, detail=True).breakdown
 
 
 def _busy_until_barrier(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device) -> None:
@@ -324,8 +348,12 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
                            for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[mine],
                                                                   n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
         tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
+        # stages as long as a two-stage pipeline of this model's (half its blocks, a quarter of the
+        # batch per micro-batch): a sender busy with its next operation delays its message's transfer
+        # (gloo moves it on another thread of a busy process), by more the longer the operations are
         hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine], schedule=sched,
-                                           repeats=3 * REPEATS, tied_numel=tied_numel)
+                                           repeats=3 * REPEATS, tied_numel=tied_numel, microbatch_size=max(1, g // 4),
+                                           n_blocks=max(1, meta.n_layer // 2))
                for sched in HOP_SCHEDULES}
         dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
@@ -347,8 +375,9 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
         # contention the concurrent fit above includes does not land in the overhead.
         config = {"arch": arch, "train": dict(train), "data": dict(data)}
         # interleaved rounds, medians: a shared machine's load drifts between two measurements
-        rounds = [(measure_step(config), measure_block(arch, seq, sizes, device)) for _ in range(3)]
-        measured = statistics.median(r[0] for r in rounds)
+        rounds = [(measure_step(config), measure_block(arch, seq, sizes, device)) for _ in range(REFERENCE_ROUNDS)]
+        measured = statistics.median(r[0]["step_s"] for r in rounds)
+        optimizer_in_step = statistics.median(r[0]["optimizer_s"] for r in rounds)
         alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
                       bwd_s=statistics.median(r[1][i]["bwd_s"] for r in rounds))
                  for i, r0 in enumerate(rounds[0][1])]
@@ -360,6 +389,16 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
                                half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
                                contention_factor=None)   # the reference step ran alone
         predicted = _predict_one_process_step(meta, ref, train)
+        if predicted["optimizer_s"] > 0:
+            # Clipping + AdamW as a real step pays them (its caches cold after the backward), not as the
+            # micro-benchmark's warm loop does: the plain optimizer's figures scaled to the step's.
+            scale = optimizer_in_step / predicted["optimizer_s"]
+            for key in ("optimizer_s_per_block", "optimizer_fixed_s"):
+                cal[key] = dict(cal[key], plain=cal[key]["plain"] * scale)
+            cal["optimizer_in_step_scale"] = scale
+            ref.calibration.update({k: cal[k] for k in ("optimizer_s_per_block", "optimizer_fixed_s")})
+            predicted = _predict_one_process_step(meta, ref, train)
+        predicted = predicted["step_time_s"]
         cal["step_overhead_s"] = max(measured - predicted, 0.0)
         if cal.get("contention_factor"):
             # CPU work is then costed as measured alone, times the contention factor
@@ -429,12 +468,15 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         wire = p2p["message_s"] - p2p["latency_s"]
         cal["bandwidth_efficiency"] = min(1.0, msg_bytes / (max(wire, 1e-9) * spec.bw(0, 1)))
     # The real two-stage pipeline's hop replaces the ping-pong latency (see measure_pipeline_hop).
-    hops = []
+    hops: List[float] = []
+    by_schedule: Dict[str, List[float]] = {}
     for r in range(0, len(gathered) - 1, 2):
         a, b = gathered[r].get("pipeline_hop") or {}, gathered[r + 1].get("pipeline_hop") or {}
-        fits = [fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1]
-        if fits:   # one figure for every schedule: the mean of their fits
-            hops.append(statistics.fmean(fits))
+        fits = {k: fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1}
+        if fits:   # the schedules measured their own; the others get the mean of their fits
+            hops.append(statistics.fmean(fits.values()))
+            for k, v in fits.items():
+                by_schedule.setdefault(k, []).append(v)
     alone = (gathered[0].get("contention") or {}).get("alone_s")
     pair = [r["contention"]["pair_s"] for r in gathered[:2] if (r.get("contention") or {}).get("pair_s")]
     together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
@@ -479,6 +521,7 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         lat = med(hops)
         cal["p2p_latency_s"] = lat
         cal["p2p_handshake_s"] = HANDSHAKE_LATENCIES * lat
+        cal["p2p_latency_by_schedule_s"] = {k: med(v) for k, v in by_schedule.items()}
     return cal
 
 
