@@ -5,21 +5,25 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   model's compute time is flops * (tokens + h) / (peak * eff) per forward, backward twice that, so a
   straight line through (tokens, measured (F+B)/3) gives the sustained efficiency `eff`
   (compute_efficiency, per device name) and the half-saturation point `h` (half_saturation_tokens);
-- an activation-sized point-to-point transfer between ranks 0 and 1: bandwidth_efficiency, the
-  fraction of the probed bandwidth that a message of that size achieves after the probed latency;
-- one whole one-process training step of the model vs the simulator's prediction for it with the
-  figures above: step_overhead_s, what the model does not count (Python, the scheduler);
 - the same block's backward / forward ratio per micro-batch size (backward_forward_ratio), and its
   backward split as zero-bubble runs it, by torch's own functions (zb_backward_factors);
-- fixed costs (CALIBRATION_KEYS: op_overhead_s, dp_collective_s, dp_hook_s, optimizer_s_per_block,
-  allreduce_latency_s) from micro-benchmarks of one stage;
-- the pipeline hop (p2p_latency_s, p2p_handshake_s): a real two-rank, two-stage torch pipeline
-  (1F1B and GPipe), the one-way delay that makes the simulator's timeline of it (with the stages'
-  recorded spans, and gloo's rendezvous: a receive posted after its send waits a round trip) end when
-  the real one did -- far above a ping-pong's latency;
+- per-op overhead of torch's pipeline stage (op_overhead_s); clipping + AdamW of a 1-block and a
+  deeper stage and of the embedding + head (optimizer_s_per_block, optimizer_fixed_s,
+  optimizer_ends_blocks);
+- the communication micro-benchmarks of hrlplan.runtime.calibrate_comm, every pair of ranks at once
+  with a rank left over kept busy (a step has every rank working too): a ping-pong
+  (bandwidth_efficiency); a real two-stage torch pipeline per schedule with plan-sized stages
+  (p2p_latency_s, p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
+  allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
+  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); all-reduces over groups of every size,
+  every group at once (allreduce_by_ranks);
 - contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means
   over a long run); with more ranks than cores compute is then costed at the speed measured alone
-  times this factor.
+  times this factor (times the ranks' busy share: see the simulator);
+- one whole one-process training step of the model, run as the runtime runs a stage, vs the
+  simulator's prediction for it with the figures above: its clipping + optimizer time rescales the
+  plain optimizer figures (optimizer_in_step_scale), the rest it takes beyond the prediction is
+  step_overhead_s (Python, the scheduler).
 Nothing is fitted from a benchmarked plan's own step time. Raw measurements are kept under
 calibration["measurements"] for inspection.
 """
