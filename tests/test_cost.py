@@ -162,6 +162,23 @@ def test_timeline_plot_replays_the_simulators_timeline(schedule, v):
     assert max(e["end_s"] for e in events) == pytest.approx(res.breakdown["pipeline_s"], rel=1e-9)
 
 
+def test_timeline_plot_replays_contention_and_fsdp_all_gathers():
+    """More ranks than cores and FSDP: the drawn prediction still ends where the simulator's does
+    (the stage durations carry the mean-field contention, the first forward FSDP's all-gathers)."""
+    from hrlplan.runtime.timeline_plot import predicted_events
+
+    meta = toy_meta()
+    lay = Layout(spans=((0, 4), (4, 8)), groups=((0, 1), (2, 3)), tp=1, dp=2, microbatch_size=1, num_microbatches=4,
+                 schedule="1f1b")
+    cl = toy_cluster(n=4, flops=[1e9] * 4)
+    cl.calibration = {"p2p_latency_s": 1e-3, "p2p_handshake_s": 2e-3, "contention_factor": {"compute": 2.0, "paired": 1.0},
+                      "dp_collective_s": {"allgather": 1e-3, "reduce": 2e-3}, "op_overhead_s": {"fwd": 1e-4, "bwd": 2e-4}}
+    res = Simulator(meta, cl, CostOptions(dp_mode="fsdp")).evaluate(lay, detail=True)
+    assert res.stages[0]["first_fwd_extra_s"] > 0
+    events = predicted_events({"schedule": "1f1b", "pp": 2, "num_microbatches": 4}, {"chosen": {"stages": res.stages}})
+    assert max(e["end_s"] for e in events) == pytest.approx(res.breakdown["pipeline_s"], rel=1e-9)
+
+
 def test_zero_bubble_v_runs_torch_zbv_order():
     """The runtime runs torch's ScheduleZBVZeroBubble: the simulator uses its order (as recorded in a
     real pp=2, m=4 step: W right after its B until the cool-down)."""

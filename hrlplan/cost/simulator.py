@@ -209,7 +209,8 @@ class Simulator:
                     "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
                     # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
                     "bwd_input_s": bwd[k] * scale, "bwd_weight_s": wgt[k] * scale,
-                    "recv_handshake_s": hop_handshake * scale,
+                    "recv_handshake_s": (handshake[k] if handshake else 0.0) * scale,
+                    "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
                     "dp_sync_s": c.dp_sync * scale, "params": c.params,
                     "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,

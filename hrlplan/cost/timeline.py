@@ -266,7 +266,8 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       send_fwd: Sequence[float], send_bwd: Sequence[float],
                       activation: Sequence[float], first_fwd_extra: Optional[Sequence[float]] = None,
                       last_bwd_extra: Optional[Sequence[float]] = None,
-                      recv_handshake: Optional[Sequence[float]] = None) -> TimelineResult:
+                      recv_handshake: Optional[Sequence[float]] = None,
+                      trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None) -> TimelineResult:
     """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
     activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
     bytes one micro-batch keeps on k until its backward. first_fwd_extra[k] lengthens stage k's
@@ -275,7 +276,8 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     gloo's, where a send waits for its receive to be posted): an operation of stage k that receives
     from another position starts no sooner than this long after its position gets to it, even when
     the message was sent long before (the receive's notice has to reach the sender, which then sends);
-    a send that is late still arrives send_* after it was made."""
+    a send that is late still arrives send_* after it was made. `trace`, when given, gets one
+    (position, kind, stage, micro-batch, start, end) per operation, in execution order."""
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     last = n - 1
@@ -322,6 +324,8 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
         end = start + dur
         free[pos] = end
         busy[pos] += dur
+        if trace is not None:
+            trace.append((pos, kind, k, j, start, end))
         if kind == F:
             f_end[k][j] = end
         elif kind == B:

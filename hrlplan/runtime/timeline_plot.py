@@ -25,10 +25,10 @@ COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
 
 
 def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Replay the simulator's schedule for `plan` (Plan.to_dict()) with the durations in `info`
-    (plan_info.json): the same dependency rules as hrlplan.cost.timeline.simulate_timeline."""
+    """The simulator's timeline (hrlplan.cost.timeline.simulate_timeline) for `plan` (Plan.to_dict())
+    replayed with the per-stage durations in `info` (plan_info.json)."""
     from hrlplan.cost.simulator import zb_input_shares
-    from hrlplan.cost.timeline import B, F, structure
+    from hrlplan.cost.timeline import simulate_timeline
 
     stages = sorted((info.get("chosen") or {}).get("stages") or [], key=lambda s: s["stage"])
     schedule = str(plan.get("schedule", "1f1b"))
@@ -52,29 +52,12 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
         wgt = [0.0] * n
     send = [float(s.get("send_s", 0.0)) for s in stages]
     handshake = [float(s.get("recv_handshake_s", 0.0)) for s in stages]
-    f_end = [[0.0] * m for _ in range(n)]
-    b_end = [[0.0] * m for _ in range(n)]
-    free = [0.0] * pp
-    events = []
-    for pos, kind, k, j in structure(schedule, pp, v, m).order:
-        if kind == F:
-            ready, dur = (f_end[k - 1][j] + send[k - 1] if k > 0 else 0.0), fwd[k]
-        elif kind == B:
-            ready, dur = (b_end[k + 1][j] + send[k] if k < n - 1 else f_end[k][j]), bwd[k]
-        else:
-            ready, dur = b_end[k][j], wgt[k]
-        at = free[pos]
-        if (kind == F and k > 0 and send[k - 1] > 0) or (kind == B and k < n - 1 and send[k] > 0):
-            at += handshake[k]   # a rendezvous receive (see simulate_timeline)
-        start = max(at, ready)
-        end = free[pos] = start + dur
-        if kind == F:
-            f_end[k][j] = end
-        elif kind == B:
-            b_end[k][j] = end
-        events.append({"position": pos, "kind": KIND_NAMES[kind], "stage": k, "microbatch": j,
-                       "start_s": start, "end_s": end})
-    return events
+    trace: List[tuple] = []
+    extra = [float(s.get("first_fwd_extra_s", 0.0)) for s in stages]
+    simulate_timeline(schedule, pp, v, m, fwd, bwd, wgt, send, send, [0.0] * n, first_fwd_extra=extra,
+                      recv_handshake=handshake, trace=trace)
+    return [{"position": pos, "kind": KIND_NAMES[kind], "stage": k, "microbatch": j, "start_s": start, "end_s": end}
+            for pos, kind, k, j, start, end in trace]
 
 
 def _calibrated_zb_share(info: Dict[str, Any]) -> Optional[float]:
