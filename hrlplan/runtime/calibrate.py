@@ -12,8 +12,8 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   optimizer_ends_blocks);
 - the communication micro-benchmarks of hrlplan.runtime.calibrate_comm, every pair of ranks at once
   with a rank left over kept busy (a step has every rank working too): a ping-pong
-  (bandwidth_efficiency); a real two-stage torch pipeline per schedule with plan-sized stages
-  (p2p_latency_s, p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
+  (bandwidth_efficiency); a real two-stage torch pipeline per schedule (p2p_latency_s,
+  p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
   allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer); all-reduces over groups of every size,
   every group at once (allreduce_by_ranks);
@@ -352,12 +352,10 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
                            for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[mine],
                                                                   n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
         tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
-        # stages as long as a two-stage pipeline of this model's (half its blocks, a quarter of the
-        # batch per micro-batch): a sender busy with its next operation delays its message's transfer
-        # (gloo moves it on another thread of a busy process), by more the longer the operations are
+        # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
+        # hop no better here and, with more ranks than cores, twice as long as pp2 x dp2 pays it
         hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine], schedule=sched,
-                                           repeats=3 * REPEATS, tied_numel=tied_numel, microbatch_size=max(1, g // 4),
-                                           n_blocks=max(1, meta.n_layer // 2))
+                                           repeats=3 * REPEATS, tied_numel=tied_numel)
                for sched in HOP_SCHEDULES}
         dist.barrier()
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
