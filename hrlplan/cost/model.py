@@ -214,6 +214,13 @@ class Overheads:
         scale = (ranks - 1) / (fit[0] - 1) if ranks > fit[0] else 1.0
         return scale * (fit[1] + nbytes * fit[2])
 
+    def busy_derate(self, contention: Optional[float]) -> float:
+        """How much of a cost calibrated as every rank busy pays it remains at a mean-field
+        `contention` below the full factor (1 when none is given or ranks do not share cores)."""
+        if contention is None or self.contention <= 1.0:
+            return 1.0
+        return min(contention / self.contention, 1.0)
+
     def hop(self, schedule: str) -> Tuple[Optional[float], float]:
         """(p2p latency, receive handshake) of a pipeline hop under `schedule`."""
         lat = dict(self.p2p_by_schedule).get(schedule)
@@ -362,8 +369,7 @@ class StageCostModel:
         it is below that factor. FSDP's hooks and collectives do not: data-parallel replicas run one
         schedule in lockstep, so when a rank's collective runs its peers' run too."""
         meta, o = self.meta, self.opts
-        full = self.dev.overheads.contention
-        derate = 1.0 if contention is None or full <= 1.0 else min(contention / full, 1.0)
+        derate = self.dev.overheads.busy_derate(contention)
         tokens = microbatch_size * meta.seq_len
         flops = tokens * self.span_flops(start, end, first, last) / tp
         slowest = min(self.dev.throughput(d, tokens) for d in group)

@@ -118,9 +118,8 @@ class Simulator:
             busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
             contention = max(1.0, ov.contention * min(busy_share, 1.0))
         stage_costs = stage_costs_at(contention)
-        if contention is not None and ov.contention > 1.0 and contention < ov.contention:
-            # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
-            derate = contention / ov.contention
+        derate = ov.busy_derate(contention)
+        if derate < 1.0:   # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
             sends = [x * derate for x in sends]
             handshake = [x * derate for x in handshake] if handshake else None
         fwd, bwd, wgt = durations(stage_costs)
