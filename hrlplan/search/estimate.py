@@ -120,7 +120,7 @@ class ConfigEstimator:
         msg = sim.costs.activation_message(c.microbatch_size)
         send = 0.0
         for g in range(pp - 1):
-            send = max(send, sim.costs.p2p(groups[g], groups[g + 1], msg))
+            send = max(send, sim.costs.p2p(groups[g], groups[g + 1], msg, c.schedule))
         bubble = _bubble_factor(c.schedule, v) * max(fill - bottleneck, 0.0)
         step = m * bottleneck + bubble + 2 * (n - 1) * send
         syncs = counts * sync + fixed_sync
