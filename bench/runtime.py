@@ -100,8 +100,8 @@ def rel(measured: float, predicted: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per plan (noise estimate)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds: runs per plan, each after its own calibration")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime.json"))
     ap.add_argument("--only", default="", help="comma-separated plan names")
     ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-runtime")

@@ -342,6 +342,30 @@ def test_fit_allreduce_takes_the_last_arrival_to_the_last_end_per_group_size():
     assert fits[1]["latency_s"] == pytest.approx(lat[3], rel=1e-3)
 
 
+def test_passes_at_different_moments_outvote_one_pass_under_foreign_load():
+    """A burst of another tenant's load during one pass inflates that pass only: the pooled median
+    keeps the quiet figure, for the all-reduce fit and for the pipeline hop's spans."""
+    from hrlplan.runtime.calibrate_comm import (ALLREDUCE_PAYLOAD_VALUES, fit_allreduce, pool_allreduce_passes,
+                                                pool_hop_passes)
+
+    def allreduce_pass(r, lat):
+        return {f"2/{v * 4}": [(0.0, lat)] * 5 for v in ALLREDUCE_PAYLOAD_VALUES}
+
+    per_rank = [pool_allreduce_passes([allreduce_pass(r, lat) for lat in (2.5e-3, 2.5e-4, 2.5e-4)]) for r in range(2)]
+    assert len(per_rank[0]["2/4"]) == 15
+    assert fit_allreduce(per_rank, 2, one_clock=True)[0]["latency_s"] == pytest.approx(2.5e-4)
+
+    def hop_pass(scale):
+        return {"stage": 0, "schedule": "1f1b", "m": 4, "microbatch_size": 1, "n_blocks": 1, "events": [],
+                "fwd_all": [1e-3 * scale] * 20, "bwd_all": [2e-3 * scale] * 20, "spans_s": [14e-3 * scale] * 5,
+                "steps_all": [15e-3 * scale] * 5, "tail_all": [1e-4 * scale] * 5, "tail_tied_all": None}
+
+    pooled = pool_hop_passes([hop_pass(1.0), hop_pass(3.0), hop_pass(1.0)])
+    assert (pooled["fwd_s"], pooled["bwd_s"], pooled["span_s"]) == pytest.approx((1e-3, 2e-3, 14e-3))
+    assert pooled["tail_allreduce_s"] == pytest.approx(1e-4) and pooled["tail_tied_allreduce_s"] is None
+    assert len(pooled["spans_s"]) == 15
+
+
 def test_allreduce_by_ranks_costs_the_steps_collectives_and_the_cross_replica_reduce():
     from hrlplan.cost.model import CostOptions, Layout, Overheads
     from hrlplan.cost.plans import predict_any_plan

@@ -101,7 +101,11 @@ def _jsonl_records(path: str) -> Iterator[Dict[str, str]]:
 
 
 def _parquet_records(path: str) -> Iterator[Dict[str, str]]:
-    import pyarrow.parquet as pq   # only needed for parquet sources (e.g. an HF-cache data set)
+    try:   # only parquet sources (e.g. an HF-cache data set) need pyarrow, so it is an optional extra
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(f"data source {path} is a parquet file, which needs pyarrow: "
+                          "pip install 'hrlplan[parquet]'") from exc
 
     yield from pq.read_table(path).to_pylist()
 

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS, block_stage,
                                            allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
-                                           measure_pipeline_hop, sync_device)
+                                           measure_pipeline_hop, pool_allreduce_passes, pool_hop_passes,
+                                           sync_device)
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                   repeats: int = REPEATS) -> List[Dict[str, float]]:
@@ -337,6 +338,12 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     one = samples[0]
     ops = measure_pipeline_ops(arch, seq, device, singles[rank], one["fwd_s"], one["bwd_s"])
     optim = measure_optimizer(arch, train, device)
+    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
+                  for k, lists in allreduce_partitions(world)]
+    # The all-reduces and the pipeline hops are measured in passes at different moments and pooled:
+    # a burst of another tenant's load then inflates one pass, not the figure (a 2-rank all-reduce
+    # once measured 2.5 ms instead of 0.25 ms, every pipelined plan predicted 25% slow).
+    allreduce_passes = [measure_allreduce(device, partitions, repeats=REPEATS)]
     dist.barrier()
     # The two-rank micro-benchmarks, every pair at once and a rank left over kept busy: a step has
     # every rank working too, so what they measure needs no scaling for ranks sharing cores.
@@ -345,25 +352,33 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     if mine is None:
         _busy_until_barrier(arch, seq, max(1, g // 4), device)
     else:
+        tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
+        hop_passes: Dict[str, List[Dict[str, Any]]] = {sched: [] for sched in HOP_SCHEDULES}
+
+        def hop_pass() -> None:
+            # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
+            # hop no better here and, with more ranks than cores, twice as long as pp2 x dp2 pays it
+            for sched in HOP_SCHEDULES:
+                hop_passes[sched].append(measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine],
+                                                              schedule=sched, repeats=REPEATS, tied_numel=tied_numel))
+
+        hop_pass()
         dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine])
+        hop_pass()
         # the same stage at other depths: how the collectives' exposed time grows per unit (each
         # unit's reduce-scatter overlaps the backward of the units after it) vs the stage's tail
         dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total", "optimizer_total")}
                            for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[mine],
                                                                   n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
-        tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
-        # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
-        # hop no better here and, with more ranks than cores, twice as long as pp2 x dp2 pays it
-        hop = {sched: measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine], schedule=sched,
-                                           repeats=3 * REPEATS, tied_numel=tied_numel)
-               for sched in HOP_SCHEDULES}
+        hop_pass()
+        hop = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
         dist.barrier()
+    allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
-    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
-                  for k, lists in allreduce_partitions(world)]
-    allreduce = measure_allreduce(device, partitions)
+    allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
+    allreduce = pool_allreduce_passes(allreduce_passes)
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
              "data_parallel": dp, "pipeline_hop": hop, "contention": contention, "allreduce": allreduce,
              "pairs_concurrent": True}

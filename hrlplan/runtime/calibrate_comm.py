@@ -108,12 +108,25 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
             steps.append(t1 - t0)
             last_events = list(ev)
     dist.barrier(group=pair_group)
-    med = statistics.median
     return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
-            "fwd_s": med(fwd), "bwd_s": med(bwd), "span_s": med(spans), "spans_s": spans, "step_s": med(steps),
-            "tail_allreduce_s": med(small_t), "tail_tied_allreduce_s": med(tied_t) if tied_numel else None,
+            "fwd_all": fwd, "bwd_all": bwd, "spans_s": spans, "steps_all": steps, "tail_all": small_t,
+            "tail_tied_all": tied_t if tied_numel else None,
             "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
                        for e in last_events]}
+
+
+def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One rank's measure_pipeline_hop passes (same settings, run at different moments of the
+    calibration) pooled into medians: another tenant's burst of load inflates one pass, not the
+    median of them all."""
+    med = statistics.median
+    pooled = {k: passes[-1][k] for k in ("stage", "schedule", "m", "microbatch_size", "n_blocks", "events")}
+    raw = {k: [x for p in passes for x in (p[k] or [])] for k in
+           ("fwd_all", "bwd_all", "spans_s", "steps_all", "tail_all", "tail_tied_all")}
+    pooled.update(fwd_s=med(raw["fwd_all"]), bwd_s=med(raw["bwd_all"]), span_s=med(raw["spans_s"]),
+                  spans_s=raw["spans_s"], step_s=med(raw["steps_all"]), tail_allreduce_s=med(raw["tail_all"]),
+                  tail_tied_allreduce_s=med(raw["tail_tied_all"]) if raw["tail_tied_all"] else None)
+    return pooled
 
 
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
@@ -329,6 +342,12 @@ def measure_allreduce(device: torch.device, partitions: List[Tuple[int, List[Lis
             out[f"{k}/{values * 4}"] = times
     dist.barrier()
     return out
+
+
+def pool_allreduce_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """measure_allreduce passes run at different moments of the calibration, their repeats in one
+    list per key (every rank ran the same passes, so repeat i still lines up across ranks)."""
+    return {key: [t for p in passes for t in p[key]] for key in passes[0]}
 
 
 def fit_allreduce(gathered: Sequence[Dict[str, Any]], world: int, one_clock: bool) -> List[Dict[str, float]]:
