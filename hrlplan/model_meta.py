@@ -149,13 +149,10 @@ def _linear_weight_numel(module) -> int:
 
 
 def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
-    import torch
-
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 
     config = hf_config_from_arch(arch)
-    with torch.device("meta"):
-        model = build_hf_model(config)
+    model = build_hf_model(config, on_meta=True)
     layout = hf_layout(model)
     base = layout.base
     blocks = list(getattr(base, layout.blocks_attr))

@@ -5,8 +5,9 @@ gradients line up with a one-process run of the same model, whatever the layer s
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,12 +30,67 @@ def hf_config_from_arch(arch: Dict[str, Any]):
     return AutoConfig.for_model(arch["model_type"], **kwargs)
 
 
-def build_hf_model(config, pretrained_from: Optional[str] = None):
+def build_hf_model(config, pretrained_from: Optional[str] = None, on_meta: bool = False):
+    """The model from its config, or from a local/cached checkpoint. on_meta: no storage at all
+    (torch.device("meta")), for materialize to allocate only what a rank holds."""
     from transformers import AutoModelForCausalLM
 
     if pretrained_from:
         return AutoModelForCausalLM.from_pretrained(pretrained_from, config=config, local_files_only=True)
+    if on_meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
     return AutoModelForCausalLM.from_config(config)
+
+
+def module_init_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def _children_first(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, nn.Module]]:
+    # HF initialises in this order too: a parent may re-initialise a child's weight (GPT-2's
+    # attention scales its c_proj by depth)
+    for name, child in module.named_children():
+        yield from _children_first(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def materialize(model, keep: Iterable[nn.Module], seed: int, device: str | torch.device = "cpu") -> None:
+    """Allocate on `device` and initialise the modules of a model built on the meta device that are
+    in `keep` (the rest stay on meta, taking no memory). Each module is initialised by the model's
+    own HF `_init_weights` with the RNG seeded from `seed` and the module's name in the model, so a
+    rank that builds only its stage holds the weights every other layout, and a one-process run,
+    start from, without the whole model ever being allocated (as torchtitan inits on meta).
+    A parameter shared by several modules (a tied head) stays one tensor, initialised once, by its
+    first holder (the input embedding). Buffers are filled by `_init_weights` as HF's own meta
+    loading path fills them (rotary frequencies). A model not on meta (pretrained) is left alone."""
+    if not any(t.is_meta for t in model.parameters()):
+        return
+    keep_ids = {id(m) for m in keep}
+    holders: Dict[int, List[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    for mods in holders.values():   # a kept tied head needs the embedding that first holds its weight
+        if len(mods) > 1 and any(id(m) in keep_ids for m in mods):
+            keep_ids.update(id(m) for m in mods)
+    allocated: Dict[int, nn.Parameter] = {}   # meta parameter -> its allocated tensor
+    for name, module in _children_first(model):
+        if id(module) not in keep_ids:
+            continue
+        old = dict(module.named_parameters(recurse=False))
+        shared = {n: allocated[id(p)] for n, p in old.items() if id(p) in allocated}
+        if any(t.is_meta for t in [*old.values(), *module.buffers(recurse=False)]):
+            module.to_empty(device=device, recurse=False)
+        for n, param in shared.items():
+            setattr(module, n, param)
+        for n, param in old.items():
+            allocated.setdefault(id(param), getattr(module, n))
+        if old and len(shared) == len(old):
+            continue   # all its parameters belong to (and were initialised by) an earlier holder
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_init_seed(seed, name))
+            model._init_weights(module)
 
 
 @dataclass

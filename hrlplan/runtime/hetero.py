@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hrlplan.models.hf import build_stage_modules, causal_lm_loss
+from hrlplan.models.hf import build_stage_modules, causal_lm_loss, materialize
 from hrlplan.plan import PipelinePlan, Plan
 from hrlplan.runtime.tensor_parallel import parallelize_stage
 from hrlplan.runtime.timing import StepRecorder
@@ -200,7 +200,9 @@ class HeteroPipelineEngine:
         self.pipe = self.pipes[p]
         self.stage = self.pipe.stages[s]
         self.gid = offsets[p] + s
-        part = build_stage_modules(full_model, [tuple(x.layers) for x in self.pipe.stages])[s].to(device)
+        part = build_stage_modules(full_model, [tuple(x.layers) for x in self.pipe.stages])[s]
+        materialize(full_model, part.modules(), int(train["seed"]))
+        part = part.to(device)
         if self.stage.tp > 1:
             parallelize_stage(part, tp_mesh)
         self.parts[self.gid] = part

@@ -65,14 +65,11 @@ def get_modules(model: Union[nn.Module, str]) -> List[str]:
 
 
 def _meta_model(arch_name: str) -> nn.Module:
-    import torch
-
     from hrlplan.model_meta import resolve_arch
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch
 
     arch = resolve_arch(arch_name)
-    with torch.device("meta"):  # structure only: nothing is allocated or downloaded
-        model = build_hf_model(hf_config_from_arch(arch))
+    model = build_hf_model(hf_config_from_arch(arch), on_meta=True)   # structure only: nothing allocated
     model.config.name_or_path = arch.get("name", arch_name)
     return model
 

@@ -14,7 +14,7 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble)
 
-from hrlplan.models.hf import build_stage_modules, causal_lm_loss
+from hrlplan.models.hf import build_stage_modules, causal_lm_loss, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
 from hrlplan.runtime.tensor_parallel import parallelize_stage
@@ -44,6 +44,7 @@ class TorchPipelineEngine:
         self.stage_ids = plan.stages_of_rank(self.rank)
         self.tied = bool(getattr(full_model.config, "tie_word_embeddings", False))
         all_parts = build_stage_modules(full_model, [tuple(s.layers) for s in plan.stages])
+        materialize(full_model, [m for i in self.stage_ids for m in all_parts[i].modules()], int(train["seed"]))
         self.tie_sync = TiedEmbeddingSync(plan, self.rank, self.tied)
         if self.tie_sync.local and 0 in self.stage_ids:
             TiedEmbeddingSync.untie(all_parts)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hrlplan.data.lm import build_lm_data
 from hrlplan.errors import UserError
-from hrlplan.models.hf import build_hf_model, hf_config_from_arch
+from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import checkpoint as ckpt
 from hrlplan.runtime import preempt, timing
@@ -66,11 +66,17 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def build_full_model(arch: Dict[str, Any], seed: int):
-    """The whole model, initialised from the seed alone, so every layout starts from the same weights."""
+def build_full_model(arch: Dict[str, Any], seed: int, materialized: bool = True):
+    """The whole model, its weights a function of the seed and each module's name alone (see
+    models.hf.materialize), so every layout starts from the same weights. materialized=False: on the
+    meta device, for an engine to materialize only its own stages."""
     torch.manual_seed(seed)
     config = hf_config_from_arch(arch)
-    return build_hf_model(config, pretrained_from=arch.get("model_id") if arch.get("pretrained") else None)
+    pretrained = arch.get("model_id") if arch.get("pretrained") else None
+    model = build_hf_model(config, pretrained_from=pretrained, on_meta=not pretrained)
+    if materialized:
+        materialize(model, model.modules(), seed)
+    return model
 
 
 def runs_on_torch_schedules(plan: Plan) -> bool:
@@ -86,7 +92,7 @@ class PipelineTrainer:
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
         self.recorder = timing.StepRecorder(self.device)
-        full = build_full_model(cfg["arch"], int(self.train["seed"]))
+        full = build_full_model(cfg["arch"], int(self.train["seed"]), materialized=False)
         if runs_on_torch_schedules(plan):
             from hrlplan.runtime.torch_engine import TorchPipelineEngine as Engine
         else:
