@@ -37,8 +37,8 @@ def plans() -> Dict[str, Any]:
     from hrlplan.plan import homogeneous_plan
     from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
 
-    def hp(spans, dp=1, m=4, schedule="1f1b", v=1):
-        return homogeneous_plan("gpt2-tiny", 6, spans, dp=dp, tp=1, microbatch_size=8 // (m * dp), num_microbatches=m,
+    def hp(spans, dp=1, m=4, schedule="1f1b", v=1, tp=1):
+        return homogeneous_plan("gpt2-tiny", 6, spans, dp=dp, tp=tp, microbatch_size=8 // (m * dp), num_microbatches=m,
                                 schedule=schedule, stages_per_rank=v)
 
     mods = get_modules("gpt2-tiny")
@@ -53,6 +53,8 @@ def plans() -> Dict[str, Any]:
         "pp2-zbv": hp(quarter, schedule="zero_bubble", v=2),
         "hetero-1+2": build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny"),
         "pp2xdp2": hp([(0, 3), (3, 6)], dp=2, m=2),
+        "tp2": hp([(0, 6)], m=1, tp=2),
+        "pp2xtp2": hp([(0, 3), (3, 6)], m=2, tp=2),
     }
 
 

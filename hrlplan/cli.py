@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("calibrate", help="measure per-block and p2p times on the devices; store them in cluster.json")
     s.add_argument("--cluster", required=True)
     s.add_argument("--model-id", required=True)
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the train.dtype the calibration will predict (bf16 computes under autocast)")
     s.add_argument("--out", default=None, help="default: overwrite --cluster")
     s.set_defaults(func=_delegate("hrlplan.runtime.calibrate", "calibrate_cli"))
 

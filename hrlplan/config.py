@@ -124,7 +124,7 @@ class TrainConfig:
     stop_after: Optional[int] = None  # stop (with a checkpoint) after this step, as a preemption would
     dp_mode: str = "fsdp"             # fsdp (FSDP2 fully_shard) | replicate
     device: str = "auto"              # auto | cpu | cuda
-    dtype: str = "float32"            # float32 | bfloat16 (mixed precision where supported)
+    dtype: str = "float32"            # float32 | bfloat16 (FSDP mixed precision where it shards, autocast elsewhere)
     log_interval: int = 1
     profile: bool = False
     # Evaluation on the validation split: every eval_interval steps (language models; always at the

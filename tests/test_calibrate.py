@@ -33,6 +33,9 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
     assert {"compute_efficiency", "half_saturation_tokens", "bandwidth_efficiency", "step_time_scale"} <= set(cal)
     assert set(cal) - {"measurements"} <= set(CALIBRATION_KEYS)
     assert 0 < cal["compute_efficiency"]["cpu"] and cal["step_time_scale"] > 0
+    # two ranks: the pair micro-benchmarks ran, tensor parallel among them
+    assert [p["tokens"] for p in cal["tp_block_overhead_s"]] == sorted(p["tokens"] for p in cal["tp_block_overhead_s"])
+    assert all(p["fwd"] >= 0 and p["bwd"] >= 0 for p in cal["tp_block_overhead_s"])
     model = DeviceModel(ClusterSpec.load(tmp_path / "calibrated.json"))
     assert model.flops[0] == pytest.approx(2e10 * cal["compute_efficiency"]["cpu"])
 
@@ -421,3 +424,35 @@ def test_fit_optimizer_separates_the_per_call_cost_from_the_per_block_one():
     without = Simulator(meta, _overhead_cluster(CAL), CostOptions()).evaluate(lay, detail=True)
     # once per rank, though each rank holds two stages
     assert with_fixed.breakdown["optimizer_s"] - without.breakdown["optimizer_s"] == pytest.approx(1e-2)
+
+
+def test_fit_tensor_parallel_takes_what_tp_costs_beyond_half_the_block():
+    from hrlplan.runtime.calibrate_comm import fit_tensor_parallel
+
+    def rank(extra):
+        return [{"tokens": t, "plain_fwd_s": 2e-3 * k, "plain_bwd_s": 4e-3 * k, "tp_fwd_s": 1e-3 * k + extra,
+                 "tp_bwd_s": 2e-3 * k + 2 * extra} for k, t in ((1, 64), (4, 256))]
+
+    fits = fit_tensor_parallel([rank(3e-3), rank(5e-3), None])   # a rank left out of the pairs: None
+    assert [f["tokens"] for f in fits] == [64, 256]
+    assert fits[0]["fwd"] == pytest.approx(4e-3) and fits[0]["bwd"] == pytest.approx(8e-3)
+    assert fit_tensor_parallel([None, None]) == []
+    # tp faster than half the block (no overhead at all) is clipped at 0, not a negative cost
+    assert fit_tensor_parallel([rank(-1.5e-3)])[1]["fwd"] == 0.0
+
+
+def test_calibrated_tp_overhead_replaces_the_analytic_all_reduces():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()   # 8 blocks
+    lay = Layout(spans=((0, 8),), groups=((0, 1),), tp=2, dp=1, microbatch_size=1, num_microbatches=2,
+                 schedule="1f1b")
+    tp_cal = {"tp_block_overhead_s": [{"tokens": 64, "fwd": 1e-3, "bwd": 3e-3}, {"tokens": 512, "fwd": 2e-3, "bwd": 4e-3}]}
+    plain = Simulator(meta, _overhead_cluster({}), CostOptions()).evaluate(lay, detail=True)
+    tp = Simulator(meta, _overhead_cluster(tp_cal), CostOptions()).evaluate(lay, detail=True)
+    # 128 tokens per micro-batch: 1/7 of the way from 64 to 512 tokens
+    per_block = (1e-3 + (2e-3 - 1e-3) / 7, 3e-3 + (4e-3 - 3e-3) / 7)
+    assert tp.breakdown["tp_comm_s"] == pytest.approx(2 * 8 * sum(per_block), rel=1e-6)
+    assert tp.step_time_s - plain.step_time_s == pytest.approx(2 * 8 * sum(per_block), rel=1e-3)

@@ -212,3 +212,20 @@ def test_calibrated_backward_ratio_and_zero_bubble_factors():
     assert st[1]["bwd_input_s"] == pytest.approx(1.2 * st[1]["bwd_s"])
     assert st[1]["bwd_weight_s"] == pytest.approx(0.8 * st[1]["bwd_s"])
     assert st[0]["bwd_input_s"] == 0.0 and st[0]["bwd_weight_s"] == pytest.approx(st[0]["bwd_s"])
+
+
+def test_tensor_parallel_shards_the_blocks_not_the_head():
+    """tensor_parallel.py keeps the head (and embeddings, norms) whole on every tp rank: its FLOPs
+    and parameters are not divided by tp, the blocks' are."""
+    from hrlplan.cost.model import StageCostModel
+
+    meta = toy_meta(vocab=4096)
+    meta.head_flops_fwd_per_token = 2.0 * 4096 * 256
+    costs = StageCostModel(meta, toy_cluster(), CostOptions())
+    one = costs.stage(0, 8, True, True, [0], tp=1, dp=1, microbatch_size=1, pp=1)
+    two = costs.stage(0, 8, True, True, [0, 1], tp=2, dp=1, microbatch_size=1, pp=1)
+    blocks = sum(meta.block_flops_fwd_per_token)
+    share = (blocks / 2 + meta.head_flops_fwd_per_token) / (blocks + meta.head_flops_fwd_per_token)
+    assert two.compute_fwd == pytest.approx(one.compute_fwd * share, rel=1e-9)
+    assert costs.span_params(0, 8, True, True, 1, tp=2) == pytest.approx(
+        sum(meta.block_params) / 2 + meta.embedding_params + meta.head_params)

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.slow
 
 
 # Micro-batching sums gradients in another order than one big batch; fp32 noise of ~1e-7 grows
-# with Adam's step size, so these comparisons use a moderate lr (the tiny default 1e-2 is aggressive).
+# with Adam's step size, so these comparisons pin a moderate lr (the default's, whatever it becomes).
 LR = ["train.lr=3e-3"]
 
 
@@ -25,3 +25,13 @@ def test_pp2_uneven_matches_one_process(tmp_path, reference, schedule):
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
     losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=2, schedule="1f1b", microbatches=2, extra=LR)
     assert losses == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["autocast", "fsdp-mixed-precision"])
+def test_bfloat16_computes_in_bf16_with_or_without_data_parallel(tmp_path, reference, dp):
+    """train.dtype=bfloat16: FSDP's MixedPrecisionPolicy where stages are sharded, bf16 autocast
+    where nothing shards them (a pure pipeline); either way close to fp32, never the fp32 numbers."""
+    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=dp, schedule="1f1b", microbatches=2,
+                      extra=[*LR, "train.dtype=bfloat16"])
+    assert losses == pytest.approx(reference, rel=2e-2)
+    assert max(abs(a - b) for a, b in zip(losses, reference)) > 1e-5

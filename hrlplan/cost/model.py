@@ -42,6 +42,9 @@ CALIBRATION_KEYS = {
                              "FSDP collectives beyond dp_collective_s per unit -- the last unit's tail, which no "
                              "later compute hides; fitted with dp_collective_s over stage depths",
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
+    "tp_block_overhead_s": "[{tokens, fwd, bwd}]: a block sharded over tp=2 takes this much beyond half the whole "
+                           "block's time per forward / backward of a micro-batch of `tokens` tokens (its all-reduces "
+                           "and DTensor's dispatch); replaces the analytic all-reduce time, x (tp-1) beyond tp=2",
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
                            "gradient reduces) as a step pays it after the pipeline",
     "allreduce_by_ranks": "[{ranks, latency_s, s_per_byte}]: an all-reduce over a group of `ranks` ranks as a "
@@ -172,6 +175,7 @@ class Overheads:
     zb_input_grad_share: Optional[float] = None
     zb_factors: Tuple[Tuple[float, ...], ...] = ()       # (tokens, input, weight): see zb_backward_factors
     bwd_ratio: Tuple[Tuple[float, ...], ...] = ()        # (tokens, backward / forward)
+    tp_block: Tuple[Tuple[float, ...], ...] = ()         # (tokens, fwd, bwd): see tp_block_overhead_s
     contention: float = 1.0            # multiplies compute (the fields above already include theirs)
 
     @classmethod
@@ -200,6 +204,7 @@ class Overheads:
                    zb_input_grad_share=None if zb is None else float(zb),
                    zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
                    bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc,
+                   tp_block=tuple((t, f * cp, b * cp) for t, f, b in _points(cal.get("tp_block_overhead_s"), ("fwd", "bwd"))),
                    allreduce_fits=tuple(sorted((float(f["ranks"]), float(f["latency_s"]), float(f["s_per_byte"]))
                                                for f in cal.get("allreduce_by_ranks") or ())))
 
@@ -294,7 +299,7 @@ class StageCost:
     fwd: float            # one micro-batch's forward on the stage's slowest rank (incl. TP comm)
     bwd: float            # backward (input + weight gradients)
     compute_fwd: float    # forward compute alone
-    tp_comm_fwd: float    # forward TP all-reduces alone (backward has as many)
+    tp_comm_fwd: float    # forward TP all-reduces alone
     send: float           # activation to the next stage (the gradient back costs the same)
     activation: float     # bytes one micro-batch leaves on each rank until its backward
     static_memory: float  # weights, grads, optimizer states, workspace per rank
@@ -303,6 +308,7 @@ class StageCost:
     first_fwd_extra: float = 0.0   # calibrated: FSDP all-gathers before the step's first forward
     last_bwd_extra: float = 0.0    # calibrated: FSDP/replicate reduces in the step's last backward
     optimizer: float = 0.0         # calibrated: clipping + optimizer step for the stage's parameters
+    tp_comm_bwd: float = 0.0       # backward TP all-reduces alone
 
 
 class StageCostModel:
@@ -328,11 +334,14 @@ class StageCostModel:
         arr = getattr(self, which + ("_arr" if isinstance(index, np.ndarray) else ""))
         return arr[index]
 
-    def span_flops(self, start, end, first: bool, last: bool):
-        return self._prefix("_pf", end) - self._prefix("_pf", start) + (self.meta.head_flops_fwd_per_token if last else 0.0)
+    def span_flops(self, start, end, first: bool, last: bool, tp: int = 1):
+        """Forward FLOPs per token on each rank of a stage: tensor_parallel.py shards the blocks
+        only; the head (like embeddings and norms) stays whole on every tp rank."""
+        return (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp + (self.meta.head_flops_fwd_per_token if last else 0.0)
 
-    def span_params(self, start, end, first: bool, last: bool, pp: int):
-        p = self._prefix("_pp", end) - self._prefix("_pp", start)
+    def span_params(self, start, end, first: bool, last: bool, pp: int, tp: int = 1):
+        """Parameters on each rank of a stage (blocks sharded over tp, the rest whole)."""
+        p = (self._prefix("_pp", end) - self._prefix("_pp", start)) / tp
         if first:
             p += self.meta.embedding_params
         if last:
@@ -371,24 +380,28 @@ class StageCostModel:
         meta, o = self.meta, self.opts
         derate = self.dev.overheads.busy_derate(contention)
         tokens = microbatch_size * meta.seq_len
-        flops = tokens * self.span_flops(start, end, first, last) / tp
+        flops = tokens * self.span_flops(start, end, first, last, tp)
         slowest = min(self.dev.throughput(d, tokens) for d in group)
         compute_fwd = flops / slowest * (self.dev.overheads.contention if contention is None else contention)
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats
-        # Megatron TP: two all-reduces of the activations per block in forward, two in backward.
-        tp_comm = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
         ov = self.dev.overheads
+        # Megatron TP: two all-reduces of the activations per block in forward, two in backward;
+        # calibrated: what a tp=2 block measured beyond half its compute, more ring steps beyond 2
+        tp_comm = tp_comm_bwd = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
+        if tp > 1 and ov.tp_block:
+            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1)
+            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2)
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd * derate
-        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm + ov.op_bwd * derate
+        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm_bwd + ov.op_bwd * derate
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
         activation = tokens * act_per_token * scale / tp
         params = self.span_params(start, end, first, last, pp)
-        per_rank = params / tp
+        per_rank = self.span_params(start, end, first, last, pp, tp)
         if o.dp_mode == "fsdp" and dp > 1:
             # FSDP2: grads/optimizer states sharded; unsharded compute weights live during the step.
             static = per_rank * (STATE_BYTES_PER_PARAM - 4) / dp + per_rank * o.bytes_per_value
@@ -418,7 +431,8 @@ class StageCostModel:
             last_extra = units * ov.dp_reduce + ov.dp_reduce_fixed
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
-                         first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer)
+                         first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
+                         tp_comm_bwd=tp_comm_bwd)
 
     def activation_message(self, microbatch_size: int) -> float:
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value

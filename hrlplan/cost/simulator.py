@@ -186,7 +186,7 @@ class Simulator:
                 "pipeline_s": pipeline * scale,
                 "pipeline_end_s": max(finish) * scale,
                 "compute_s": sum(3 * m * stage_costs[k].compute_fwd for k in crit_stages) * scale,
-                "tp_comm_s": sum(2 * m * stage_costs[k].tp_comm_fwd for k in crit_stages) * scale,
+                "tp_comm_s": sum(m * (stage_costs[k].tp_comm_fwd + stage_costs[k].tp_comm_bwd) for k in crit_stages) * scale,
                 "p2p_comm_s": 2 * sum(sends) * scale,
                 "dp_comm_s": max(pos_sync) * scale,
                 "dp_comm_exposed_s": max(exposed) * scale,

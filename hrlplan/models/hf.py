@@ -132,6 +132,9 @@ class HFStage(nn.Module):
         self.prefix, self.blocks_attr = layout.prefix, layout.blocks_attr
         self.first, self.last = first, last
         self.layer_range = (start, end)
+        # Mixed precision where no FSDP MixedPrecisionPolicy casts the parameters (no data parallel,
+        # replicate, heterogeneous replicas): autocast, as torchtitan does outside FSDP.
+        self.autocast_dtype: Optional[torch.dtype] = None
         base = nn.Module()
         if first:
             for name in layout.embed_names:
@@ -153,6 +156,12 @@ class HFStage(nn.Module):
         return getattr(self, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return self._forward(x)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device).unsqueeze(0)

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS, block_stage,
                                            allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
-                                           measure_pipeline_hop, pool_allreduce_passes, pool_hop_passes,
-                                           sync_device)
+                                           measure_pipeline_hop, measure_tensor_parallel, pool_allreduce_passes,
+                                           pool_hop_passes, fit_tensor_parallel, sync_device)
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                   repeats: int = REPEATS) -> List[Dict[str, float]]:
@@ -317,14 +317,20 @@ def _pairs(world: int) -> List[List[int]]:
 def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any]):
     """Collective: every rank of an initialised process group calls it; every rank returns the
     ClusterSpec with `calibration` filled. Every rank runs the micro-benchmarks at once (on a shared
-    machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts."""
+    machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts.
+    With train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("dtype") == "bfloat16"):
+        return _calibrate_in_job(spec, arch, train, data, device)
+
+
+def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device):
     from hrlplan.model_meta import introspect
 
     rank, world = dist.get_rank(), dist.get_world_size()
     box = [spec]   # the probe returns the spec on rank 0 only
     dist.broadcast_object_list(box, src=0)
     spec = box[0]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     seq = int(data["seq_len"])
     meta = introspect(arch, seq_len=seq)
     g = int(train["global_batch_size"])
@@ -347,7 +353,7 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     dist.barrier()
     # The two-rank micro-benchmarks, every pair at once and a rank left over kept busy: a step has
     # every rank working too, so what they measure needs no scaling for ranks sharing cores.
-    dp = hop = None
+    dp = hop = tensor_parallel = None
     mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
     if mine is None:
         _busy_until_barrier(arch, seq, max(1, g // 4), device)
@@ -372,6 +378,7 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
                                                                   n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
         hop_pass()
         hop = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
+        tensor_parallel = measure_tensor_parallel(arch, seq, sizes, device, pair_groups[mine])
         dist.barrier()
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
@@ -380,7 +387,7 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     allreduce = pool_allreduce_passes(allreduce_passes)
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
-             "data_parallel": dp, "pipeline_hop": hop, "contention": contention, "allreduce": allreduce,
+             "data_parallel": dp, "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce,
              "pairs_concurrent": True}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
@@ -422,7 +429,8 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
             cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
             cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
                                                  **ref.calibration["half_saturation_tokens"])
-        cal["measurements"] = {"model": meta.name, "seq_len": seq, "ranks": gathered, "p2p_bytes": msg,
+        cal["measurements"] = {"model": meta.name, "seq_len": seq, "dtype": str(train.get("dtype", "float32")),
+                               "ranks": gathered, "p2p_bytes": msg,
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
                                "one_process_step_predicted_without_step_overhead_s": predicted}
     dist.barrier()
@@ -534,6 +542,9 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         fits = fit_allreduce([r["allreduce"] for r in gathered], len(gathered), one_clock)
         if fits:
             cal["allreduce_by_ranks"] = fits
+    tp_fits = fit_tensor_parallel([r.get("tensor_parallel") for r in gathered])
+    if tp_fits:
+        cal["tp_block_overhead_s"] = tp_fits
     if hops:
         lat = med(hops)
         cal["p2p_latency_s"] = lat
@@ -582,7 +593,7 @@ def calibrate_cli(args) -> None:
 
     spec = load_cluster(args.cluster)
     arch = resolve_arch(args.model_id)
-    cfg = compose([])
+    cfg = compose([f"train.dtype={getattr(args, 'dtype', 'float32')}"])
     nproc = min(spec.node_sizes()[0], default_nproc_per_node("auto"))
     sub = ClusterSpec.from_dict(dict(spec.to_dict(), devices=[d.__dict__ for d in spec.devices[:nproc]],
                                      bandwidth=None if spec.bandwidth is None else [r[:nproc] for r in spec.bandwidth[:nproc]],
@@ -593,7 +604,7 @@ def calibrate_cli(args) -> None:
     out = args.out or args.cluster
     spec.save(out)
     m = spec.calibration["measurements"]
-    print(f"calibrated {spec.name} for {m['model']}: compute_efficiency {spec.calibration['compute_efficiency']}, "
+    print(f"calibrated {spec.name} for {m['model']} in {m['dtype']}: compute_efficiency {spec.calibration['compute_efficiency']}, "
           f"half_saturation_tokens {spec.calibration['half_saturation_tokens']}, bandwidth_efficiency "
           f"{spec.calibration.get('bandwidth_efficiency', 'n/a')}, step_time_scale "
           f"{spec.calibration['step_time_scale']:.3g}; wrote {out}")

@@ -129,6 +129,64 @@ def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return pooled
 
 
+def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
+                            pair_group, repeats: int = REPEATS) -> Optional[List[Dict[str, float]]]:
+    """Collective over `pair_group`: one block as the runtime shards it over tp=2
+    (tensor_parallel.parallelize_stage: DTensor, an all-reduce per half in forward and in backward)
+    beside the same block whole, alternating, on both ranks at once, per micro-batch size.
+    fit_tensor_parallel turns them into what tp costs beyond half the block's compute: the
+    all-reduces, and DTensor's dispatch, which on CPU outweighs the halved matmuls. None when the
+    model cannot be sharded over 2 (heads not divisible, an architecture without a tp plan)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hrlplan.runtime.tensor_parallel import parallelize_stage
+
+    plain, hidden = block_stage(arch, device)
+    sharded, _ = block_stage(arch, device)
+    try:
+        parallelize_stage(sharded, DeviceMesh.from_group(pair_group, device.type, mesh_dim_names=("tp",)))
+    except (ValueError, NotImplementedError):
+        return None
+
+    def timed(block, x) -> Tuple[float, float]:
+        sync_device(device)
+        t0 = time.perf_counter()
+        y = block(x)
+        sync_device(device)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        sync_device(device)
+        return t1 - t0, time.perf_counter() - t1
+
+    out = []
+    for mbs in microbatch_sizes:
+        torch.manual_seed(2)   # tp ranks hold the same (replicated) block input
+        x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
+        times: Dict[str, List[float]] = {"plain_fwd_s": [], "plain_bwd_s": [], "tp_fwd_s": [], "tp_bwd_s": []}
+        for i in range(repeats + 1):   # the first run pays for allocation
+            pf, pb = timed(plain, x)
+            dist.barrier(group=pair_group)
+            tf, tb = timed(sharded, x)
+            if i:
+                for key, t in zip(times, (pf, pb, tf, tb)):
+                    times[key].append(t)
+        out.append({"tokens": mbs * seq_len, **{k: statistics.median(v) for k, v in times.items()}})
+    return out
+
+
+def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, float]]]]) -> List[Dict[str, float]]:
+    """[{tokens, fwd, bwd}]: a tp=2 block's forward / backward time beyond half the whole block's,
+    the median over the ranks that measured it (>= 0). [] when none did."""
+    runs = [m for m in measured if m]
+    if not runs:
+        return []
+    med = statistics.median
+    return [{"tokens": p["tokens"],
+             "fwd": max(med(r[i]["tp_fwd_s"] - r[i]["plain_fwd_s"] / 2 for r in runs), 0.0),
+             "bwd": max(med(r[i]["tp_bwd_s"] - r[i]["plain_bwd_s"] / 2 for r in runs), 0.0)}
+            for i, p in enumerate(runs[0])]
+
+
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
 HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
 

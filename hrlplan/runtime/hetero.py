@@ -203,6 +203,8 @@ class HeteroPipelineEngine:
         part = build_stage_modules(full_model, [tuple(x.layers) for x in self.pipe.stages])[s]
         materialize(full_model, part.modules(), int(train["seed"]))
         part = part.to(device)
+        if train.get("dtype") == "bfloat16":   # weights, gradients (reduced in fp32) and messages stay fp32
+            part.autocast_dtype = torch.bfloat16
         if self.stage.tp > 1:
             parallelize_stage(part, tp_mesh)
         self.parts[self.gid] = part
@@ -261,7 +263,7 @@ class HeteroPipelineEngine:
                 if self.last:
                     losses.append(out.detach() * m)
                 else:
-                    payload = out.detach()
+                    payload = out.detach().float()
                     sends += [(dist.isend(payload, r), payload) for r in self.send_fwd_to]
                 stash[j] = (x, out)
             else:
@@ -273,7 +275,7 @@ class HeteroPipelineEngine:
                     grad = torch.empty(shape, device=self.device)
                     dist.recv(grad, self.recv_bwd_from)
                     with self.recorder.op(self.gid, j, "B"):
-                        torch.autograd.backward(out, grad)
+                        torch.autograd.backward(out, grad.to(out.dtype))
                 if not self.first:
                     payload = x.grad
                     sends += [(dist.isend(payload, r), payload) for r in self.send_bwd_to]

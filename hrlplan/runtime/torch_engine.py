@@ -56,6 +56,8 @@ class TorchPipelineEngine:
             if tp > 1:
                 parallelize_stage(part, self.mesh["tp"])
             blocks = getattr(part.base, part.blocks_attr)
+            if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train["dp_mode"] != "fsdp"):
+                part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards
             self.parts[i] = apply_data_parallel(part, self.mesh["dp"], train["dp_mode"], blocks, mp_dtype)
         del all_parts
         self.tie_sync.bind(self.parts, plan)
