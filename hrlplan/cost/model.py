@@ -391,8 +391,8 @@ class StageCostModel:
         # calibrated: what a tp=2 block measured beyond half its compute, more ring steps beyond 2
         tp_comm = tp_comm_bwd = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
         if tp > 1 and ov.tp_block:
-            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1)
-            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2)
+            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1) * derate
+            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * derate
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd * derate
@@ -419,7 +419,8 @@ class StageCostModel:
         first_extra = last_extra = 0.0
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
         opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
-        optimizer = opt_units * (ov.opt_sharded if dp > 1 else ov.opt_plain)
+        # DTensor parameters (FSDP's shards, tp's sharded linears) step as the sharded figure measured
+        optimizer = opt_units * (ov.opt_sharded if dp > 1 or tp > 1 else ov.opt_plain)
         if dp > 1:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.

@@ -51,15 +51,16 @@ class Simulator:
 
     def step_collectives(self, layout: Layout) -> float:
         """Time of the small all-reduces every step makes after the pipeline: the loss (world > 1),
-        the gradient norm over the pipeline (pp > 1) and over FSDP's shards (dp > 1: the norm of
-        sharded gradients is reduced once per step), and a tied embedding's gradient when its first
+        the gradient norm over the pipeline (pp > 1) and over the shards of FSDP (dp > 1) and tensor
+        parallel (tp > 1): the norm of sharded gradients is reduced once per step, and a tied embedding's gradient when its first
         and last stage sit on different groups."""
         ov = self.devices.overheads
         world = layout.pp * len(layout.groups[0])
         small = ov.allreduce_latency
         t = ov.allreduce(world, 4, small)                                    # the loss
-        if layout.dp > 1 and self.opts.dp_mode == "fsdp":
-            t += ov.allreduce(layout.dp * layout.tp, 4, small)               # the norm over the shards
+        shards = (layout.dp if self.opts.dp_mode == "fsdp" else 1) * layout.tp
+        if shards > 1:
+            t += ov.allreduce(shards, 4, small)                              # the norm over the shards
         if layout.pp > 1:
             t += ov.allreduce(layout.pp, 4, small)                           # the norm over the stages
             if self.meta.tied_embeddings and layout.stage_group(0) != layout.stage_group(len(layout.spans) - 1):
@@ -141,7 +142,7 @@ class Simulator:
             pos_static[pos] += c.static_memory
             pos_opt[pos] += c.optimizer
         # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
-        fixed = ov.opt_sharded_fixed if layout.dp > 1 else ov.opt_plain_fixed
+        fixed = ov.opt_sharded_fixed if layout.dp > 1 or layout.tp > 1 else ov.opt_plain_fixed
         pos_opt = [t + fixed for t in pos_opt]
         finish = []
         exposed = []

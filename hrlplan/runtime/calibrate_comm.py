@@ -6,8 +6,11 @@
   tied_allreduce_s);
 - measure_data_parallel + fit_dp_scaling: FSDP2 over a pair of ranks (dp_collective_s,
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer);
+- measure_tensor_parallel + fit_tensor_parallel: a block sharded over tp=2 beside the whole block
+  (tp_block_overhead_s);
 - measure_allreduce + fit_allreduce: all-reduces over groups of every size the world holds, every
-  group at once, each rank arriving when its own work ends (allreduce_by_ranks).
+  group at once, each rank arriving when its own work ends (allreduce_by_ranks);
+- pool_hop_passes, pool_allreduce_passes: passes of those run at different moments, pooled.
 """
 from __future__ import annotations
 
@@ -130,7 +133,7 @@ def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
-                            pair_group, repeats: int = REPEATS) -> Optional[List[Dict[str, float]]]:
+                            pair_group, repeats: int = 3 * REPEATS) -> Optional[List[Dict[str, float]]]:
     """Collective over `pair_group`: one block as the runtime shards it over tp=2
     (tensor_parallel.parallelize_stage: DTensor, an all-reduce per half in forward and in backward)
     beside the same block whole, alternating, on both ranks at once, per micro-batch size.
