@@ -27,289 +27,30 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   plain optimizer figures (optimizer_in_step_scale), the rest it takes beyond the prediction is
   step_overhead_s (Python, the scheduler).
 Nothing is fitted from a benchmarked plan's own step time. Raw measurements are kept under
-calibration["measurements"] for inspection.
+calibration["measurements"] for inspection. The micro-benchmarks live in calibrate_compute (compute,
+optimizer, the one-process step) and calibrate_comm (communication); this module runs them in a job
+and fits the figures.
 """
 from __future__ import annotations
 
 import copy
 import os
 import statistics
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS, block_stage,
+from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barrier, fit_compute, fit_optimizer,
+                                              measure_block, measure_contention, measure_optimizer, measure_pipeline_ops,
+                                              measure_step, measure_zb_split, predict_one_process_step)
+from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS,
                                            allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
                                            measure_pipeline_hop, measure_tensor_parallel, pool_allreduce_passes,
-                                           pool_hop_passes, fit_tensor_parallel, sync_device)
-
-def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
-                  repeats: int = REPEATS) -> List[Dict[str, float]]:
-    """Median forward and backward time of one block per micro-batch size."""
-    block, hidden = block_stage(arch, device)
-    out = []
-    for mbs in microbatch_sizes:
-        x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
-        fwd, bwd = [], []
-        for i in range(repeats + 1):   # the first run pays for allocation
-            sync_device(device)
-            t0 = time.perf_counter()
-            y = block(x)
-            sync_device(device)
-            t1 = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            sync_device(device)
-            t2 = time.perf_counter()
-            if i:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-        out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd)})
-    return out
-
-
-def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: float) -> Dict[str, float]:
-    """Least-squares line (F+B)/3 = a * tokens + b  ->  eff = flops/(peak a), h = b / a."""
-    xs = [s["tokens"] for s in samples]
-    ys = [(s["fwd_s"] + s["bwd_s"]) / 3 for s in samples]
-    if len(set(xs)) < 2:
-        a, b = ys[0] / xs[0], 0.0
-    else:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        b = my - a * mx
-        if a <= 0:   # noise on a busy machine: fall back to the largest size's throughput
-            a, b = ys[-1] / xs[-1], 0.0
-    b = max(b, 0.0)
-    return {"compute_efficiency": flops_per_token / (peak * a), "half_saturation_tokens": b / a}
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()   # the first run pays for allocation
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
-                     repeats: int = REPEATS) -> List[Dict[str, float]]:
-    """Zero-bubble's split backward of one block as the runtime runs it -- torch.distributed.pipelining's
-    own stage_backward_input (B: d/dx, walking the graph for the weights' inputs) and
-    stage_backward_weight (W: d/dw) -- beside a plain backward, per micro-batch size. On CPU the split
-    costs 1.5-2x a plain backward (B alone more than all of it), so shares of the plain one undercount."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    block, hidden = block_stage(arch, device)
-    out = []
-    for mbs in microbatch_sizes:
-        x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
-        plain, b_times, w_times = [], [], []
-        for i in range(repeats + 1):
-            y = block(x)
-            g = torch.ones_like(y)
-            sync_device(device)
-            t0 = time.perf_counter()
-            y.backward(g)
-            sync_device(device)
-            plain.append(time.perf_counter() - t0)
-            block.zero_grad(set_to_none=True)
-            y = block(x)
-            sync_device(device)
-            t0 = time.perf_counter()
-            _, param_groups = stage_backward_input([y], [g], [x], block.parameters())
-            sync_device(device)
-            t1 = time.perf_counter()
-            stage_backward_weight(block.parameters(), param_groups)
-            sync_device(device)
-            t2 = time.perf_counter()
-            block.zero_grad(set_to_none=True)
-            if i:
-                b_times.append(t1 - t0)
-                w_times.append(t2 - t1)
-        out.append({"tokens": mbs * seq_len, "plain_s": statistics.median(plain[1:]),
-                    "input_s": statistics.median(b_times), "weight_s": statistics.median(w_times)})
-    return out
-
-
-def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
-    from hrlplan.runtime.parallel import clip_grad_norm
-
-    clip_grad_norm(params, max_norm, None, [])
-    opt.step()
-
+                                           pool_hop_passes, fit_tensor_parallel)
 
 REFERENCE_ROUNDS = 5        # reference steps, interleaved with block timings: a shared machine's load drifts
-OPTIMIZER_DEEP_BLOCKS = 4   # the second stage depth the optimizer is timed at (beside one block)
-
-
-def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device,
-                      repeats: int = REPEATS) -> Dict[str, float]:
-    """Gradient clipping + AdamW step (as the trainer runs them) of a one-block and an
-    OPTIMIZER_DEEP_BLOCKS-block stage, and of the embedding + final norm/head (a first-and-last stage
-    without blocks), on plain tensors: fit_calibration separates the per-call cost, paid once per
-    rank and step, from the per-block one."""
-    from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
-    from hrlplan.runtime.trainer import make_optimizer
-
-    config = hf_config_from_arch(arch)
-    config.num_hidden_layers = OPTIMIZER_DEEP_BLOCKS
-    torch.manual_seed(0)
-    model = build_hf_model(config)
-    out = {}
-    for name, part in (("block", HFStage(model, 0, 1, first=False, last=False)),
-                       ("deep", HFStage(model, 0, OPTIMIZER_DEEP_BLOCKS, first=False, last=False)),
-                       ("ends", HFStage(model, 0, 0, first=True, last=True))):
-        part = part.to(device)
-        params = [p for p in part.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = torch.randn_like(p) * 1e-3
-        opt = make_optimizer(part, train)
-        out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats)
-    out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
-    return out
-
-
-def fit_optimizer(one: float, deep: Optional[float], deep_blocks: int, ends: float) -> Dict[str, float]:
-    """{per_block, fixed, ends_blocks}: a line through the one-block and the deep stage's optimizer
-    time (the intercept is the per-call cost: norms, foreach launches, Python), and the embedding +
-    head's time beyond that per-call cost, in blocks."""
-    per_block, fixed = one, 0.0
-    if deep is not None and deep_blocks > 1 and deep > one:
-        per_block = (deep - one) / (deep_blocks - 1)
-        fixed = max(one - per_block, 0.0)
-        per_block = one - fixed
-    return {"per_block": per_block, "fixed": fixed,
-            "ends_blocks": max(ends - fixed, 0.0) / per_block if per_block > 0 else 0.0}
-
-
-def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.device, group,
-                         block_fwd_s: float, block_bwd_s: float, m: int = 4, repeats: int = REPEATS) -> Dict[str, float]:
-    """Per-call overhead of torch.distributed.pipelining: a one-block middle stage alone in a
-    one-rank group, its schedule run with 1 and with m micro-batches of one sequence. The slope per
-    micro-batch minus the bare block's forward + backward is the overhead of one F and one B; the
-    recorded forward span (minus the bare forward) is the F part."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
-
-    block, hidden = block_stage(arch, device)
-    recorder = StepRecorder(device)
-    loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
-
-    def run(n: int) -> float:
-        stage = PipelineStage(block, 0, 1, device, group=group)
-        instrument_pipeline_stage(stage, recorder, 0)
-        sched = Schedule1F1B(stage, n_microbatches=n, loss_fn=loss_fn)
-        x = torch.randn(n, seq_len, hidden, device=device)
-        target = torch.zeros(n, device=device)
-
-        def step():
-            block.zero_grad(set_to_none=True)
-            recorder.begin()
-            sched.step(x, target=target, losses=[])
-        return _median_time(step, repeats)
-
-    one = run(1)
-    many = run(m)
-    f_spans = [e["end_s"] - e["start_s"] for e in recorder.events if e["kind"] == "F"]
-    per_mb = max((many - one) / (m - 1), 0.0)
-    op_f = max(statistics.median(f_spans) - block_fwd_s, 0.0) if f_spans else 0.0
-    op_b = max(per_mb - block_fwd_s - block_bwd_s - op_f, 0.0)
-    return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one}
-
-
-CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed for (memory bandwidth, caches)
-def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
-                       iters: int = 40, rounds: int = 5) -> Dict[str, Any]:
-    """Collective. The mean time of one block's forward + backward over `iters` back-to-back runs: on
-    rank 0 alone, on ranks 0 and 1 (the others wait) and on every rank at once. Means over a long
-    run, not medians of single runs: with more ranks than cores the scheduler time-slices them, and
-    most single runs fit inside one slice, so a median hides the sharing that a real step pays for."""
-    block, hidden = block_stage(arch, device)
-    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
-    rank = dist.get_rank()
-
-    def run() -> float:
-        sync_device(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            y = block(x)
-            y.backward(torch.ones_like(y))
-        sync_device(device)
-        return (time.perf_counter() - t0) / iters
-
-    run()
-    out: Dict[str, List[float]] = {"alone": [], "pair": [], "together": []}
-    for _ in range(rounds):
-        for mode, busy in (("alone", rank == 0), ("pair", rank < 2), ("together", True)):
-            dist.barrier()
-            if busy:
-                out[mode].append(run())
-    dist.barrier()
-    # per round too: fit_calibration takes ratios within a round (a shared machine's load drifts)
-    return {**{f"{k}_s": statistics.median(v) if v else None for k, v in out.items()},
-            **{f"{k}_rounds_s": v for k, v in out.items()},
-            "cpu_cores": len(os.sched_getaffinity(0)) if device.type == "cpu" and hasattr(os, "sched_getaffinity")
-            else None}
-
-
-def measure_step(config: Dict[str, Any], steps: int = 10) -> Dict[str, float]:
-    """{step_s, optimizer_s}: median time of a one-process training step of the whole model as the
-    runtime runs its stages (one HFStage holding every layer, its loss, our gradient clipping,
-    AdamW), and of its clipping + optimizer step, without the warm-up steps that the runtime's own
-    step times leave out too. Not HF's full forward: what that
-    adds (mask and output bookkeeping) no pipeline stage pays, and it would land in step_overhead_s."""
-    from hrlplan.data.lm import build_lm_data
-    from hrlplan.models.hf import HFStage, causal_lm_loss
-    from hrlplan.runtime.parallel import clip_grad_norm
-    from hrlplan.runtime.timing import median_step_time
-    from hrlplan.runtime.trainer import build_full_model, make_optimizer
-
-    train = config["train"]
-    model = build_full_model(config["arch"], int(train["seed"]))
-    stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True)
-    data = build_lm_data(config["data"], model.config.vocab_size, int(train["seed"]))
-    opt = make_optimizer(stage, train)
-    params = [p for p in stage.parameters() if p.requires_grad]
-    times, after = [], []
-    for step in range(steps):
-        inputs, targets = data.batch(step, int(train["global_batch_size"]))
-        opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        causal_lm_loss(stage(inputs), targets).backward()
-        t1 = time.perf_counter()
-        clip_grad_norm(params, float(train["grad_clip"]), None, [])
-        opt.step()
-        t2 = time.perf_counter()
-        times.append(t2 - t0)
-        after.append(t2 - t1)
-    return {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}
-
-
-def _predict_one_process_step(meta, spec, train: Dict[str, Any]) -> Dict[str, float]:
-    from hrlplan.cost.model import Layout
-    from hrlplan.cost.plans import options_for_train
-    from hrlplan.cost.simulator import Simulator
-
-    layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
-                    microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
-    return Simulator(meta, spec, options_for_train(train)).evaluate(layout, detail=True).breakdown
-
-
-def _busy_until_barrier(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device) -> None:
-    """One block's forward + backward, over and over, until every other rank reaches the barrier."""
-    block, hidden = block_stage(arch, device)
-    x = torch.randn(microbatch_size, seq_len, hidden, device=device, requires_grad=True)
-    done = dist.barrier(async_op=True)
-    while not done.is_completed():
-        y = block(x)
-        y.backward(torch.ones_like(y))
-    done.wait()
 
 
 def _pairs(world: int) -> List[List[int]]:
@@ -358,7 +99,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     dp = hop = tensor_parallel = None
     mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
     if mine is None:
-        _busy_until_barrier(arch, seq, max(1, g // 4), device)
+        busy_until_barrier(arch, seq, max(1, g // 4), device)
     else:
         tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
         hop_passes: Dict[str, List[Dict[str, Any]]] = {sched: [] for sched in HOP_SCHEDULES}
@@ -414,7 +155,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
                                half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
                                contention_factor=None)   # the reference step ran alone
-        predicted = _predict_one_process_step(meta, ref, train)
+        predicted = predict_one_process_step(meta, ref, train)
         if predicted["optimizer_s"] > 0:
             # Clipping + AdamW as a real step pays them (its caches cold after the backward), not as the
             # micro-benchmark's warm loop does: the plain optimizer's figures scaled to the step's.
@@ -423,7 +164,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
                 cal[key] = dict(cal[key], plain=cal[key]["plain"] * scale)
             cal["optimizer_in_step_scale"] = scale
             ref.calibration.update({k: cal[k] for k in ("optimizer_s_per_block", "optimizer_fixed_s")})
-            predicted = _predict_one_process_step(meta, ref, train)
+            predicted = predict_one_process_step(meta, ref, train)
         predicted = predicted["step_time_s"]
         cal["step_overhead_s"] = max(measured - predicted, 0.0)
         if cal.get("contention_factor"):
