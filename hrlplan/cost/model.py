@@ -75,8 +75,8 @@ CALIBRATION_KEYS = {
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
                          "measured alone); paired: vs the two ranks of a pair (multiplies what the two-rank "
-                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, all-reduces; 1 when "
-                         "they ran with every rank busy, as `hrlplan calibrate` now runs them)",
+                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, tp, all-reduces); "
+                         "`hrlplan calibrate` runs those with every rank busy and sets paired to 1",
 }
 
 STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)

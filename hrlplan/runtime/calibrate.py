@@ -129,9 +129,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     contention = measure_contention(arch, seq, max(1, g // 4), device)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     allreduce = pool_allreduce_passes(allreduce_passes)
-    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
-             "data_parallel": dp, "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce,
-             "pairs_concurrent": True}
+    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, "data_parallel": dp,
+             "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -246,31 +245,25 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
             for k, v in fits.items():
                 by_schedule.setdefault(k, []).append(v)
     alone = (gathered[0].get("contention") or {}).get("alone_s")
-    pair = [r["contention"]["pair_s"] for r in gathered[:2] if (r.get("contention") or {}).get("pair_s")]
     together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
-    if alone and pair and together and len(gathered) > 1:
-        compute, paired = med(together) / alone, med(together) / med(pair)
+    if alone and together and len(gathered) > 1:
+        compute = med(together) / alone
         rounds = [r["contention"] for r in gathered if (r.get("contention") or {}).get("together_rounds_s")]
         n = min(len(r["together_rounds_s"]) for r in rounds) if rounds else 0
-        if n and len(gathered[0]["contention"].get("alone_rounds_s") or []) >= n \
-                and all(len(r["contention"].get("pair_rounds_s") or []) >= n for r in gathered[:2]):
+        if n and len(gathered[0]["contention"].get("alone_rounds_s") or []) >= n:
             # the ratio within each round (ranks' median), then the median over rounds
             tog = [med(r["together_rounds_s"][i] for r in rounds) for i in range(n)]
-            par = [med(r["contention"]["pair_rounds_s"][i] for r in gathered[:2]) for i in range(n)]
             compute = med(t / a for t, a in zip(tog, gathered[0]["contention"]["alone_rounds_s"]))
-            paired = med(t / p for t, p in zip(tog, par))
         cores = gathered[0]["contention"].get("cpu_cores")
         if cores:
             # The job's own ranks share the cores: at most ranks/cores slower (x CONTENTION_SLACK for
             # memory bandwidth). More than that is other jobs' load, which comes and goes: not the plan's.
             node = spec.devices[0].node
             local = sum(1 for d in spec.devices if d.node == node)
-            share = max(1.0, local / cores)
-            compute = min(compute, share * CONTENTION_SLACK)
-            paired = min(paired, share / max(1.0, min(local, 2) / cores) * CONTENTION_SLACK)
-        if all(r.get("pairs_concurrent") for r in gathered):
-            paired = 1.0   # the pair micro-benchmarks ran with every rank busy: nothing to scale
-        cal["contention_factor"] = {"compute": max(1.0, compute), "paired": max(1.0, paired)}
+            compute = min(compute, max(1.0, local / cores) * CONTENTION_SLACK)
+        # "paired" stays 1 (kept for readers of older calibrations): the pair micro-benchmarks run
+        # on every pair at once, with every rank busy, so their figures need no scaling
+        cal["contention_factor"] = {"compute": max(1.0, compute), "paired": 1.0}
     # The step's small all-reduces as a pipelined step pays them: on the rank that finishes last
     # (the first stage, under 1F1B and GPipe), after the pipeline (see measure_pipeline_hop).
     tails = [h for r in gathered for h in (r.get("pipeline_hop") or {}).values()

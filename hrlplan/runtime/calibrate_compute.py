@@ -202,7 +202,7 @@ CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed 
 def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
                        iters: int = 40, rounds: int = 5) -> Dict[str, Any]:
     """Collective. The mean time of one block's forward + backward over `iters` back-to-back runs: on
-    rank 0 alone, on ranks 0 and 1 (the others wait) and on every rank at once. Means over a long
+    rank 0 alone (the others wait) and on every rank at once. Means over a long
     run, not medians of single runs: with more ranks than cores the scheduler time-slices them, and
     most single runs fit inside one slice, so a median hides the sharing that a real step pays for."""
     block, hidden = block_stage(arch, device)
@@ -219,9 +219,9 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
         return (time.perf_counter() - t0) / iters
 
     run()
-    out: Dict[str, List[float]] = {"alone": [], "pair": [], "together": []}
+    out: Dict[str, List[float]] = {"alone": [], "together": []}
     for _ in range(rounds):
-        for mode, busy in (("alone", rank == 0), ("pair", rank < 2), ("together", True)):
+        for mode, busy in (("alone", rank == 0), ("together", True)):
             dist.barrier()
             if busy:
                 out[mode].append(run())
