@@ -42,6 +42,18 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_forward_backward(block: torch.nn.Module, x: torch.Tensor, device: torch.device) -> Tuple[float, float]:
+    """(forward s, backward s) of one run of `block` on `x`, the device synchronised around each."""
+    sync_device(device)
+    t0 = time.perf_counter()
+    y = block(x)
+    sync_device(device)
+    t1 = time.perf_counter()
+    y.backward(torch.ones_like(y))
+    sync_device(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
 def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
     """Collective. Ranks 0 and 1 ping-pong a tiny and an activation-sized message; rank 0 gets the
     one-way times {latency_s, message_s}."""
@@ -151,25 +163,15 @@ def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes
     except (ValueError, NotImplementedError):
         return None
 
-    def timed(block, x) -> Tuple[float, float]:
-        sync_device(device)
-        t0 = time.perf_counter()
-        y = block(x)
-        sync_device(device)
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        sync_device(device)
-        return t1 - t0, time.perf_counter() - t1
-
     out = []
     for mbs in microbatch_sizes:
         torch.manual_seed(2)   # tp ranks hold the same (replicated) block input
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
         times: Dict[str, List[float]] = {"plain_fwd_s": [], "plain_bwd_s": [], "tp_fwd_s": [], "tp_bwd_s": []}
         for i in range(repeats + 1):   # the first run pays for allocation
-            pf, pb = timed(plain, x)
+            pf, pb = timed_forward_backward(plain, x, device)
             dist.barrier(group=pair_group)
-            tf, tb = timed(sharded, x)
+            tf, tb = timed_forward_backward(sharded, x, device)
             if i:
                 for key, t in zip(times, (pf, pb, tf, tb)):
                     times[key].append(t)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from hrlplan.runtime.calibrate_comm import REPEATS, block_stage, sync_device
+from hrlplan.runtime.calibrate_comm import REPEATS, block_stage, sync_device, timed_forward_backward
 
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
@@ -31,17 +31,10 @@ def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
         fwd, bwd = [], []
         for i in range(repeats + 1):   # the first run pays for allocation
-            sync_device(device)
-            t0 = time.perf_counter()
-            y = block(x)
-            sync_device(device)
-            t1 = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            sync_device(device)
-            t2 = time.perf_counter()
+            f, b = timed_forward_backward(block, x, device)
             if i:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+                fwd.append(f)
+                bwd.append(b)
         out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd)})
     return out
 
