@@ -434,8 +434,11 @@ def _report(config: Dict[str, Any], plan, logger, summary: Dict[str, Any]) -> No
             values["train/measured_over_predicted"] = measured / predicted
             logger.log_table("perf/step_time", ["predicted_s", "measured_s", "measured_over_predicted"],
                              [[predicted, measured, measured / predicted]])
+            hint = ("" if config["planner"].get("calibrate") or config["arch"].get("family") == "hrm" else
+                    "; uncalibrated: predicted from peak FLOPs and probed links, planner.calibrate=true "
+                    "measures the devices first")
             logger.note(f"step time: predicted {predicted * 1e3:.3g} ms, measured {measured * 1e3:.3g} ms "
-                        f"(x{measured / predicted:.2f})")
+                        f"(x{measured / predicted:.2f}{hint})")
     if summary.get("preempted"):
         values["preempted_at_step"] = summary.get("final_step")
     logger.summary(values)
