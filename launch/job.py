@@ -281,6 +281,29 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _calibrated(config: Dict[str, Any], spec):
+    """Collective: the spec with its calibration, the cached one for this cluster shape, model and
+    settings when there is one (a requeued job, a sweep: see launch/plan_cache.py), else measured
+    now on every rank and cached."""
+    import torch.distributed as dist
+
+    from hrlplan.runtime.calibrate import calibrate_in_job
+    from launch import plan_cache
+
+    rank = dist.get_rank()
+    key = plan_cache.calibration_key(config, spec) if rank == 0 else None
+    cached = plan_cache.load_calibration(config, key) if rank == 0 else None
+    if _broadcast(cached is not None):
+        if rank == 0:   # only rank 0 plans; the others hold no spec, as without calibration
+            spec.calibration = cached
+            print(f"[hrlplan] calibration reused from {plan_cache.cache_dir(config) / key}", flush=True)
+        return spec
+    spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"])
+    if rank == 0:
+        plan_cache.store_calibration(config, key, spec.calibration)
+    return spec
+
+
 def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     import torch.distributed as dist
 
@@ -293,10 +316,8 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     t_probe = time.time()
     spec = load_or_probe_in_job(config["cluster"])
     if config["planner"].get("calibrate") and config["arch"].get("family") != "hrm":
-        from hrlplan.runtime.calibrate import calibrate_in_job
-
-        # Collective: measured block/p2p times replace peak-FLOP estimates in the cost model.
-        spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"])
+        # measured block/p2p times replace peak-FLOP estimates in the cost model
+        spec = _calibrated(config, spec)
     probe_s = time.time() - t_probe
 
     # Rank 0 plans; every rank learns the plan or the one error message.

@@ -8,6 +8,11 @@ node, each device's kind, name and memory (GiB), and the backend describe the cl
 Where: $HRLPLAN_PLAN_CACHE when set (share it between runs and sweeps), else <run_dir>/plan_cache
 (a requeued or resumed run reuses its own plan). Entries are written atomically (a directory
 renamed into place), so concurrent jobs of a sweep never read half an entry.
+
+Calibrations (planner.calibrate=true) are cached the same way, under calibration-<key>: their key
+is the cluster's shape, the model, the sequence length and the training settings calibration reads,
+so a requeued job and the jobs of a sweep over other settings (lr, steps, the planner) measure the
+devices once. Delete the entry (or use another cache) to measure afresh.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ def cache_dir(config: Dict[str, Any]) -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path(config["run_dir"]) / "plan_cache")
 
 
-def cache_key(config: Dict[str, Any], spec) -> str:
+def _key(config: Dict[str, Any], spec, **parts: Any) -> str:
     import hrlplan
 
     cluster = {
@@ -42,16 +47,24 @@ def cache_key(config: Dict[str, Any], spec) -> str:
         "backend": spec.backend,
         "source": spec.source,
     }
-    payload = {
-        "version": hrlplan.__version__,
-        "cluster": cluster,
-        "arch": config["arch"],
-        "planner": config["planner"],
-        "train": {k: config["train"].get(k) for k in PLAN_TRAIN_KEYS},
-        "seq_len": config["data"].get("seq_len"),
-    }
+    payload = {"version": hrlplan.__version__, "cluster": cluster, "arch": config["arch"],
+               "seq_len": config["data"].get("seq_len"), **parts}
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cache_key(config: Dict[str, Any], spec) -> str:
+    return _key(config, spec, planner=config["planner"],
+                train={k: config["train"].get(k) for k in PLAN_TRAIN_KEYS})
+
+
+# The training settings calibrate_in_job reads: micro-batch sizes from the global batch, the dtype it
+# computes in, the optimizer and FSDP figures.
+CALIBRATION_TRAIN_KEYS = ("global_batch_size", "dtype", "dp_mode", "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+def calibration_key(config: Dict[str, Any], spec) -> str:
+    return "calibration-" + _key(config, spec, train={k: config["train"].get(k) for k in CALIBRATION_TRAIN_KEYS})
 
 
 def load(config: Dict[str, Any], key: str) -> Optional[Tuple[Any, Dict[str, Any]]]:
@@ -66,7 +79,8 @@ def load(config: Dict[str, Any], key: str) -> Optional[Tuple[Any, Dict[str, Any]
     return plan, info
 
 
-def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
+def _store_entry(config: Dict[str, Any], key: str, write) -> None:
+    """write(tmp_dir) fills a fresh directory, which is then renamed into place as the entry."""
     root = cache_dir(config)
     final = root / key
     if final.exists():
@@ -74,10 +88,29 @@ def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
     tmp = root / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir(parents=True)
-        plan.save(tmp / "plan.yaml")
-        (tmp / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
+        write(tmp)
         os.replace(tmp, final)
     except OSError:
-        pass  # another job stored it first, or the cache is read-only: planning still succeeded
+        pass  # another job stored it first, or the cache is read-only: the run goes on without it
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
+    def write(tmp: Path) -> None:
+        plan.save(tmp / "plan.yaml")
+        (tmp / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
+
+    _store_entry(config, key, write)
+
+
+def load_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+    try:
+        cal = json.loads((cache_dir(config) / key / "calibration.json").read_text())
+    except (OSError, ValueError):
+        return None   # missing or unreadable: calibrate again
+    return cal if isinstance(cal, dict) else None
+
+
+def store_calibration(config: Dict[str, Any], key: str, calibration: Dict[str, Any]) -> None:
+    _store_entry(config, key, lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)))

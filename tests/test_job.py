@@ -63,6 +63,29 @@ def test_plan_cache_round_trip(tmp_path):
     assert loaded.to_dict() == plan.to_dict() and info["chosen"]["step_time_s"] == 1.0
 
 
+def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp_path):
+    """A sweep over lr, steps or the planner calibrates once; the dtype, batch or cluster shape
+    measure something else. Entries round-trip; an unreadable one means calibrating again."""
+    from launch import plan_cache
+
+    config = compose([])
+    config["run_dir"] = str(tmp_path)
+    key = plan_cache.calibration_key(config, spec(bw=1e9))
+    assert key.startswith("calibration-") and key != plan_cache.cache_key(config, spec())
+    same = [("train", "lr", 1e-4), ("train", "steps", 7), ("planner", "name", "hrl"), ("train", "schedule", "gpipe")]
+    other = [("train", "dtype", "bfloat16"), ("train", "global_batch_size", 16), ("data", "seq_len", 32)]
+    for group, field, value in same + other:
+        changed = copy.deepcopy(config)
+        changed[group][field] = value
+        assert (plan_cache.calibration_key(changed, spec()) == key) == ((group, field, value) in same), field
+    assert plan_cache.calibration_key(config, spec(n=4)) != key
+    assert plan_cache.load_calibration(config, key) is None
+    plan_cache.store_calibration(config, key, {"compute_efficiency": {"cpu": 0.4}})
+    assert plan_cache.load_calibration(config, key) == {"compute_efficiency": {"cpu": 0.4}}
+    (tmp_path / "plan_cache" / key / "calibration.json").write_text("{not json")
+    assert plan_cache.load_calibration(config, key) is None
+
+
 def test_rank_count_mismatch_names_both_numbers(monkeypatch):
     from hrlplan.errors import UserError
     from hrlplan.plan import homogeneous_plan

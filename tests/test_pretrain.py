@@ -86,3 +86,13 @@ def test_worker_side_error_is_one_line_without_traceback(tmp_path):
     assert errors == ["hrlplan: error: data.seq_len=256 is longer than the model's 128 positions; "
                       "set data.seq_len<=128 or arch.n_positions=256"]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_requeued_calibrated_run_reuses_its_calibration(tmp_path):
+    run = tmp_path / "calibrated"
+    first = pretrain(run, "planner.calibrate=true", "train.steps=2", "logger.mode=disabled")
+    assert "calibration reused" not in first.stdout + first.stderr
+    calibrated = json.loads((run / "cluster.json").read_text())["calibration"]
+    again = pretrain(run, "planner.calibrate=true", "train.steps=4", "train.resume=auto", "logger.mode=disabled")
+    assert "calibration reused from" in again.stdout + again.stderr
+    assert json.loads((run / "cluster.json").read_text())["calibration"] == calibrated
