@@ -1,7 +1,7 @@
 """Runtime benchmark: pipeline overhead, measured step time vs the simulator (before and after
 calibration), and the measured bubble vs the analytic and simulated ones.
 
-    python bench/runtime.py [--steps 10] [--repeats 3] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
+    python bench/runtime.py [--steps 20] [--repeats 5] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
 
 Every plan is run --repeats times (interleaved with the other plans: round r runs every plan once).
 In each round, for each world size the plans need, a job of that many CPU workers first probes
@@ -12,7 +12,9 @@ as pretrain.py planner.calibrate=true calibrates and then trains. A plan's error
 its runs' errors; the runs' spread (max - min) / median is reported beside it as the run-to-run
 noise a reader should judge the error against. The calibration is fitted from micro-benchmarks and
 one one-process reference step only, never from the plans' own step times.
-On a GPU machine it would also report GPT-2 124M bf16 MFU; without one it says so.
+On a GPU machine it also measures GPT-2 124M bf16 MFU on one GPU (pretrain.py end to end, the median
+per-step MFU against the probe's measured peak); without one it says so (--mfu-check-on-cpu runs the
+same path on gpt2-tiny on the CPU).
 """
 from __future__ import annotations
 
@@ -56,6 +58,29 @@ def plans() -> Dict[str, Any]:
         "tp2": hp([(0, 6)], m=1, tp=2),
         "pp2xtp2": hp([(0, 3), (3, 6)], m=2, tp=2),
     }
+
+
+# ---------------------------------------------------------------- MFU: GPT-2 124M, bf16, one GPU
+GPU_MFU = ["arch=gpt2", "train.dtype=bfloat16", "train.device=cuda", "cluster.nproc_per_node=1",
+           "cluster.probe_matmul_n=8192", "data.seq_len=1024", "train.global_batch_size=16"]
+CPU_MFU_CHECK = ["arch=gpt2-tiny", "cluster.nproc_per_node=1"]   # the same path, runnable without a GPU
+
+
+def measure_mfu(overrides: List[str], run_dir: Path, steps: int) -> Dict[str, Any]:
+    """The whole product path (pretrain.py: probe, plan, train) on one worker; the median of the
+    per-step MFU (against the probe's measured peak) and tokens/s after the warm-up steps."""
+    import subprocess
+
+    from hrlplan.runtime.metrics import read_metrics
+    from hrlplan.runtime.timing import SKIP_STEPS
+
+    cmd = [sys.executable, str(ROOT / "pretrain.py"), *overrides, f"train.steps={steps}", "logger.mode=disabled",
+           "train.checkpoint_interval=0", f"hydra.run.dir={run_dir}"]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    rows = read_metrics(run_dir)[SKIP_STEPS:]
+    return {"overrides": overrides, "steps": steps,
+            "mfu": statistics.median(r["train/mfu"] for r in rows),
+            "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in rows)}
 
 
 # ---------------------------------------------------------------- probe + calibrate in a job of W workers
@@ -107,6 +132,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime.json"))
     ap.add_argument("--only", default="", help="comma-separated plan names")
     ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-runtime")
+    ap.add_argument("--mfu-check-on-cpu", action="store_true",
+                    help="without a GPU, run the MFU measurement's path on gpt2-tiny on the CPU")
     args = ap.parse_args()
 
     from hrlplan.config import compose
@@ -224,8 +251,14 @@ def main() -> None:
     report["median_run_to_run_spread"] = statistics.median(spreads) if spreads else None
     import torch
 
-    report["gpu_mfu"] = ("no GPU in this run: GPT-2 124M bf16 MFU not measured" if not torch.cuda.is_available()
-                         else "GPU present: run `python pretrain.py arch=gpt2 train.dtype=bfloat16` and read train/mfu")
+    if torch.cuda.is_available() or args.mfu_check_on_cpu:
+        report["gpu_mfu_run"] = measure_mfu(GPU_MFU if torch.cuda.is_available() else CPU_MFU_CHECK,
+                                            Path(args.run_dir) / "mfu", steps=max(args.steps, 10))
+        r = report["gpu_mfu_run"]
+        report["gpu_mfu"] = (f"{'GPT-2 124M bf16 on one GPU' if torch.cuda.is_available() else 'CPU check'}: "
+                             f"MFU {r['mfu']:.1%} of the probe's peak, {r['tokens_per_s']:.0f} tokens/s")
+    else:
+        report["gpu_mfu"] = "no GPU in this run: GPT-2 124M bf16 MFU not measured"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=float))
     print(f"[bench] median |error| uncalibrated {report['median_abs_error_uncalibrated']:.1%}, calibrated "
