@@ -78,8 +78,15 @@ class ModelMeta:
 # ---------------------------------------------------------------- resolving a model id
 def conf_dir() -> Path:
     """The shipped Hydra config tree (conf/ beside the package, or $HRLPLAN_CONF)."""
+    from hrlplan.errors import UserError
+
     env = os.environ.get("HRLPLAN_CONF")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+    path = Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+    if not (path / "config.yaml").is_file():
+        raise UserError(f"hrlplan's config tree is not at {path}" + (" ($HRLPLAN_CONF)" if env else "") +
+                        ": install from a checkout with `pip install -e .` (a non-editable install leaves "
+                        "conf/ behind), or set HRLPLAN_CONF=<checkout>/conf")
+    return path
 
 
 def shipped_archs() -> List[str]:

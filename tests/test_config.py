@@ -48,3 +48,11 @@ def test_hrm_overrides_users_know_compose():
 def test_arch_overrides_reach_the_model():
     cfg = compose(["arch=gpt2", "arch.n_layer=24"])
     assert cfg["arch"]["n_layer"] == 24
+
+
+def test_a_missing_config_tree_names_where_it_looked_and_the_fix(tmp_path, monkeypatch):
+    from hrlplan.errors import UserError
+
+    monkeypatch.setenv("HRLPLAN_CONF", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"nowhere.*\$HRLPLAN_CONF.*pip install -e \."):
+        conf_dir()
