@@ -52,8 +52,8 @@ class Simulator:
     def step_collectives(self, layout: Layout) -> float:
         """Time of the small all-reduces every step makes after the pipeline: the loss (world > 1),
         the gradient norm over the pipeline (pp > 1) and over the shards of FSDP (dp > 1) and tensor
-        parallel (tp > 1): the norm of sharded gradients is reduced once per step, and a tied embedding's gradient when its first
-        and last stage sit on different groups."""
+        parallel (tp > 1) -- a sharded gradient's norm is reduced once per step -- and a tied
+        embedding's gradient when its first and last stage sit on different groups."""
         ov = self.devices.overheads
         world = layout.pp * len(layout.groups[0])
         small = ov.allreduce_latency
