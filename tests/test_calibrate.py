@@ -206,16 +206,36 @@ def test_contention_scales_alone_and_paired_figures_by_their_factors():
     # every rank busy pays them, shrink with the factor; what follows the pipeline does not
     default = sim.evaluate(lay).step_time_s
     assert pipeline / cc + after < default < 0.9 * pipeline + after
-    # compute too: the factor (every rank busy) times the ranks' busy share at full speed (mean field:
-    # a pipeline's ranks idle in its bubbles)
+    # compute too: costed alone, and slowed while it runs by the ranks busy then (processor sharing):
+    # 3x with both ranks busy, 1.5x with one of the two
     cl = _overhead_cluster({"contention_factor": {"compute": 3.0, "paired": 1.0}})
     cl.devices[0].peak_flops = cl.devices[1].peak_flops = 1e9
     slow = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
     cl.calibration.pop("contention_factor")
     fast = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
-    busy_share = 1.0 - fast.bubble_fraction
-    assert 0.5 < busy_share < 0.9
-    assert slow.stages[0]["fwd_s"] == pytest.approx(3 * busy_share * fast.stages[0]["fwd_s"])
+    assert slow.stages[0]["fwd_s"] == pytest.approx(fast.stages[0]["fwd_s"])
+    assert slow.stages[0]["shared_cores_contention"] == 3.0 and fast.stages[0]["shared_cores_contention"] == 0.0
+    assert 1.5 * fast.breakdown["pipeline_s"] < slow.breakdown["pipeline_s"] < 3 * fast.breakdown["pipeline_s"]
+
+
+def test_shared_cores_timeline_slows_operations_by_the_ranks_busy_while_they_run():
+    from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
+
+    args = ("gpipe", 2, 1, 1, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])
+    # one micro-batch never has both stages busy: one rank of two busy is no slowdown at contention 2
+    assert simulate_shared_timeline(*args, contention=2.0).makespan == pytest.approx(6.0)
+    # at contention 4 one busy rank of two runs at half speed
+    assert simulate_shared_timeline(*args, contention=4.0).makespan == pytest.approx(12.0)
+    # two micro-batches: stage 1's first forward overlaps stage 0's second (both busy: 2x at
+    # contention 2); with nothing slowed it equals simulate_timeline
+    two = ("gpipe", 2, 1, 2) + args[4:]
+    plain = simulate_timeline(*two)
+    assert simulate_shared_timeline(*two).makespan == pytest.approx(plain.makespan)
+    trace = []
+    shared = simulate_shared_timeline(*two, contention=2.0, trace=trace)
+    assert shared.makespan > plain.makespan
+    f1 = [(s, e) for pos, kind, k, j, s, e in trace if (pos, kind, j) == (0, 0, 1)][0]
+    assert f1 == pytest.approx((1.0, 3.0))   # stage 0's second forward: 1 s of work at half speed
 
 
 def test_fit_calibration_contention_factors():
@@ -427,12 +447,17 @@ def test_fit_optimizer_separates_the_per_call_cost_from_the_per_block_one():
     assert with_fixed.breakdown["optimizer_s"] - without.breakdown["optimizer_s"] == pytest.approx(1e-2)
 
 
-def test_fit_tensor_parallel_takes_what_tp_costs_beyond_half_the_block():
+def test_fit_tensor_parallel_takes_what_each_tp_block_costs_beyond_half_the_block():
     from hrlplan.runtime.calibrate_comm import fit_tensor_parallel
 
-    def rank(extra):
-        return [{"tokens": t, "plain_fwd_s": 2e-3 * k, "plain_bwd_s": 4e-3 * k, "tp_fwd_s": 1e-3 * k + extra,
-                 "tp_bwd_s": 2e-3 * k + 2 * extra} for k, t in ((1, 64), (4, 256))]
+    def depth(n, k, extra, fixed):
+        # n blocks: plain n x, tp half that + n x extra per block + a fixed part the slope leaves out
+        return {"n_blocks": n, "plain_fwd_s": 2e-3 * k * n, "plain_bwd_s": 4e-3 * k * n,
+                "tp_fwd_s": 1e-3 * k * n + n * extra + fixed, "tp_bwd_s": 2e-3 * k * n + 2 * n * extra + fixed}
+
+    def rank(extra, fixed=-1e-3):
+        return [{"tokens": t, "depths": [depth(1, k, extra, fixed), depth(3, k, extra, fixed)]}
+                for k, t in ((1, 64), (4, 256))]
 
     fits = fit_tensor_parallel([rank(3e-3), rank(5e-3), None])   # a rank left out of the pairs: None
     assert [f["tokens"] for f in fits] == [64, 256]

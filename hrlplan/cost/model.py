@@ -42,8 +42,8 @@ CALIBRATION_KEYS = {
                              "FSDP collectives beyond dp_collective_s per unit -- the last unit's tail, which no "
                              "later compute hides; fitted with dp_collective_s over stage depths",
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
-    "tp_block_overhead_s": "[{tokens, fwd, bwd}]: a block sharded over tp=2 takes this much beyond half the whole "
-                           "block's time per forward / backward of a micro-batch of `tokens` tokens (its all-reduces "
+    "tp_block_overhead_s": "[{tokens, fwd, bwd}]: each block of a stage sharded over tp=2 takes this much beyond half "
+                           "the whole block's time (the slope over stage depths) per forward / backward of a micro-batch of `tokens` tokens (its all-reduces "
                            "and DTensor's dispatch); replaces the analytic all-reduce time, x (tp-1) beyond tp=2",
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
                            "gradient reduces) as a step pays it after the pipeline",
@@ -372,14 +372,17 @@ class StageCostModel:
         return worst
 
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
-              microbatch_size: int, pp: int, links=None, contention: Optional[float] = None) -> StageCost:
+              microbatch_size: int, pp: int, links=None, contention: Optional[float] = None,
+              shared_cores: bool = False) -> StageCost:
         """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
         per-op overhead, calibrated as every rank busy pays it, shrinks in the same proportion when
         it is below that factor. FSDP's hooks and collectives and tensor parallel's overhead do not:
         data-parallel replicas run one schedule in lockstep, and a stage's tp ranks each op, so when a
-        rank's collective runs its peers' run too."""
+        rank's collective runs its peers' run too. `shared_cores` (with contention 1): every cost
+        at its ranks-alone level, these too, for simulate_shared_timeline to slow by the ranks busy."""
         meta, o = self.meta, self.opts
         derate = self.dev.overheads.busy_derate(contention)
+        lockstep = derate if shared_cores else 1.0   # FSDP's and tp's figures, measured every rank busy
         tokens = microbatch_size * meta.seq_len
         flops = tokens * self.span_flops(start, end, first, last, tp)
         slowest = min(self.dev.throughput(d, tokens) for d in group)
@@ -394,8 +397,8 @@ class StageCostModel:
         if tp > 1 and ov.tp_block:
             # not shrunk with the busy share (see above): measured -8..-19% on pp2 x tp2 as it is,
             # +13..+26% shrunk
-            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1)
-            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2)
+            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1) * lockstep
+            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * lockstep
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd * derate
@@ -428,11 +431,11 @@ class StageCostModel:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
             units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
-            fwd += n_blocks * ov.dp_hook_fwd
-            bwd += n_blocks * ov.dp_hook_bwd
+            fwd += n_blocks * ov.dp_hook_fwd * lockstep
+            bwd += n_blocks * ov.dp_hook_bwd * lockstep
             if o.dp_mode == "fsdp":
-                first_extra = units * ov.dp_allgather + ov.dp_allgather_fixed
-            last_extra = units * ov.dp_reduce + ov.dp_reduce_fixed
+                first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * lockstep
+            last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * lockstep
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,

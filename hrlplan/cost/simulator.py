@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
-from hrlplan.cost.timeline import simulate_timeline
+from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
 ZB_INPUT_GRAD_SHARE = 0.5   # zero-bubble splits backward into input-gradient (B) and weight-gradient (W)
 
@@ -84,10 +84,11 @@ class Simulator:
         hop_handshake = ov.hop(layout.schedule)[1]
         handshake = [hop_handshake] * n if hop_handshake else None
 
-        def stage_costs_at(contention: Optional[float]):
+        def stage_costs_at(contention: Optional[float], shared_cores: bool = False):
             return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp, layout.dp,
                                      layout.microbatch_size, layout.pp, links=self.links(groups[k], layout.tp, layout.dp),
-                                     contention=contention) for k, (start, end) in enumerate(layout.spans)]
+                                     contention=contention, shared_cores=shared_cores)
+                    for k, (start, end) in enumerate(layout.spans)]
 
         def durations(costs):
             fwd = [c.fwd for c in costs]
@@ -110,21 +111,31 @@ class Simulator:
                                      fwd, bwd, wgt, sends, sends, [c.activation for c in costs],
                                      [c.first_fwd_extra for c in costs], [0.0] * n, handshake)
 
-        if contention is None and ov.contention > 1.0:
+        shared_cores = contention is None and ov.contention > 1.0
+        if shared_cores:
             # More ranks than cores (CPU): contention_factor is the slowdown with every rank busy, but
-            # a pipeline's ranks idle in its bubbles. Mean field: compute is slowed by the factor times
-            # the busy share of the ranks, from the timeline at full speed.
+            # a pipeline's ranks idle in its bubbles. Operations are costed alone and slowed by the ranks
+            # busy while they run (simulate_shared_timeline); the pipeline hop, a wake-up more than
+            # work, by the mean field: the factor times the busy share, from the timeline at full speed.
             at_full_speed = stage_costs_at(1.0)
             alone = timeline(at_full_speed, durations(at_full_speed))
             busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
             contention = max(1.0, ov.contention * min(busy_share, 1.0))
-        stage_costs = stage_costs_at(contention)
+            stage_costs = stage_costs_at(1.0, shared_cores=True)
+        else:
+            stage_costs = stage_costs_at(contention)
         derate = ov.busy_derate(contention)
         if derate < 1.0:   # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
             sends = [x * derate for x in sends]
             handshake = [x * derate for x in handshake] if handshake else None
         fwd, bwd, wgt = durations(stage_costs)
-        tl = timeline(stage_costs, (fwd, bwd, wgt))
+        if shared_cores:
+            tl = simulate_shared_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
+                                          fwd, bwd, wgt, sends, sends, [c.activation for c in stage_costs],
+                                          [c.first_fwd_extra for c in stage_costs], handshake,
+                                          ranks=[len(g) for g in layout.groups], contention=ov.contention)
+        else:
+            tl = timeline(stage_costs, (fwd, bwd, wgt))
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
@@ -214,6 +225,8 @@ class Simulator:
                     "dp_sync_s": c.dp_sync * scale, "params": c.params,
                     "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,
+                    # > 0: the durations above are alone, slowed by the ranks busy (simulate_shared_timeline)
+                    "shared_cores_contention": ov.contention if shared_cores else 0.0,
                     "peak_memory_bytes": pos_static[layout.stage_group(k)] + tl.peak_activation[layout.stage_group(k)],
                 })
         return res

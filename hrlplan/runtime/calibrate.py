@@ -15,8 +15,8 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   (bandwidth_efficiency); a real two-stage torch pipeline per schedule (p2p_latency_s,
   p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
   allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
-  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); a block sharded over tp=2 beside the whole
-  block (tp_block_overhead_s); all-reduces over groups of every size, every group at once
+  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 3 blocks sharded over tp=2
+  beside the whole ones (tp_block_overhead_s, the slope per block); all-reduces over groups of every size, every group at once
   (allreduce_by_ranks). All-reduces and pipeline hops run in three passes at different moments, pooled;
 - with train.dtype=bfloat16, every forward under bf16 autocast, as the runtime computes;
 - contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means

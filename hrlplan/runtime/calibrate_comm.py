@@ -6,8 +6,8 @@
   tied_allreduce_s);
 - measure_data_parallel + fit_dp_scaling: FSDP2 over a pair of ranks (dp_collective_s,
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer);
-- measure_tensor_parallel + fit_tensor_parallel: a block sharded over tp=2 beside the whole block
-  (tp_block_overhead_s);
+- measure_tensor_parallel + fit_tensor_parallel: stages of 1 and 3 blocks sharded over tp=2 beside
+  the whole ones (tp_block_overhead_s, per block);
 - measure_allreduce + fit_allreduce: all-reduces over groups of every size the world holds, every
   group at once, each rank arriving when its own work ends (allreduce_by_ranks);
 - pool_hop_passes, pool_allreduce_passes: passes of those run at different moments, pooled.
@@ -144,51 +144,74 @@ def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return pooled
 
 
+TP_DEPTHS = (1, 3)   # blocks per stage measure_tensor_parallel shards: the overhead per block is the slope
+
+
 def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                             pair_group, repeats: int = 3 * REPEATS) -> Optional[List[Dict[str, float]]]:
-    """Collective over `pair_group`: one block as the runtime shards it over tp=2
+    """Collective over `pair_group`: stages of TP_DEPTHS blocks as the runtime shards them over tp=2
     (tensor_parallel.parallelize_stage: DTensor, an all-reduce per half in forward and in backward)
-    beside the same block whole, alternating, on both ranks at once, per micro-batch size.
-    fit_tensor_parallel turns them into what tp costs beyond half the block's compute: the
-    all-reduces, and DTensor's dispatch, which on CPU outweighs the halved matmuls. None when the
-    model cannot be sharded over 2 (heads not divisible, an architecture without a tp plan)."""
+    beside the same stages whole, alternating, on both ranks at once, per micro-batch size.
+    fit_tensor_parallel turns them into what tp costs per block beyond half the block's compute:
+    the all-reduces, and DTensor's dispatch, which on CPU outweighs the halved matmuls. Two depths,
+    because a block costs more inside a deeper stage than alone (measured on gpt2-tiny: 9.2 ms
+    beyond half the block alone, 10.5-11.5 ms per block of a 6-block stage; the slope over 1 and 2
+    blocks, 10.6 ms; 1 and 3 here, which halves the slope's noise). None when the model cannot be sharded over 2 (heads not divisible, an
+    architecture without a tp plan)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from hrlplan.runtime.tensor_parallel import parallelize_stage
 
-    plain, hidden = block_stage(arch, device)
-    sharded, _ = block_stage(arch, device)
-    try:
-        parallelize_stage(sharded, DeviceMesh.from_group(pair_group, device.type, mesh_dim_names=("tp",)))
-    except (ValueError, NotImplementedError):
-        return None
+    mesh = DeviceMesh.from_group(pair_group, device.type, mesh_dim_names=("tp",))
+    stages = []
+    for n_blocks in TP_DEPTHS:
+        plain, hidden = block_stage(arch, device, n_blocks)
+        sharded, _ = block_stage(arch, device, n_blocks)
+        try:
+            parallelize_stage(sharded, mesh)
+        except (ValueError, NotImplementedError):
+            return None
+        stages.append((n_blocks, plain, sharded))
 
     out = []
     for mbs in microbatch_sizes:
         torch.manual_seed(2)   # tp ranks hold the same (replicated) block input
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
-        times: Dict[str, List[float]] = {"plain_fwd_s": [], "plain_bwd_s": [], "tp_fwd_s": [], "tp_bwd_s": []}
+        times: Dict[int, Dict[str, List[float]]] = {
+            n: {"plain_fwd_s": [], "plain_bwd_s": [], "tp_fwd_s": [], "tp_bwd_s": []} for n in TP_DEPTHS}
         for i in range(repeats + 1):   # the first run pays for allocation
-            pf, pb = timed_forward_backward(plain, x, device)
-            dist.barrier(group=pair_group)
-            tf, tb = timed_forward_backward(sharded, x, device)
-            if i:
-                for key, t in zip(times, (pf, pb, tf, tb)):
-                    times[key].append(t)
-        out.append({"tokens": mbs * seq_len, **{k: statistics.median(v) for k, v in times.items()}})
+            for n_blocks, plain, sharded in stages:
+                pf, pb = timed_forward_backward(plain, x, device)
+                dist.barrier(group=pair_group)
+                tf, tb = timed_forward_backward(sharded, x, device)
+                if i:
+                    for key, t in zip(times[n_blocks], (pf, pb, tf, tb)):
+                        times[n_blocks][key].append(t)
+        out.append({"tokens": mbs * seq_len,
+                    "depths": [{"n_blocks": n, **{k: statistics.median(v) for k, v in times[n].items()}}
+                               for n in TP_DEPTHS]})
     return out
 
 
-def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, float]]]]) -> List[Dict[str, float]]:
-    """[{tokens, fwd, bwd}]: a tp=2 block's forward / backward time beyond half the whole block's,
-    the median over the ranks that measured it (>= 0). [] when none did."""
+def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> List[Dict[str, float]]:
+    """[{tokens, fwd, bwd}]: what one more block of a tp=2 stage costs in forward / backward beyond
+    half its whole compute -- the slope over the stage depths measured -- the median over the ranks
+    that measured it (>= 0). [] when none did."""
     runs = [m for m in measured if m]
     if not runs:
         return []
     med = statistics.median
+
+    def beyond_half(depth: Dict[str, float], part: str) -> float:
+        return depth[f"tp_{part}_s"] - depth[f"plain_{part}_s"] / 2
+
+    def slope(point: Dict[str, Any], part: str) -> float:
+        lo, hi = point["depths"][0], point["depths"][-1]
+        return (beyond_half(hi, part) - beyond_half(lo, part)) / (hi["n_blocks"] - lo["n_blocks"])
+
     return [{"tokens": p["tokens"],
-             "fwd": max(med(r[i]["tp_fwd_s"] - r[i]["plain_fwd_s"] / 2 for r in runs), 0.0),
-             "bwd": max(med(r[i]["tp_bwd_s"] - r[i]["plain_bwd_s"] / 2 for r in runs), 0.0)}
+             "fwd": max(med(slope(r[i], "fwd") for r in runs), 0.0),
+             "bwd": max(med(slope(r[i], "bwd") for r in runs), 0.0)}
             for i, p in enumerate(runs[0])]
 
 

@@ -25,10 +25,11 @@ COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
 
 
 def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The simulator's timeline (hrlplan.cost.timeline.simulate_timeline) for `plan` (Plan.to_dict())
-    replayed with the per-stage durations in `info` (plan_info.json)."""
+    """The simulator's timeline (hrlplan.cost.timeline.simulate_timeline, or simulate_shared_timeline
+    where ranks outnumbered cores) for `plan` (Plan.to_dict()) replayed with the per-stage durations
+    in `info` (plan_info.json)."""
     from hrlplan.cost.simulator import zb_input_shares
-    from hrlplan.cost.timeline import simulate_timeline
+    from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
     stages = sorted((info.get("chosen") or {}).get("stages") or [], key=lambda s: s["stage"])
     schedule = str(plan.get("schedule", "1f1b"))
@@ -54,8 +55,14 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
     handshake = [float(s.get("recv_handshake_s", 0.0)) for s in stages]
     trace: List[tuple] = []
     extra = [float(s.get("first_fwd_extra_s", 0.0)) for s in stages]
-    simulate_timeline(schedule, pp, v, m, fwd, bwd, wgt, send, send, [0.0] * n, first_fwd_extra=extra,
-                      recv_handshake=handshake, trace=trace)
+    contention = float(stages[0].get("shared_cores_contention", 0.0))
+    if contention > 0:   # ranks outnumbered cores: operations slowed by the ranks busy while they ran
+        ranks = [len(s.get("devices") or [0]) for s in stages[:pp]]
+        simulate_shared_timeline(schedule, pp, v, m, fwd, bwd, wgt, send, send, [0.0] * n, first_fwd_extra=extra,
+                                 recv_handshake=handshake, ranks=ranks, contention=contention, trace=trace)
+    else:
+        simulate_timeline(schedule, pp, v, m, fwd, bwd, wgt, send, send, [0.0] * n, first_fwd_extra=extra,
+                          recv_handshake=handshake, trace=trace)
     return [{"position": pos, "kind": KIND_NAMES[kind], "stage": k, "microbatch": j, "start_s": start, "end_s": end}
             for pos, kind, k, j, start, end in trace]
 
