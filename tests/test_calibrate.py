@@ -206,8 +206,8 @@ def test_contention_scales_alone_and_paired_figures_by_their_factors():
     # every rank busy pays them, shrink with the factor; what follows the pipeline does not
     default = sim.evaluate(lay).step_time_s
     assert pipeline / cc + after < default < 0.9 * pipeline + after
-    # compute too: costed alone, and slowed while it runs by the ranks busy then (processor sharing):
-    # 3x with both ranks busy, 1.5x with one of the two
+    # compute too: costed alone, and slowed while it runs by the ranks busy then: 3x with both ranks
+    # busy, as measured alone with one
     cl = _overhead_cluster({"contention_factor": {"compute": 3.0, "paired": 1.0}})
     cl.devices[0].peak_flops = cl.devices[1].peak_flops = 1e9
     slow = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
@@ -215,17 +215,17 @@ def test_contention_scales_alone_and_paired_figures_by_their_factors():
     fast = Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True)
     assert slow.stages[0]["fwd_s"] == pytest.approx(fast.stages[0]["fwd_s"])
     assert slow.stages[0]["shared_cores_contention"] == 3.0 and fast.stages[0]["shared_cores_contention"] == 0.0
-    assert 1.5 * fast.breakdown["pipeline_s"] < slow.breakdown["pipeline_s"] < 3 * fast.breakdown["pipeline_s"]
+    assert fast.breakdown["pipeline_s"] < slow.breakdown["pipeline_s"] < 3 * fast.breakdown["pipeline_s"]
 
 
 def test_shared_cores_timeline_slows_operations_by_the_ranks_busy_while_they_run():
     from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
     args = ("gpipe", 2, 1, 1, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])
-    # one micro-batch never has both stages busy: one rank of two busy is no slowdown at contention 2
-    assert simulate_shared_timeline(*args, contention=2.0).makespan == pytest.approx(6.0)
-    # at contention 4 one busy rank of two runs at half speed
-    assert simulate_shared_timeline(*args, contention=4.0).makespan == pytest.approx(12.0)
+    # one micro-batch never has both stages busy: one rank busy runs at the speed measured alone
+    assert simulate_shared_timeline(*args, contention=4.0).makespan == pytest.approx(6.0)
+    # two ranks per position (dp 2): 2 of 4 ranks busy is a third of the way to all four busy
+    assert simulate_shared_timeline(*args, ranks=[2, 2], contention=4.0).makespan == pytest.approx(12.0)
     # two micro-batches: stage 1's first forward overlaps stage 0's second (both busy: 2x at
     # contention 2); with nothing slowed it equals simulate_timeline
     two = ("gpipe", 2, 1, 2) + args[4:]

@@ -395,8 +395,8 @@ class StageCostModel:
         # calibrated: what a tp=2 block measured beyond half its compute, more ring steps beyond 2
         tp_comm = tp_comm_bwd = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
         if tp > 1 and ov.tp_block:
-            # not shrunk with the busy share (see above): measured -8..-19% on pp2 x tp2 as it is,
-            # +13..+26% shrunk
+            # under the mean field not shrunk with the busy share (see above): measured -8..-19% on
+            # pp2 x tp2 as it is, +13..+26% shrunk; on shared cores, alone and slowed as it runs
             tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1) * lockstep
             tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * lockstep
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)

@@ -70,8 +70,9 @@ class Simulator:
         return t
 
     def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None) -> SimResult:
-        """`contention` overrides the compute slowdown from more ranks than cores (default: the
-        calibrated factor times this layout's busy share, see below)."""
+        """`contention` sets one compute slowdown for the whole step (hetero plans pass the world's
+        mean field). Default, where ranks outnumber cores: each operation slowed by the ranks busy
+        while it runs (simulate_shared_timeline)."""
         self.evaluations += 1
         meta, o = self.meta, self.opts
         n = len(layout.spans)

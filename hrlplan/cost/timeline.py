@@ -345,15 +345,16 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
                              recv_handshake: Optional[Sequence[float]] = None,
                              ranks: Optional[Sequence[int]] = None, contention: float = 1.0,
                              trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None) -> TimelineResult:
-    """simulate_timeline for positions that share too few cores (processor sharing): the durations
-    are each operation's time with its ranks alone on the cores, and while operations run their
-    work progresses at 1 / max(1, contention * busy ranks / all ranks), `contention` being the
-    slowdown with every rank busy and ranks[pos] the ranks of position pos. A rank waiting in a
-    bubble leaves its core to the others, which a single slowdown for the whole step cannot say: on
-    pp2 x dp2 over 2 cores the stages overlap only part of the step (the mean-field busy share
-    predicted -14% on it, this -7%). Same operations, orders, inputs and handshake as
-    simulate_timeline (equal to it when nothing is slowed); event-driven, so slower: the simulator
-    uses it only when ranks outnumber cores."""
+    """simulate_timeline for positions that share too few cores: the durations are each operation's
+    time with one rank alone on the cores, and while operations run their work progresses at
+    1 / slowdown, the slowdown linear in the ranks busy between the two points calibration measures
+    -- 1 with one rank busy, `contention` with all of them (ranks[pos]: position pos's ranks). A
+    rank waiting in a bubble leaves its core to the others, which one slowdown for the whole step
+    cannot say. Measured on pp2 x dp2 and pp2 x tp2 over 2 shared cores (ten calibrated runs each):
+    the mean-field busy share predicted -10..-14% of the step time, ideal processor sharing
+    (contention x busy / all ranks, i.e. no other tenants) +11..+15%, this -2..-4% and +2%. Same
+    operations, orders, inputs and handshake as simulate_timeline (equal to it when nothing is
+    slowed); event-driven, so slower: the simulator uses it only when ranks outnumber cores."""
     ops = structure(schedule, pp, stages_per_rank, m).position_ops
     n = pp * stages_per_rank
     last = n - 1
@@ -411,7 +412,7 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
         starts = [p[0] for p in pending if p is not None]
         if not active and not starts:
             break
-        slowdown = max(1.0, contention * active / total)
+        slowdown = 1.0 + (contention - 1.0) * max(active - 1.0, 0.0) / (total - 1.0) if total > 1 else contention
         later = min([now + r[1] * slowdown for r in running if r is not None] + starts)
         for r in running:
             if r is not None:
