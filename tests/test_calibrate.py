@@ -187,48 +187,6 @@ def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
     assert set(cal) <= set(CALIBRATION_KEYS)
 
 
-def test_hop_that_grows_with_the_operations_is_fitted_and_simulated():
-    """On a loaded machine a hop costs more between longer operations: a deeper stage's fitted
-    delay gives p2p_latency_per_op, and the simulator grows the hop (and its handshake) with the
-    stages' mean operation beyond the one-block stage's."""
-    from hrlplan.cost.model import CostOptions, Layout, Overheads
-    from hrlplan.cost.simulator import Simulator
-    from hrlplan.runtime.calibrate import HANDSHAKE_LATENCIES, fit_calibration
-    from tests.test_cost import toy_meta
-
-    meta, spec = toy_meta(), _two_cpu_spec()
-    block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
-    shallow = {"1f1b": _hop_pair(6e-4, "1f1b"), "gpipe": _hop_pair(8e-4, "gpipe")}
-    # operations 3x as long (mean 1.575 ms -> 4.725 ms): 1F1B's delay +1.575 ms (per_op 0.5), GPipe's the same
-    deep = {k: _hop_pair(lat + 0.5 * 3.15e-3, k, f=(3e-3, 3.6e-3), b=(6e-3, 6.3e-3))
-            for k, lat in (("1f1b", 6e-4), ("gpipe", 8e-4))}
-    gathered = [{"block": block, "pipeline_ops": {"fwd": 0.0, "bwd": 0.0},
-                 "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None,
-                 "pipeline_hop": {k: v[i] for k, v in shallow.items()},
-                 "pipeline_hop_deep": {k: v[i] for k, v in deep.items()}} for i in (0, 1)]
-    cal = fit_calibration(spec, meta, gathered, None, 1 << 16)
-    assert cal["p2p_latency_by_schedule_s"] == pytest.approx({"1f1b": 6e-4, "gpipe": 8e-4}, rel=1e-5)
-    for k in ("1f1b", "gpipe"):
-        assert cal["p2p_latency_per_op"][k] == pytest.approx({"per_op": 0.5, "op_s": 1.575e-3}, rel=1e-4)
-    ov = Overheads.from_calibration(cal)
-    assert ov.hop_growth("gpipe", 1e-3) == (0.0, 0.0)   # shorter operations: the fitted hop as it is
-    extra = ov.hop_growth("gpipe", 2.575e-3)
-    assert extra == pytest.approx((5e-4, HANDSHAKE_LATENCIES * 5e-4), rel=1e-4)
-    lay = Layout(spans=((0, 4), (4, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=4,
-                 schedule="gpipe")
-    ops = {"op_overhead_s": {"fwd": 3e-3, "bwd": 5e-3}}   # operations of 4 ms (compute negligible here)
-    cluster = _overhead_cluster(dict(cal, **ops))
-    grown = Simulator(meta, cluster, CostOptions()).evaluate(lay, detail=True)
-    cluster.calibration = {k: v for k, v in cluster.calibration.items() if k != "p2p_latency_per_op"}
-    flat = Simulator(meta, cluster, CostOptions()).evaluate(lay, detail=True)
-    op = sum((st["fwd_s"] + st["bwd_s"]) / 2 for st in grown.stages) / 2
-    growth = 0.5 * max(op - 1.575e-3, 0.0)
-    assert grown.stages[0]["send_s"] == pytest.approx(flat.stages[0]["send_s"] + growth, rel=1e-6)
-    assert grown.stages[1]["recv_handshake_s"] == pytest.approx(
-        flat.stages[1]["recv_handshake_s"] + HANDSHAKE_LATENCIES * growth, rel=1e-6)
-    assert growth > 0 and grown.step_time_s > flat.step_time_s
-
-
 def test_contention_scales_alone_and_paired_figures_by_their_factors():
     from hrlplan.cost.model import CostOptions, Layout
     from hrlplan.cost.simulator import Simulator

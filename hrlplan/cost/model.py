@@ -32,10 +32,6 @@ CALIBRATION_KEYS = {
     "p2p_latency_by_schedule_s": "{schedule: s}: p2p_latency_s as fitted from that schedule's own real "
                                  "pipeline (GPipe's back-to-back forwards keep a sender busy, which delays its "
                                  "messages); schedules not named use p2p_latency_s, the handshake scales along",
-    "p2p_latency_per_op": "{schedule: {per_op, op_s}}: the hop's growth with the length of the operations it sits "
-                          "between -- per_op seconds per second of the two stages' mean forward / backward beyond "
-                          "op_s (where p2p_latency_by_schedule_s was fitted); another tenant's load makes a blocked "
-                          "rank wait for its core and a busy sender send late. Schedules not named: the mean",
     "p2p_handshake_s": "float: rendezvous of a point-to-point receive (gloo): a stage that gets to a receive "
                        "whose message was sent earlier still waits this long (its notice reaches the sender, "
                        "which then sends); fitted with p2p_latency_s from a real two-stage pipeline",
@@ -161,7 +157,6 @@ class Overheads:
     p2p_latency: Optional[float] = None
     p2p_handshake: float = 0.0
     p2p_by_schedule: Tuple[Tuple[str, float], ...] = ()
-    p2p_per_op: Tuple[Tuple[str, float, float], ...] = ()   # (schedule, per_op, op_s): see p2p_latency_per_op
     dp_allgather: float = 0.0
     dp_reduce: float = 0.0
     dp_allgather_fixed: float = 0.0
@@ -200,8 +195,6 @@ class Overheads:
                    p2p_handshake=float(cal.get("p2p_handshake_s", 0.0)) * cp, dp_allgather=ag * cp,
                    p2p_by_schedule=tuple(sorted((str(k), float(v) * cp)
                                                 for k, v in (cal.get("p2p_latency_by_schedule_s") or {}).items())),
-                   p2p_per_op=tuple(sorted((str(k), float(v["per_op"]), float(v["op_s"]))
-                                           for k, v in (cal.get("p2p_latency_per_op") or {}).items())),
                    dp_reduce=rd * cp, dp_allgather_fixed=agx * cp, dp_reduce_fixed=rdx * cp, dp_hook_fwd=hf * cp, dp_hook_bwd=hb * cp,
                    allreduce_latency=float(cal.get("allreduce_latency_s", 0.0)) * cp, opt_plain=op * cc,
                    tied_allreduce=None if cal.get("tied_allreduce_s") is None else float(cal["tied_allreduce_s"]) * cp,
@@ -239,17 +232,6 @@ class Overheads:
         if lat is None or not self.p2p_latency:
             return self.p2p_latency, self.p2p_handshake
         return lat, self.p2p_handshake * lat / self.p2p_latency
-
-    def hop_growth(self, schedule: str, operation_s: float) -> Tuple[float, float]:
-        """(extra p2p latency, extra receive handshake) of a hop between stages whose mean forward /
-        backward takes `operation_s` (p2p_latency_per_op; a schedule not measured takes the mean)."""
-        if not self.p2p_per_op:
-            return 0.0, 0.0
-        own = [(k, o) for s, k, o in self.p2p_per_op if s == schedule]
-        per_op, op_s = own[0] if own else (sum(x[1] for x in self.p2p_per_op) / len(self.p2p_per_op),
-                                           sum(x[2] for x in self.p2p_per_op) / len(self.p2p_per_op))
-        extra = per_op * max(operation_s - op_s, 0.0)
-        return extra, (self.p2p_handshake / self.p2p_latency * extra if self.p2p_latency else 0.0)
 
     def backward_forward_ratio(self, tokens: float) -> float:
         return interpolate_by_tokens(self.bwd_ratio, tokens) if self.bwd_ratio else 2.0

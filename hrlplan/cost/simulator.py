@@ -79,27 +79,11 @@ class Simulator:
         last = n - 1
         groups = [layout.groups[layout.stage_group(k)] for k in range(n)]
         msg = self.costs.activation_message(layout.microbatch_size)
-        base_sends = [self.costs.p2p(groups[k], groups[k + 1], msg, layout.schedule) if k < last else 0.0
-                      for k in range(n)]
+        sends = [self.costs.p2p(groups[k], groups[k + 1], msg, layout.schedule) if k < last else 0.0 for k in range(n)]
         zb = layout.schedule == "zero_bubble"
         ov = self.devices.overheads
         hop_handshake = ov.hop(layout.schedule)[1]
-
-        def hops(costs, scale: float):
-            """(send delay per stage, receive handshake per stage): the calibrated hop, grown with the
-            operations beside it (p2p_latency_per_op; `scale` takes the costs to every rank busy, as
-            calibration measured them)."""
-            grow = [(0.0, 0.0)] * n
-            if ov.p2p_per_op:
-                ops = [(c.fwd + c.bwd) / 2 * scale for c in costs]
-                grow = [ov.hop_growth(layout.schedule, (ops[k] + ops[k + 1]) / 2) if k < last and base_sends[k] > 0
-                        else (0.0, 0.0) for k in range(n)]
-            sends = [x + g[0] for x, g in zip(base_sends, grow)]
-            if not hop_handshake and not any(g[1] for g in grow):
-                return sends, None
-            # stage k receives over hop k-1 (forward) and hop k (backward)
-            near = [[grow[j][1] for j in (k - 1, k) if 0 <= j < last and base_sends[j] > 0] for k in range(n)]
-            return sends, [hop_handshake + (sum(x) / len(x) if x else 0.0) for x in near]
+        handshake = [hop_handshake] * n if hop_handshake else None
 
         def stage_costs_at(contention: Optional[float], shared_cores: bool = False):
             return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp, layout.dp,
@@ -122,7 +106,7 @@ class Simulator:
                         [c.bwd * (1.0 - sh) for c, sh in zip(costs, shares)])
             return fwd, [c.bwd for c in costs], [0.0] * n
 
-        def timeline(costs, durs, sends, handshake):
+        def timeline(costs, durs):
             fwd, bwd, wgt = durs
             return simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
                                      fwd, bwd, wgt, sends, sends, [c.activation for c in costs],
@@ -135,13 +119,12 @@ class Simulator:
             # busy while they run (simulate_shared_timeline); the pipeline hop, a wake-up more than
             # work, by the mean field: the factor times the busy share, from the timeline at full speed.
             at_full_speed = stage_costs_at(1.0)
-            alone = timeline(at_full_speed, durations(at_full_speed), *hops(at_full_speed, 1.0))
+            alone = timeline(at_full_speed, durations(at_full_speed))
             busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
             contention = max(1.0, ov.contention * min(busy_share, 1.0))
             stage_costs = stage_costs_at(1.0, shared_cores=True)
         else:
             stage_costs = stage_costs_at(contention)
-        sends, handshake = hops(stage_costs, ov.contention if shared_cores else 1.0)
         derate = ov.busy_derate(contention)
         if derate < 1.0:   # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
             sends = [x * derate for x in sends]
@@ -153,7 +136,7 @@ class Simulator:
                                           [c.first_fwd_extra for c in stage_costs], handshake,
                                           ranks=[len(g) for g in layout.groups], contention=ov.contention)
         else:
-            tl = timeline(stage_costs, (fwd, bwd, wgt), sends, handshake)
+            tl = timeline(stage_costs, (fwd, bwd, wgt))
 
         # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
         # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:

@@ -44,9 +44,8 @@ import torch.distributed as dist
 from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barrier, fit_compute, fit_optimizer,
                                               measure_block, measure_contention, measure_optimizer, measure_pipeline_ops,
                                               measure_step, measure_zb_split, predict_one_process_step)
-from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_DEEP_BLOCKS, HOP_SCHEDULES,
-                                           REPEATS, allreduce_partitions, fit_allreduce, fit_dp_scaling,
-                                           fit_hop_delay, fit_hop_scaling,
+from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS,
+                                           allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
                                            measure_pipeline_hop, measure_tensor_parallel, pool_allreduce_passes,
                                            pool_hop_passes, fit_tensor_parallel)
@@ -97,23 +96,20 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     dist.barrier()
     # The two-rank micro-benchmarks, every pair at once and a rank left over kept busy: a step has
     # every rank working too, so what they measure needs no scaling for ranks sharing cores.
-    dp = hop = hop_deep = tensor_parallel = None
+    dp = hop = tensor_parallel = None
     mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
     if mine is None:
         busy_until_barrier(arch, seq, max(1, g // 4), device)
     else:
         tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
-        # two stage sizes: a one-block stage and HOP_DEEP_BLOCKS blocks at a quarter of the batch. On a
-        # loaded machine a hop costs more the longer the ranks' operations are (fit_hop_scaling)
-        sizes_hop = {"shallow": (1, 1, tied_numel), "deep": (HOP_DEEP_BLOCKS, max(1, g // 4), 0)}
-        hop_passes: Dict[tuple, List[Dict[str, Any]]] = {(s, d): [] for s in HOP_SCHEDULES for d in sizes_hop}
+        hop_passes: Dict[str, List[Dict[str, Any]]] = {sched: [] for sched in HOP_SCHEDULES}
 
         def hop_pass() -> None:
-            for (sched, depth), passes in hop_passes.items():
-                n_blocks, mbs, tied = sizes_hop[depth]
-                passes.append(measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine], schedule=sched,
-                                                   n_blocks=n_blocks, microbatch_size=mbs, repeats=REPEATS,
-                                                   tied_numel=tied))
+            # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
+            # hop no better here and, with more ranks than cores, twice as long as pp2 x dp2 pays it
+            for sched in HOP_SCHEDULES:
+                hop_passes[sched].append(measure_pipeline_hop(arch, seq, device, pair_groups[mine], pairs[mine],
+                                                              schedule=sched, repeats=REPEATS, tied_numel=tied_numel))
 
         hop_pass()
         dp = measure_data_parallel(arch, seq, train, device, pair_groups[mine])
@@ -124,8 +120,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
                            for d in [dp] + [measure_data_parallel(arch, seq, train, device, pair_groups[mine],
                                                                   n_blocks=nb) for nb in DP_SCALING_BLOCKS]]
         hop_pass()
-        hop = {sched: pool_hop_passes(hop_passes[(sched, "shallow")]) for sched in HOP_SCHEDULES}
-        hop_deep = {sched: pool_hop_passes(hop_passes[(sched, "deep")]) for sched in HOP_SCHEDULES}
+        hop = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
         tensor_parallel = measure_tensor_parallel(arch, seq, sizes, device, pair_groups[mine])
         dist.barrier()
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
@@ -135,7 +130,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     allreduce = pool_allreduce_passes(allreduce_passes)
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, "data_parallel": dp,
-             "pipeline_hop": hop, "pipeline_hop_deep": hop_deep, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce}
+             "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -242,7 +237,6 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
     # The real two-stage pipeline's hop replaces the ping-pong latency (see measure_pipeline_hop).
     hops: List[float] = []
     by_schedule: Dict[str, List[float]] = {}
-    scaling: Dict[str, List[tuple]] = {}
     for r in range(0, len(gathered) - 1, 2):
         a, b = gathered[r].get("pipeline_hop") or {}, gathered[r + 1].get("pipeline_hop") or {}
         fits = {k: fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1}
@@ -250,11 +244,6 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
             hops.append(statistics.fmean(fits.values()))
             for k, v in fits.items():
                 by_schedule.setdefault(k, []).append(v)
-        ad, bd = gathered[r].get("pipeline_hop_deep") or {}, gathered[r + 1].get("pipeline_hop_deep") or {}
-        for k in fits:
-            if k in ad and k in bd:
-                scaling.setdefault(k, []).append(fit_hop_scaling((a[k], b[k], fits[k]),
-                                                                 (ad[k], bd[k], fit_hop_delay(ad[k], bd[k]))))
     alone = (gathered[0].get("contention") or {}).get("alone_s")
     together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
     if alone and together and len(gathered) > 1:
@@ -297,9 +286,6 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         cal["p2p_latency_s"] = lat
         cal["p2p_handshake_s"] = HANDSHAKE_LATENCIES * lat
         cal["p2p_latency_by_schedule_s"] = {k: med(v) for k, v in by_schedule.items()}
-        if scaling:
-            cal["p2p_latency_per_op"] = {k: {key: med(f[key] for f in v) for key in ("per_op", "op_s")}
-                                         for k, v in scaling.items()}
     return cal
 
 

@@ -216,7 +216,6 @@ def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> L
 
 
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
-HOP_DEEP_BLOCKS = 3   # the deeper stage of the hop's two sizes (beside a one-block stage)
 HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
 
 
@@ -246,25 +245,6 @@ def fit_hop_delay(first: Dict[str, Any], second: Dict[str, Any], handshake: floa
         else:
             hi = mid
     return 0.5 * (lo + hi)
-
-
-def hop_operation_s(first: Dict[str, Any], second: Dict[str, Any]) -> float:
-    """The mean forward / backward of both stages of a measure_pipeline_hop run."""
-    return (first["fwd_s"] + first["bwd_s"] + second["fwd_s"] + second["bwd_s"]) / 4.0
-
-
-def fit_hop_scaling(shallow: Tuple[Dict[str, Any], Dict[str, Any], float],
-                    deep: Tuple[Dict[str, Any], Dict[str, Any], float]) -> Dict[str, float]:
-    """(first stage, second stage, fitted delay) of the hop at two stage sizes -> {per_op: the
-    delay's growth per second of the stages' mean operation (>= 0; 0 when the deeper stage was not
-    slower), op_s: the shallow stages' mean operation, where the fitted delay holds as it is}. With
-    another tenant's load a rank that blocks on a receive loses its core and waits for it back, and
-    a sender busy with its next operation sends late: with one CPU-bound process beside a pair on
-    2 cores the fitted GPipe delay grew from 1.0 ms (0.7 ms operations) to 2.5 ms (2.4 ms ones),
-    1F1B's from 1.4 to 3.3 ms; on the idle machine it stayed at 0.4-0.7 ms."""
-    op_shallow, op_deep = hop_operation_s(shallow[0], shallow[1]), hop_operation_s(deep[0], deep[1])
-    per_op = max((deep[2] - shallow[2]) / (op_deep - op_shallow), 0.0) if op_deep > op_shallow else 0.0
-    return {"per_op": per_op, "op_s": op_shallow}
 
 
 def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
