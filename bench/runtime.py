@@ -55,6 +55,7 @@ def plans() -> Dict[str, Any]:
         "pp2-zbv": hp(quarter, schedule="zero_bubble", v=2),
         "hetero-1+2": build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny"),
         "pp2xdp2": hp([(0, 3), (3, 6)], dp=2, m=2),
+        "pp4": hp([(0, 3), (3, 4), (4, 5), (5, 6)]),   # what the planner picks for 4 workers here
         "tp2": hp([(0, 6)], m=1, tp=2),
         "pp2xtp2": hp([(0, 3), (3, 6)], m=2, tp=2),
     }

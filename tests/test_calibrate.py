@@ -238,6 +238,19 @@ def test_shared_cores_timeline_slows_operations_by_the_ranks_busy_while_they_run
     assert f1 == pytest.approx((1.0, 3.0))   # stage 0's second forward: 1 s of work at half speed
 
 
+def test_pipeline_op_overhead_comes_from_the_rank_that_measured_it_alone():
+    """Rank 0 measures the pipeline library's per-op overhead with the others waiting (an alone
+    figure); the other ranks report none."""
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    block = [{"tokens": n, "fwd_s": 1e-4 * n, "bwd_s": 2e-4 * n} for n in (128, 512)]
+    base = {"block": block, "optimizer": {"block": 1e-4, "ends": 1e-4}, "data_parallel": None}
+    gathered = [dict(base, pipeline_ops={"fwd": 1e-5, "bwd": 4e-5}), dict(base, pipeline_ops=None)]
+    assert fit_calibration(spec, meta, gathered, None, 1 << 16)["op_overhead_s"] == {"fwd": 1e-5, "bwd": 4e-5}
+
+
 def test_fit_calibration_contention_factors():
     from hrlplan.runtime.calibrate import fit_calibration
     from tests.test_cost import toy_meta

@@ -7,7 +7,7 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   (compute_efficiency, per device name) and the half-saturation point `h` (half_saturation_tokens);
 - the same block's backward / forward ratio per micro-batch size (backward_forward_ratio), and its
   backward split as zero-bubble runs it, by torch's own functions (zb_backward_factors);
-- per-op overhead of torch's pipeline stage (op_overhead_s); clipping + AdamW of a 1-block and a
+- per-op overhead of torch's pipeline stage, on rank 0 alone (op_overhead_s); clipping + AdamW of a 1-block and a
   deeper stage and of the embedding + head (optimizer_s_per_block, optimizer_fixed_s,
   optimizer_ends_blocks);
 - the communication micro-benchmarks of hrlplan.runtime.calibrate_comm, every pair of ranks at once
@@ -84,8 +84,15 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = _pairs(world)
     pair_groups = [dist.new_group(p) for p in pairs]
-    one = samples[0]
-    ops = measure_pipeline_ops(arch, seq, device, singles[rank], one["fwd_s"], one["bwd_s"])
+    # The pipeline library's per-op overhead is an alone figure (contention_factor scales it): rank 0
+    # measures it with the others waiting. Measured on every rank at once, ranks time-sliced on
+    # shared cores put their slices into the slope of the longer schedule: 0.3-2.7 ms per backward
+    # with 4 ranks on 2 cores (0.01-0.1 ms with 2), and every plan's backward costed that much more.
+    ops = None
+    if rank == 0:
+        alone_one = measure_block(arch, seq, [1], device)[0]
+        ops = measure_pipeline_ops(arch, seq, device, singles[0], alone_one["fwd_s"], alone_one["bwd_s"])
+    dist.barrier()
     optim = measure_optimizer(arch, train, device)
     partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
                   for k, lists in allreduce_partitions(world)]
@@ -167,10 +174,14 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         predicted = predicted["step_time_s"]
         cal["step_overhead_s"] = max(measured - predicted, 0.0)
         if cal.get("contention_factor"):
-            # CPU work is then costed as measured alone, times the contention factor
+            # CPU work is then costed as measured alone, times the contention factor; so is the split
+            # of a block's time into forward and backward (with ranks time-sliced, a backward measured
+            # right after its forward loses more of its slices: 4.1x the forward at 512 tokens with 4
+            # ranks on 2 cores, 1.4x alone)
             cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
             cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
                                                  **ref.calibration["half_saturation_tokens"])
+            cal["backward_forward_ratio"] = [{"tokens": a["tokens"], "ratio": a["bwd_s"] / a["fwd_s"]} for a in alone]
         cal["measurements"] = {"model": meta.name, "seq_len": seq, "dtype": str(train.get("dtype", "float32")),
                                "ranks": gathered, "p2p_bytes": msg,
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
@@ -208,7 +219,9 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
             for i, z0 in enumerate(gathered[0]["zb_split"])]
         mid = cal["zb_backward_factors"][len(cal["zb_backward_factors"]) // 2]
         cal["zb_input_grad_share"] = mid["input"] / (mid["input"] + mid["weight"])
-    cal["op_overhead_s"] = {k: med(r["pipeline_ops"][k] for r in gathered) for k in ("fwd", "bwd")}
+    ops = [r["pipeline_ops"] for r in gathered if r.get("pipeline_ops")]
+    if ops:
+        cal["op_overhead_s"] = {k: med(o[k] for o in ops) for k in ("fwd", "bwd")}
     deep = [r["optimizer"]["deep"] for r in gathered if r["optimizer"].get("deep") is not None]
     opt = fit_optimizer(med(r["optimizer"]["block"] for r in gathered), med(deep) if deep else None,
                         int(gathered[0]["optimizer"].get("deep_blocks", 1)), med(r["optimizer"]["ends"] for r in gathered))
