@@ -261,6 +261,44 @@ class TimelineResult:
     last_backward: List[float]      # per position: duration of its final B (+W) (overlap window)
 
 
+class _Ledger:
+    """What both timelines record as an operation ends: its inputs' readiness for the next stages,
+    each position's clock, busy time, activations held and final backward."""
+
+    def __init__(self, pp: int, n: int, m: int, schedule: str, activation: Sequence[float], fill: Optional[float],
+                 trace: Optional[List[Tuple[int, int, int, int, float, float]]]):
+        self.f_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
+        self.b_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
+        self.free, self.busy, self.held, self.peak, self.last_b = ([0.0] * pp for _ in range(5))
+        self.keep = ZB_W_ACTIVATION_SHARE if schedule == "zero_bubble" else 0.0
+        self.activation, self.trace = activation, trace
+
+    def start_forward(self, pos: int, k: int) -> None:
+        self.held[pos] += self.activation[k]
+        if self.held[pos] > self.peak[pos]:
+            self.peak[pos] = self.held[pos]
+
+    def finish(self, pos: int, kind: int, k: int, j: int, start: float, end: float) -> None:
+        dur = end - start
+        self.free[pos] = end
+        self.busy[pos] += dur
+        if self.trace is not None:
+            self.trace.append((pos, kind, k, j, start, end))
+        if kind == F:
+            self.f_end[k][j] = end
+        elif kind == B:
+            self.b_end[k][j] = end
+            self.held[pos] -= self.activation[k] * (1.0 - self.keep)
+            self.last_b[pos] = dur
+        else:
+            self.held[pos] -= self.activation[k] * self.keep
+            self.last_b[pos] += dur
+
+    def result(self) -> TimelineResult:
+        return TimelineResult(makespan=max(self.free), end=self.free, busy=self.busy, peak_activation=self.peak,
+                              last_backward=self.last_b)
+
+
 def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[float],
                       send_fwd: Sequence[float], send_bwd: Sequence[float],
@@ -281,21 +319,14 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     last = n - 1
-    f_end = [[0.0] * m for _ in range(n)]
-    b_end = [[0.0] * m for _ in range(n)]
-    free = [0.0] * pp
-    busy = [0.0] * pp
-    held = [0.0] * pp
-    peak = [0.0] * pp
-    last_b = [0.0] * pp
-    zb = schedule == "zero_bubble"
-    keep = ZB_W_ACTIVATION_SHARE if zb else 0.0
+    book = _Ledger(pp, n, m, schedule, activation, 0.0, trace)
+    f_end, b_end, free = book.f_end, book.b_end, book.free
+    last_kind = W if schedule == "zero_bubble" else B
     f_extra = first_fwd_extra if first_fwd_extra is not None and any(first_fwd_extra) else None
     b_extra = last_bwd_extra if last_bwd_extra is not None and any(last_bwd_extra) else None
     hs = recv_handshake if recv_handshake is not None and any(recv_handshake) else None
     seen_f = [False] * n
     done_b = [0] * n
-    last_kind = W if zb else B
     for pos, kind, k, j in st.order:
         if kind == F:
             ready = f_end[k - 1][j] + send_fwd[k - 1] if k > 0 else 0.0
@@ -303,9 +334,7 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
             if f_extra is not None and not seen_f[k]:
                 seen_f[k] = True
                 dur += f_extra[k]
-            held[pos] += activation[k]
-            if held[pos] > peak[pos]:
-                peak[pos] = held[pos]
+            book.start_forward(pos, k)
         elif kind == B:
             ready = b_end[k + 1][j] + send_bwd[k] if k < last else f_end[k][j]
             dur = bwd[k]
@@ -321,21 +350,8 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                                              or (kind == B and k < last and send_bwd[k] > 0)):
             at += hs[k]
         start = at if at > ready else ready
-        end = start + dur
-        free[pos] = end
-        busy[pos] += dur
-        if trace is not None:
-            trace.append((pos, kind, k, j, start, end))
-        if kind == F:
-            f_end[k][j] = end
-        elif kind == B:
-            b_end[k][j] = end
-            held[pos] -= activation[k] * (1.0 - keep)
-            last_b[pos] = dur
-        else:
-            held[pos] -= activation[k] * keep
-            last_b[pos] += dur
-    return TimelineResult(makespan=max(free), end=free, busy=busy, peak_activation=peak, last_backward=last_b)
+        book.finish(pos, kind, k, j, start, start + dur)
+    return book.result()
 
 
 def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
@@ -360,11 +376,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     last = n - 1
     ranks = list(ranks) if ranks is not None else [1] * pp
     total = float(sum(ranks))
-    f_end: List[List[Optional[float]]] = [[None] * m for _ in range(n)]
-    b_end: List[List[Optional[float]]] = [[None] * m for _ in range(n)]
-    free, busy, held, peak, last_b = ([0.0] * pp for _ in range(5))
-    zb = schedule == "zero_bubble"
-    keep = ZB_W_ACTIVATION_SHARE if zb else 0.0
+    book = _Ledger(pp, n, m, schedule, activation, None, trace)
+    f_end, b_end, free = book.f_end, book.b_end, book.free
     seen_f = [False] * n
     nxt = [0] * pp
     pending: List[Optional[Tuple[float, Tuple[int, int, int], float]]] = [None] * pp   # (start, op, work)
@@ -403,10 +416,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
                 plan_next(pos)
             p = pending[pos]
             if p is not None and p[0] <= now:
-                kind, k, _ = p[1]
-                if kind == F:
-                    held[pos] += activation[k]
-                    peak[pos] = max(peak[pos], held[pos])
+                if p[1][0] == F:
+                    book.start_forward(pos, p[1][1])
                 running[pos], pending[pos] = [p[1], p[2], now], None
         active = sum(ranks[pos] for pos in range(pp) if running[pos] is not None)
         starts = [p[0] for p in pending if p is not None]
@@ -425,19 +436,7 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
             (kind, k, j), _, start = r
             running[pos] = None
             nxt[pos] += 1
-            free[pos] = now
-            busy[pos] += now - start
-            if trace is not None:
-                trace.append((pos, kind, k, j, start, now))
-            if kind == F:
-                f_end[k][j] = now
-            elif kind == B:
-                b_end[k][j] = now
-                held[pos] -= activation[k] * (1.0 - keep)
-                last_b[pos] = now - start
-            else:
-                held[pos] -= activation[k] * keep
-                last_b[pos] += now - start
+            book.finish(pos, kind, k, j, start, now)
     if any(nxt[pos] < len(ops[pos]) for pos in range(pp)):
         raise RuntimeError(f"shared-cores timeline stalled for {schedule} pp={pp} v={stages_per_rank} m={m}")
-    return TimelineResult(makespan=max(free), end=free, busy=busy, peak_activation=peak, last_backward=last_b)
+    return book.result()
