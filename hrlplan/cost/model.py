@@ -43,8 +43,9 @@ CALIBRATION_KEYS = {
                              "later compute hides; fitted with dp_collective_s over stage depths",
     "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
     "tp_block_overhead_s": "[{tokens, fwd, bwd}]: each block of a stage sharded over tp=2 takes this much beyond half "
-                           "the whole block's time (the slope over stage depths) per forward / backward of a micro-batch of `tokens` tokens (its all-reduces "
-                           "and DTensor's dispatch); replaces the analytic all-reduce time, x (tp-1) beyond tp=2",
+                           "the whole block's time (the slope over stage depths) per forward / backward of a "
+                           "micro-batch of `tokens` tokens (its all-reduces and DTensor's dispatch); replaces the "
+                           "analytic all-reduce time, x (tp-1) beyond tp=2",
     "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
                            "gradient reduces) as a step pays it after the pipeline",
     "allreduce_by_ranks": "[{ranks, latency_s, s_per_byte}]: an all-reduce over a group of `ranks` ranks as a "

@@ -7,16 +7,17 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   (compute_efficiency, per device name) and the half-saturation point `h` (half_saturation_tokens);
 - the same block's backward / forward ratio per micro-batch size (backward_forward_ratio), and its
   backward split as zero-bubble runs it, by torch's own functions (zb_backward_factors);
-- per-op overhead of torch's pipeline stage, on rank 0 alone (op_overhead_s); clipping + AdamW of a 1-block and a
-  deeper stage and of the embedding + head (optimizer_s_per_block, optimizer_fixed_s,
+- per-op overhead of torch's pipeline stage, on rank 0 alone (op_overhead_s); clipping + AdamW of a
+  1-block and a deeper stage and of the embedding + head (optimizer_s_per_block, optimizer_fixed_s,
   optimizer_ends_blocks);
 - the communication micro-benchmarks of hrlplan.runtime.calibrate_comm, every pair of ranks at once
   with a rank left over kept busy (a step has every rank working too): a ping-pong
   (bandwidth_efficiency); a real two-stage torch pipeline per schedule (p2p_latency_s,
   p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
   allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
-  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 3 blocks sharded over tp=2
-  beside the whole ones (tp_block_overhead_s, the slope per block); all-reduces over groups of every size, every group at once
+  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 3 blocks sharded over
+  tp=2 beside the whole ones (tp_block_overhead_s, the slope per block); all-reduces over groups of
+  every size, every group at once
   (allreduce_by_ranks). All-reduces and pipeline hops run in three passes at different moments, pooled;
 - with train.dtype=bfloat16, every forward under bf16 autocast, as the runtime computes;
 - contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means
@@ -181,7 +182,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
             cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
             cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
                                                  **ref.calibration["half_saturation_tokens"])
-            cal["backward_forward_ratio"] = [{"tokens": a["tokens"], "ratio": a["bwd_s"] / a["fwd_s"]} for a in alone]
+            cal["backward_forward_ratio"] = [{"tokens": a["tokens"], "ratio": a["bwd_s"] / a["fwd_s"]}
+                                             for a in alone]
         cal["measurements"] = {"model": meta.name, "seq_len": seq, "dtype": str(train.get("dtype", "float32")),
                                "ranks": gathered, "p2p_bytes": msg,
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
