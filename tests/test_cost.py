@@ -229,3 +229,26 @@ def test_tensor_parallel_shards_the_blocks_not_the_head():
     assert two.compute_fwd == pytest.approx(one.compute_fwd * share, rel=1e-9)
     assert costs.span_params(0, 8, True, True, 1, tp=2) == pytest.approx(
         sum(meta.block_params) / 2 + meta.embedding_params + meta.head_params)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])
+def test_shared_cores_timeline_equals_the_list_schedule_when_nothing_is_slowed(schedule, v):
+    """The shared-cores timeline runs the same operations, orders, inputs and handshakes: with no
+    slowdown it reproduces simulate_timeline (ends, busy time, peak activations, trace)."""
+    import random
+
+    from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
+
+    rng = random.Random(0)
+    for pp, m in ((2, 2), (3, 4), (4, 8)):
+        n = pp * v
+        draw = lambda lo, hi: [rng.uniform(lo, hi) for _ in range(n)]   # noqa: E731
+        f, b, send, extra, hs, act = draw(0.5, 2), draw(0.5, 2), draw(0, 0.2), draw(0, 1), draw(0, 0.1), draw(0, 1)
+        w = draw(0.5, 2) if schedule == "zero_bubble" else [0.0] * n
+        t1, t2 = [], []
+        a = simulate_timeline(schedule, pp, v, m, f, b, w, send, send, act, extra, None, hs, trace=t1)
+        c = simulate_shared_timeline(schedule, pp, v, m, f, b, w, send, send, act, extra, hs, trace=t2)
+        for x, y in ((a.end, c.end), (a.busy, c.busy), (a.peak_activation, c.peak_activation),
+                     (a.last_backward, c.last_backward)):
+            assert y == pytest.approx(x, abs=1e-9)
+        assert sorted(t2) == pytest.approx(sorted(t1), abs=1e-9)

@@ -156,8 +156,8 @@ def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes
     the all-reduces, and DTensor's dispatch, which on CPU outweighs the halved matmuls. Two depths,
     because a block costs more inside a deeper stage than alone (measured on gpt2-tiny: 9.2 ms
     beyond half the block alone, 10.5-11.5 ms per block of a 6-block stage; the slope over 1 and 2
-    blocks, 10.6 ms; 1 and 3 here, which halves the slope's noise). None when the model cannot be sharded over 2 (heads not divisible, an
-    architecture without a tp plan)."""
+    blocks, 10.6 ms; 1 and 3 here, which halves the slope's noise). None when the model cannot be
+    sharded over 2 (heads not divisible, an architecture without a tp plan)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from hrlplan.runtime.tensor_parallel import parallelize_stage
