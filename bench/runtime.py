@@ -86,14 +86,14 @@ def measure_mfu(overrides: List[str], run_dir: Path, steps: int) -> Dict[str, An
 
 # ---------------------------------------------------------------- probe + calibrate in a job of W workers
 def _calibrate_worker(config: Dict[str, Any]) -> Dict[str, Any] | None:
-    import torch
     import torch.distributed as dist
 
     from hrlplan.cluster import probe_distributed
     from hrlplan.runtime.calibrate import calibrate_in_job
+    from hrlplan.runtime.host import prepare_worker
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    prepare_worker()
     try:
         spec = probe_distributed(config["cluster"], name="bench")
         box = [spec]
@@ -235,7 +235,10 @@ def main() -> None:
     if "1stage" in chosen:
         import torch
 
+        from hrlplan.runtime.host import keep_freed_memory
+
         torch.set_num_threads(1)   # as the pipeline's worker
+        keep_freed_memory()
         plain = [h["step_time_s"] for h in train_single_process(config, args.steps)]
         pipe = report["plans"]["1stage"]["measured_step_s"]
         plain_med = median_step_time(plain)

@@ -257,9 +257,9 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
 
 
 def _init_distributed(config: Dict[str, Any]):
-    import torch
     import torch.distributed as dist
 
+    from hrlplan.runtime.host import prepare_worker
     from hrlplan.runtime.trainer import pick_device
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -267,9 +267,7 @@ def _init_distributed(config: Dict[str, Any]):
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    prepare_worker()
     return device
 
 

@@ -197,3 +197,17 @@ def test_timeline_picture_with_measured_rows(tmp_path):
         {"chosen": {"step_time_s": 0.009, "stages": stages}, "measured": {"step_time_s": 0.012, "events": events}}))
     out = save_timeline(tmp_path)
     assert out is not None and out.stat().st_size > 5000
+
+
+def test_workers_keep_freed_memory_unless_the_user_tuned_the_allocator(monkeypatch):
+    import platform
+    import subprocess
+    import sys
+
+    from hrlplan.runtime.host import keep_freed_memory
+
+    probe = [sys.executable, "-c", "from hrlplan.runtime.host import keep_freed_memory as k; print(k())"]
+    if platform.libc_ver()[0] == "glibc":   # a fresh process, so the test run's own allocator stays as it was
+        assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "True"
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert keep_freed_memory() is False

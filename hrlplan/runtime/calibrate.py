@@ -319,14 +319,13 @@ def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: Dict[str
     from datetime import timedelta
 
     from hrlplan.cluster import ClusterSpec
+    from hrlplan.runtime.host import prepare_worker
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    prepare_worker()
     try:
         spec = calibrate_in_job(ClusterSpec.from_dict(spec_dict), arch, train, data)
         return spec.to_dict() if dist.get_rank() == 0 else None

@@ -18,12 +18,11 @@ def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
+    from hrlplan.runtime.host import prepare_worker
     from hrlplan.runtime.trainer import PipelineTrainer
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    prepare_worker()
     try:
         plan = Plan.from_yaml(plan_yaml)
         logger = None
