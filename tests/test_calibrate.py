@@ -36,6 +36,7 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
     # two ranks: the pair micro-benchmarks ran, tensor parallel among them
     assert [p["tokens"] for p in cal["tp_block_overhead_s"]] == sorted(p["tokens"] for p in cal["tp_block_overhead_s"])
     assert all(p["fwd"] >= 0 and p["bwd"] >= 0 for p in cal["tp_block_overhead_s"])
+    assert cal["optimizer_s_per_block"]["tp"] > 0 and cal["optimizer_fixed_s"]["tp"] >= 0
     model = DeviceModel(ClusterSpec.load(tmp_path / "calibrated.json"))
     assert model.flops[0] == pytest.approx(2e10 * cal["compute_efficiency"]["cpu"])
 
@@ -478,6 +479,58 @@ def test_fit_tensor_parallel_takes_what_each_tp_block_costs_beyond_half_the_bloc
     assert fit_tensor_parallel([None, None]) == []
     # tp faster than half the block (no overhead at all) is clipped at 0, not a negative cost
     assert fit_tensor_parallel([rank(-1.5e-3)])[1]["fwd"] == 0.0
+
+
+def test_fit_tensor_parallel_smooths_a_stray_size_by_a_line_over_the_sizes():
+    from hrlplan.runtime.calibrate_comm import fit_tensor_parallel
+
+    def point(tokens, extra):   # plain 0: what tp takes is all overhead; 1 and 6 blocks
+        return {"tokens": tokens, "depths": [
+            {"n_blocks": n, "plain_fwd_s": 0.0, "plain_bwd_s": 0.0, "tp_fwd_s": n * extra, "tp_bwd_s": n * extra}
+            for n in (1, 6)]}
+
+    # on a line 8 ms + 1 us per token, the middle size measured 2 ms low
+    line = lambda t: 8e-3 + 1e-6 * t  # noqa: E731
+    fits = fit_tensor_parallel([[point(64, line(64)), point(128, line(128) - 2e-3), point(512, line(512))]])
+    got = [f["fwd"] for f in fits]
+    assert got[1] > line(128) - 1.2e-3   # pulled most of the way back to the line
+    assert sum(got) == pytest.approx(sum(line(t) for t in (64, 128, 512)) - 2e-3)   # least squares keeps the mean
+    # on the line already: unchanged
+    exact = fit_tensor_parallel([[point(t, line(t)) for t in (64, 128, 512)]])
+    assert [f["bwd"] for f in exact] == pytest.approx([line(t) for t in (64, 128, 512)])
+
+
+def test_tensor_parallel_optimizer_is_calibrated_apart_from_fsdps():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    flops = meta.block_flops_fwd_per_token[0]
+
+    def rank():
+        return {"block": [{"tokens": n, "fwd_s": flops * n / 1e9, "bwd_s": 2 * flops * n / 1e9} for n in (128, 512)],
+                "optimizer": {"block": 3e-4, "ends": 3e-4},
+                "tp_optimizer": {"block": 1e-3 + 2e-4, "deep": 1e-3 + 4 * 2e-4, "deep_blocks": 4}}
+
+    cal = fit_calibration(spec, meta, [rank(), rank()], None, 0)
+    assert cal["optimizer_s_per_block"]["tp"] == pytest.approx(2e-4)
+    assert cal["optimizer_fixed_s"]["tp"] == pytest.approx(1e-3)
+
+    def optimizer_s(tp, dp, calibration):
+        lay = Layout(spans=((0, 8),), groups=(tuple(range(tp * dp)),), tp=tp, dp=dp, microbatch_size=1,
+                     num_microbatches=2, schedule="1f1b")
+        return Simulator(meta, _overhead_cluster(calibration), CostOptions()).evaluate(lay, detail=True).breakdown["optimizer_s"]
+
+    both = dict(CAL, optimizer_s_per_block={"plain": 1e-4, "sharded": 1e-3, "tp": 2e-4},
+                optimizer_fixed_s={"plain": 0.0, "sharded": 5e-3, "tp": 1e-3})
+    units = 8 + 0.5   # the blocks, and the embedding + head at CAL's optimizer_ends_blocks
+    assert optimizer_s(2, 1, both) == pytest.approx(units * 2e-4 + 1e-3)     # tp alone: its own figures
+    assert optimizer_s(1, 2, both) == pytest.approx(units * 1e-3 + 5e-3)     # FSDP: the sharded ones
+    # a calibration from before: tp falls back on the sharded figures
+    old = dict(CAL, optimizer_fixed_s={"plain": 0.0, "sharded": 5e-3})
+    assert optimizer_s(2, 1, old) == pytest.approx(units * 1e-3 + 5e-3)
 
 
 def test_calibrated_tp_overhead_replaces_the_analytic_all_reduces():

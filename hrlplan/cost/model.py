@@ -55,10 +55,11 @@ CALIBRATION_KEYS = {
                           "allreduce_latency_s / tied_allreduce_s",
     "tied_allreduce_s": "float (default allreduce_latency_s): the all-reduce of a tied embedding's gradient "
                         "between the first and the last stage, after the pipeline",
-    "optimizer_s_per_block": "{plain: s, sharded: s}: gradient clipping + optimizer step per block of "
-                             "a rank's stages (sharded: FSDP/replicate DTensor parameters; clipping's norm "
-                             "all-reduce over the shards is one allreduce_latency_s per step, not per block)",
-    "optimizer_fixed_s": "{plain: s, sharded: s} (default 0): the optimizer's per-call cost (norms, foreach "
+    "optimizer_s_per_block": "{plain: s, sharded: s, tp: s}: gradient clipping + optimizer step per block of "
+                             "a rank's stages (sharded: FSDP/replicate DTensor parameters; tp: a stage sharded "
+                             "over tp=2 without dp, default sharded; clipping's norm all-reduce over the shards "
+                             "is one allreduce_latency_s per step, not per block)",
+    "optimizer_fixed_s": "{plain: s, sharded: s, tp: s} (default 0): the optimizer's per-call cost (norms, foreach "
                          "launches, Python), paid once per rank and step beside optimizer_s_per_block",
     "optimizer_in_step_scale": "float (informational): how much longer clipping + AdamW took in a real "
                                "one-process step than in the optimizer micro-benchmark; the plain optimizer "
@@ -172,6 +173,8 @@ class Overheads:
     opt_ends_blocks: float = 0.0
     opt_plain_fixed: float = 0.0
     opt_sharded_fixed: float = 0.0
+    opt_tp: Optional[float] = None        # tp > 1 without dp (default opt_sharded)
+    opt_tp_fixed: Optional[float] = None
     step: float = 0.0
     zb_input_grad_share: Optional[float] = None
     zb_factors: Tuple[Tuple[float, ...], ...] = ()       # (tokens, input, weight): see zb_backward_factors
@@ -188,6 +191,8 @@ class Overheads:
         hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
         opx, oshx = _pair(cal.get("optimizer_fixed_s"), "plain", "sharded")
+        tp_opt = [(v or {}).get("tp") if isinstance(v, dict) else None
+                  for v in (cal.get("optimizer_s_per_block"), cal.get("optimizer_fixed_s"))]
         c = cal.get("contention_factor")
         cc, cp = (1.0, 1.0) if c is None else (max(x, 1.0) for x in _pair(c, "compute", "paired"))
         p2p = cal.get("p2p_latency_s")
@@ -201,6 +206,8 @@ class Overheads:
                    tied_allreduce=None if cal.get("tied_allreduce_s") is None else float(cal["tied_allreduce_s"]) * cp,
                    opt_sharded=osh * cp, opt_ends_blocks=float(cal.get("optimizer_ends_blocks", 0.0)),
                    opt_plain_fixed=opx * cc, opt_sharded_fixed=oshx * cp,
+                   opt_tp=None if tp_opt[0] is None else float(tp_opt[0]) * cp,
+                   opt_tp_fixed=None if tp_opt[1] is None else float(tp_opt[1]) * cp,
                    step=float(cal.get("step_overhead_s", 0.0)) * cc,
                    zb_input_grad_share=None if zb is None else float(zb),
                    zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
@@ -208,6 +215,16 @@ class Overheads:
                    tp_block=tuple((t, f * cp, b * cp) for t, f, b in _points(cal.get("tp_block_overhead_s"), ("fwd", "bwd"))),
                    allreduce_fits=tuple(sorted((float(f["ranks"]), float(f["latency_s"]), float(f["s_per_byte"]))
                                                for f in cal.get("allreduce_by_ranks") or ())))
+
+    def optimizer_per_block(self, dp: int, tp: int) -> float:
+        if dp == 1 and tp > 1 and self.opt_tp is not None:
+            return self.opt_tp
+        return self.opt_sharded if dp > 1 or tp > 1 else self.opt_plain
+
+    def optimizer_fixed(self, dp: int, tp: int) -> float:
+        if dp == 1 and tp > 1 and self.opt_tp_fixed is not None:
+            return self.opt_tp_fixed
+        return self.opt_sharded_fixed if dp > 1 or tp > 1 else self.opt_plain_fixed
 
     def allreduce(self, ranks: int, nbytes: float, default: float) -> float:
         """A step's all-reduce over `ranks` ranks of `nbytes` (allreduce_by_ranks); `default` without
@@ -427,7 +444,7 @@ class StageCostModel:
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
         opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
         # DTensor parameters (FSDP's shards, tp's sharded linears) step as the sharded figure measured
-        optimizer = opt_units * (ov.opt_sharded if dp > 1 or tp > 1 else ov.opt_plain)
+        optimizer = opt_units * ov.optimizer_per_block(dp, tp)
         if dp > 1:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.

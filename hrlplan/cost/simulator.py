@@ -154,7 +154,7 @@ class Simulator:
             pos_static[pos] += c.static_memory
             pos_opt[pos] += c.optimizer
         # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
-        fixed = ov.opt_sharded_fixed if layout.dp > 1 or layout.tp > 1 else ov.opt_plain_fixed
+        fixed = ov.optimizer_fixed(layout.dp, layout.tp)
         pos_opt = [t + fixed for t in pos_opt]
         finish = []
         exposed = []

@@ -15,10 +15,10 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   (bandwidth_efficiency); a real two-stage torch pipeline per schedule (p2p_latency_s,
   p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
   allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
-  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 3 blocks sharded over
-  tp=2 beside the whole ones (tp_block_overhead_s, the slope per block); all-reduces over groups of
-  every size, every group at once
-  (allreduce_by_ranks). All-reduces and pipeline hops run in three passes at different moments, pooled;
+  dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 6 blocks sharded over
+  tp=2 beside the whole ones (tp_block_overhead_s, the slope per block) and their clipping + AdamW
+  (the "tp" entries of optimizer_s_per_block / optimizer_fixed_s); all-reduces over groups of every
+  size, every group at once (allreduce_by_ranks). All-reduces and pipeline hops run in three passes at different moments, pooled;
 - with train.dtype=bfloat16, every forward under bf16 autocast, as the runtime computes;
 - contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means
   over a long run); with more ranks than cores compute is then costed at the speed measured alone
@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barrier, fit_compute, fit_optimizer,
                                               measure_block, measure_contention, measure_optimizer, measure_pipeline_ops,
-                                              measure_step, measure_zb_split, predict_one_process_step)
+                                              measure_step, measure_tp_optimizer, measure_zb_split,
+                                              predict_one_process_step)
 from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS,
                                            allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
@@ -104,7 +105,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     dist.barrier()
     # The two-rank micro-benchmarks, every pair at once and a rank left over kept busy: a step has
     # every rank working too, so what they measure needs no scaling for ranks sharing cores.
-    dp = hop = tensor_parallel = None
+    dp = hop = tensor_parallel = tp_optimizer = None
     mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
     if mine is None:
         busy_until_barrier(arch, seq, max(1, g // 4), device)
@@ -130,6 +131,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         hop_pass()
         hop = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
         tensor_parallel = measure_tensor_parallel(arch, seq, sizes, device, pair_groups[mine])
+        tp_optimizer = measure_tp_optimizer(arch, train, device, pair_groups[mine])
         dist.barrier()
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
@@ -138,7 +140,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     allreduce = pool_allreduce_passes(allreduce_passes)
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, "data_parallel": dp,
-             "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "contention": contention, "allreduce": allreduce}
+             "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "tp_optimizer": tp_optimizer,
+             "contention": contention, "allreduce": allreduce}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     cal: Optional[Dict[str, Any]] = None
@@ -237,6 +240,11 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         sharded, sharded_fixed = med(f["optimizer"][0] for f in fits), med(f["optimizer"][1] for f in fits)
     cal["optimizer_s_per_block"] = {"plain": opt["per_block"], "sharded": sharded}
     cal["optimizer_fixed_s"] = {"plain": opt["fixed"], "sharded": sharded_fixed}
+    tps = [fit_optimizer(t["block"], t["deep"], int(t["deep_blocks"]), 0.0) for t in
+           (r.get("tp_optimizer") for r in gathered) if t]
+    if tps:
+        cal["optimizer_s_per_block"]["tp"] = med(f["per_block"] for f in tps)
+        cal["optimizer_fixed_s"]["tp"] = med(f["fixed"] for f in tps)
     if dps:
         cal["dp_collective_s"] = {"allgather": med(d["allgather"] for d in dps), "reduce": med(d["reduce"] for d in dps)}
         cal["dp_hook_s"] = {"fwd": med(d["hook_fwd"] for d in dps), "bwd": med(d["hook_bwd"] for d in dps)}

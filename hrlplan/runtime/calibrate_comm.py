@@ -6,7 +6,7 @@
   tied_allreduce_s);
 - measure_data_parallel + fit_dp_scaling: FSDP2 over a pair of ranks (dp_collective_s,
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer);
-- measure_tensor_parallel + fit_tensor_parallel: stages of 1 and 3 blocks sharded over tp=2 beside
+- measure_tensor_parallel + fit_tensor_parallel: stages of 1 and 6 blocks sharded over tp=2 beside
   the whole ones (tp_block_overhead_s, per block);
 - measure_allreduce + fit_allreduce: all-reduces over groups of every size the world holds, every
   group at once, each rank arriving when its own work ends (allreduce_by_ranks);
@@ -144,7 +144,7 @@ def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return pooled
 
 
-TP_DEPTHS = (1, 3)   # blocks per stage measure_tensor_parallel shards: the overhead per block is the slope
+TP_DEPTHS = (1, 6)   # blocks per stage measure_tensor_parallel shards: the overhead per block is the slope
 
 
 def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
@@ -156,7 +156,8 @@ def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes
     the all-reduces, and DTensor's dispatch, which on CPU outweighs the halved matmuls. Two depths,
     because a block costs more inside a deeper stage than alone (measured on gpt2-tiny: 9.2 ms
     beyond half the block alone, 10.5-11.5 ms per block of a 6-block stage; the slope over 1 and 2
-    blocks, 10.6 ms; 1 and 3 here, which halves the slope's noise). None when the model cannot be
+    blocks, 10.6 ms). 1 and 6 blocks here: runs a few seconds apart gave slopes of 4.5-7.6 ms over
+    1 and 3 blocks, 5.0-6.5 ms over 1 and 6 (512 tokens, 15 repeats). None when the model cannot be
     sharded over 2 (heads not divisible, an architecture without a tp plan)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -196,7 +197,10 @@ def measure_tensor_parallel(arch: Dict[str, Any], seq_len: int, microbatch_sizes
 def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> List[Dict[str, float]]:
     """[{tokens, fwd, bwd}]: what one more block of a tp=2 stage costs in forward / backward beyond
     half its whole compute -- the slope over the stage depths measured -- the median over the ranks
-    that measured it (>= 0). [] when none did."""
+    that measured it, smoothed by a least-squares line over the micro-batch sizes (>= 0). [] when
+    none did. The line, because each size's figure is a difference of differences: with 4 ranks on
+    2 cores one size once measured 5.8 ms between 7.9 and 8.5 ms, and pp2 x tp2, costed between
+    two sizes, was predicted 12% fast."""
     runs = [m for m in measured if m]
     if not runs:
         return []
@@ -209,10 +213,20 @@ def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> L
         lo, hi = point["depths"][0], point["depths"][-1]
         return (beyond_half(hi, part) - beyond_half(lo, part)) / (hi["n_blocks"] - lo["n_blocks"])
 
-    return [{"tokens": p["tokens"],
-             "fwd": max(med(slope(r[i], "fwd") for r in runs), 0.0),
-             "bwd": max(med(slope(r[i], "bwd") for r in runs), 0.0)}
+    tokens = [float(p["tokens"]) for p in runs[0]]
+    fits = {part: _line_through(tokens, [med(slope(r[i], part) for r in runs) for i in range(len(tokens))])
+            for part in ("fwd", "bwd")}
+    return [{"tokens": p["tokens"], **{part: max(fits[part][i], 0.0) for part in fits}}
             for i, p in enumerate(runs[0])]
+
+
+def _line_through(xs: List[float], ys: List[float]) -> List[float]:
+    """The least-squares line's values at xs (ys as they are with fewer than 3 distinct xs)."""
+    if len(set(xs)) < 3:
+        return list(ys)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return [my + a * (x - mx) for x in xs]
 
 
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points

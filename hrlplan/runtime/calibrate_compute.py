@@ -4,7 +4,8 @@
   (compute_efficiency, half_saturation_tokens, backward_forward_ratio);
 - measure_zb_split: the block's backward split as zero-bubble runs it (zb_backward_factors);
 - measure_optimizer + fit_optimizer: clipping + AdamW per block and per call (optimizer_s_per_block,
-  optimizer_fixed_s, optimizer_ends_blocks);
+  optimizer_fixed_s, optimizer_ends_blocks); measure_tp_optimizer: the same of a stage sharded over
+  tp=2 (their "tp" entries);
 - measure_pipeline_ops: torch's pipeline stage overhead per operation (op_overhead_s);
 - measure_contention: every rank busy vs one alone (contention_factor);
 - measure_step: one whole one-process training step (step_overhead_s, optimizer_in_step_scale).
@@ -139,6 +140,48 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
         opt = make_optimizer(part, train)
         out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats)
     out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
+    return out
+
+
+def measure_tp_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device, pair_group,
+                         repeats: int = 3 * REPEATS) -> Optional[Dict[str, float]]:
+    """Collective over `pair_group`: gradient clipping + AdamW of a one-block and an
+    OPTIMIZER_DEEP_BLOCKS-block stage sharded over tp=2 as the runtime shards it, on both ranks at
+    once, without the norm's all-reduce (step_collectives costs that once per step). Tensor parallel
+    leaves norms plain and shards the linears, and on CPU AdamW's per-parameter DTensor dispatch is
+    most of its time: FSDP's all-DTensor figure overcosted a tp=2 step's optimizer by 40%. None when
+    the model cannot be sharded over 2."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hrlplan.runtime.tensor_parallel import parallelize_stage
+    from hrlplan.runtime.trainer import make_optimizer
+
+    mesh = DeviceMesh.from_group(pair_group, device.type, mesh_dim_names=("tp",))
+    out: Dict[str, Any] = {"deep_blocks": OPTIMIZER_DEEP_BLOCKS}
+    small = torch.zeros(1, device=device)
+    for name, n_blocks in (("block", 1), ("deep", OPTIMIZER_DEEP_BLOCKS)):
+        stage, hidden = block_stage(arch, device, n_blocks)
+        try:
+            parallelize_stage(stage, mesh)
+        except (ValueError, NotImplementedError):
+            return None
+        y = stage(torch.randn(1, 8, hidden, device=device))
+        y.backward(torch.ones_like(y))
+        params = [p for p in stage.parameters() if p.requires_grad]
+        opt = make_optimizer(stage, train)
+        step, reduce = [], []
+        for i in range(repeats + 1):   # the first run pays for allocation
+            dist.barrier(group=pair_group)
+            t0 = time.perf_counter()
+            _clip_and_step(params, opt)
+            sync_device(device)
+            t1 = time.perf_counter()
+            dist.all_reduce(small, group=pair_group)
+            sync_device(device)
+            if i:
+                step.append(t1 - t0)
+                reduce.append(time.perf_counter() - t1)
+        out[name] = max(statistics.median(step) - statistics.median(reduce), 0.0)
     return out
 
 
