@@ -548,3 +548,22 @@ def test_calibrated_tp_overhead_replaces_the_analytic_all_reduces():
     per_block = (1e-3 + (2e-3 - 1e-3) / 7, 3e-3 + (4e-3 - 3e-3) / 7)
     assert tp.breakdown["tp_comm_s"] == pytest.approx(2 * 8 * sum(per_block), rel=1e-6)
     assert tp.step_time_s - plain.step_time_s == pytest.approx(2 * 8 * sum(per_block), rel=1e-3)
+
+
+def test_devices_of_one_name_compute_at_one_calibrated_speed_whatever_their_probe_said():
+    from hrlplan.cost.model import DeviceModel
+    from hrlplan.runtime.calibrate import fit_calibration
+    from tests.test_cost import toy_meta
+
+    meta, spec = toy_meta(), _two_cpu_spec()
+    spec.devices[0].peak_flops, spec.devices[1].peak_flops = 1.3e10, 1e10   # one lucky matmul probe
+    flops = meta.block_flops_fwd_per_token[0]
+    rank = {"block": [{"tokens": n, "fwd_s": flops * n / 4e9, "bwd_s": 2 * flops * n / 4e9} for n in (128, 512)],
+            "optimizer": {"block": 3e-4, "ends": 3e-4}}
+    spec.calibration = fit_calibration(spec, meta, [rank, rank], None, 0)
+    model = DeviceModel(spec)
+    # both ranks timed the same blocks: one speed, the one they measured
+    assert model.flops[0] == pytest.approx(model.flops[1])
+    assert model.throughput(0, 512) == pytest.approx(4e9, rel=1e-6)
+    spec.calibration = None   # uncalibrated, each device keeps its own probe figure
+    assert DeviceModel(spec).flops[0] > DeviceModel(spec).flops[1]

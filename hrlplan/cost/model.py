@@ -8,6 +8,7 @@ hundred tokens). `cluster.calibration` overrides the figures (see CALIBRATION_KE
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,8 @@ from hrlplan.plan import stage_to_group
 
 # Keys read from ClusterSpec.calibration (written by `hrlplan calibrate` or by hand):
 CALIBRATION_KEYS = {
-    "compute_efficiency": "float, or {device name: float}: sustained fraction of peak_flops",
+    "compute_efficiency": "float, or {device name: float}: sustained fraction of peak_flops -- the median "
+                          "peak_flops of the devices of that name (calibrated_peak_flops)",
     "half_saturation_tokens": "float, or {device name: float}: tokens per micro-batch at which a "
                               "device reaches half its sustained throughput",
     "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
@@ -261,6 +263,14 @@ class Overheads:
         return interpolate_by_tokens(self.zb_factors, tokens, 1), interpolate_by_tokens(self.zb_factors, tokens, 2)
 
 
+def calibrated_peak_flops(cluster, name: str) -> float:
+    """The peak FLOP/s a calibrated compute_efficiency is a fraction of: the median probe figure of
+    the devices named `name`. Calibration times every rank's blocks; the probe's one matmul per rank
+    is noisier (two ranks of one CPU 1.97e11 and 1.52e11 FLOP/s), and a device's own figure made the
+    stage on the luckier rank 30% faster than the one beside it in the model, not in the run."""
+    return statistics.median(d.peak_flops for d in cluster.devices if d.name == name)
+
+
 class DeviceModel:
     """Throughput, links and memory of a cluster's devices, with calibration applied."""
 
@@ -274,7 +284,8 @@ class DeviceModel:
         for d in cluster.devices:
             default_eff = 0.7 if measured else 0.5
             eff = _per_device(cal.get("compute_efficiency"), d.name, default_eff)
-            self.flops.append(d.peak_flops * eff)
+            peak = d.peak_flops if cal.get("compute_efficiency") is None else calibrated_peak_flops(cluster, d.name)
+            self.flops.append(peak * eff)
             self.half_tokens.append(_per_device(cal.get("half_saturation_tokens"), d.name,
                                                 256.0 if d.kind == "cuda" else 8.0))
             self.workspace.append(_per_device(cal.get("workspace_bytes"), d.name,

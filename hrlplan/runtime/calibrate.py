@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from hrlplan.cost.model import calibrated_peak_flops
 from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barrier, fit_compute, fit_optimizer,
                                               measure_block, measure_contention, measure_optimizer, measure_pipeline_ops,
                                               measure_step, measure_tp_optimizer, measure_zb_split,
@@ -161,7 +162,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         ref = copy.deepcopy(spec)
         ref.calibration = dict(cal)
         d0 = spec.devices[0]
-        fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats, d0.peak_flops)
+        fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats,
+                           calibrated_peak_flops(spec, d0.name))
         ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
                                half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
                                contention_factor=None)   # the reference step ran alone
@@ -207,7 +209,7 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
     flops = meta.block_flops_fwd_per_token[0] * meta.block_repeats
     eff, half = {}, {}
     for name in sorted({d.name for d in spec.devices}):
-        fits = [fit_compute(gathered[d.rank]["block"], flops, d.peak_flops) for d in spec.devices
+        fits = [fit_compute(gathered[d.rank]["block"], flops, calibrated_peak_flops(spec, name)) for d in spec.devices
                 if d.name == name and d.rank < len(gathered)]
         eff[name] = med(f["compute_efficiency"] for f in fits)
         half[name] = med(f["half_saturation_tokens"] for f in fits)
