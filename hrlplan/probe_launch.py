@@ -15,12 +15,14 @@ def _probe_worker(cluster_cfg: Dict[str, Any], out: str) -> Optional[Dict[str, A
     import torch.distributed as dist
 
     from hrlplan.cluster import probe_distributed
+    from hrlplan.runtime.host import prepare_worker
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
+    prepare_worker()   # the threads and allocator the training workers run with: the probe measures those
     try:
         spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")))
         if spec is not None:
