@@ -193,7 +193,7 @@ class Overheads:
         hf, hb = _pair(cal.get("dp_hook_s"), "fwd", "bwd")
         op, osh = _pair(cal.get("optimizer_s_per_block"), "plain", "sharded")
         opx, oshx = _pair(cal.get("optimizer_fixed_s"), "plain", "sharded")
-        tp_opt = [(v or {}).get("tp") if isinstance(v, dict) else None
+        tp_opt = [v.get("tp") if isinstance(v, dict) else None
                   for v in (cal.get("optimizer_s_per_block"), cal.get("optimizer_fixed_s"))]
         c = cal.get("contention_factor")
         cc, cp = (1.0, 1.0) if c is None else (max(x, 1.0) for x in _pair(c, "compute", "paired"))

@@ -18,7 +18,8 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 6 blocks sharded over
   tp=2 beside the whole ones (tp_block_overhead_s, the slope per block) and their clipping + AdamW
   (the "tp" entries of optimizer_s_per_block / optimizer_fixed_s); all-reduces over groups of every
-  size, every group at once (allreduce_by_ranks). All-reduces and pipeline hops run in three passes at different moments, pooled;
+  size, every group at once (allreduce_by_ranks). All-reduces and pipeline hops run in three passes
+  at different moments, pooled;
 - with train.dtype=bfloat16, every forward under bf16 autocast, as the runtime computes;
 - contention_factor: one block's forward + backward on every rank at once vs on one rank alone (means
   over a long run); with more ranks than cores compute is then costed at the speed measured alone

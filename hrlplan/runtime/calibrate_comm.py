@@ -220,13 +220,19 @@ def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> L
             for i, p in enumerate(runs[0])]
 
 
+def least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points; xs must not all be equal."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
 def _line_through(xs: List[float], ys: List[float]) -> List[float]:
     """The least-squares line's values at xs (ys as they are with fewer than 3 distinct xs)."""
     if len(set(xs)) < 3:
         return list(ys)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return [my + a * (x - mx) for x in xs]
+    slope, intercept = least_squares_line(xs, ys)
+    return [slope * x + intercept for x in xs]
 
 
 HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
@@ -383,11 +389,10 @@ def fit_dp_scaling(points: List[Dict[str, float]],
     for k in keys:
         ys = [max(float(p[f"{k}_total"]), 0.0) for p in points]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my / max(mx, 1.0)
-        slope = max(slope, 0.0)
+        spread = len(set(xs)) > 1
+        slope = max(least_squares_line(xs, ys)[0] if spread else my / max(mx, 1.0), 0.0)
         fixed = max(my - slope * mx, 0.0)
-        if fixed == 0.0 and var > 0:   # line through the origin
+        if fixed == 0.0 and spread:   # line through the origin
             slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         out[k] = (slope, fixed)
     return out
