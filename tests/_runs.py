@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 from hrlplan.config import compose
 from hrlplan.plan import homogeneous_plan

@@ -1,5 +1,4 @@
 """Every config option composes; a typo or a mistyped value fails at compose time."""
-from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException

@@ -1,5 +1,4 @@
 """HRM training loop in one process (gloo, world size 1): loss, checkpoints, resume, evaluation."""
-import json
 import math
 import os
 

@@ -1,6 +1,5 @@
 """Introspection on the meta device: parameter counts, per-block sums, FLOPs, clear errors."""
 import pytest
-import torch
 
 from hrlplan.model_meta import ModelMeta, ModelResolutionError, introspect, resolve_arch
 

@@ -1,6 +1,5 @@
 """`python pretrain.py` end to end with the tiny defaults, and resume after an interruption."""
 import json
-from pathlib import Path
 
 import pytest
 import yaml
