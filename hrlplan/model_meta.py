@@ -77,16 +77,19 @@ class ModelMeta:
 
 # ---------------------------------------------------------------- resolving a model id
 def conf_dir() -> Path:
-    """The shipped Hydra config tree (conf/ beside the package, or $HRLPLAN_CONF)."""
+    """The shipped Hydra config tree: $HRLPLAN_CONF, else the package's conf/ (a link to the
+    checkout's conf/, copied into a wheel), else conf/ beside the package (a checkout whose
+    filesystem kept the link as a plain file)."""
     from hrlplan.errors import UserError
 
     env = os.environ.get("HRLPLAN_CONF")
-    path = Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
-    if not (path / "config.yaml").is_file():
-        raise UserError(f"hrlplan's config tree is not at {path}" + (" ($HRLPLAN_CONF)" if env else "") +
-                        ": install from a checkout with `pip install -e .` (a non-editable install leaves "
-                        "conf/ behind), or set HRLPLAN_CONF=<checkout>/conf")
-    return path
+    here = Path(__file__).resolve().parent
+    candidates = [Path(env)] if env else [here / "conf", here.parent / "conf"]
+    for path in candidates:
+        if (path / "config.yaml").is_file():
+            return path
+    raise UserError(f"hrlplan's config tree is not at {candidates[-1]}" + (" ($HRLPLAN_CONF)" if env else "") +
+                    ": reinstall hrlplan (`pip install -e .` from a checkout), or set HRLPLAN_CONF=<checkout>/conf")
 
 
 def shipped_archs() -> List[str]:

@@ -1,5 +1,7 @@
 """Every config option composes; a typo or a mistyped value fails at compose time."""
 
+from pathlib import Path
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
@@ -55,3 +57,20 @@ def test_a_missing_config_tree_names_where_it_looked_and_the_fix(tmp_path, monke
     monkeypatch.setenv("HRLPLAN_CONF", str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match=r"nowhere.*\$HRLPLAN_CONF.*pip install -e \."):
         conf_dir()
+
+
+def test_the_config_tree_ships_inside_the_package():
+    from fnmatch import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+
+    import hrlplan
+
+    root = Path(__file__).resolve().parent.parent
+    packaged = Path(hrlplan.__file__).resolve().parent / "conf"
+    assert (packaged / "config.yaml").resolve() == (root / "conf" / "config.yaml").resolve()
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hrlplan"]
+    # every config file is matched by the wheel's package data (setuptools' ** spans folders)
+    for f in (root / "conf").rglob("*.yaml"):
+        rel = f"conf/{f.relative_to(root / 'conf').as_posix()}"
+        assert any(fnmatch(rel, g) for g in globs), rel
