@@ -51,6 +51,7 @@ def plans() -> Dict[str, Any]:
         "dp2": hp([(0, 6)], dp=2, m=1),
         "pp2-gpipe": hp([(0, 3), (3, 6)], schedule="gpipe"),
         "pp2-1f1b": hp([(0, 3), (3, 6)]),
+        "pp2-1f1b-m2": hp([(0, 3), (3, 6)], m=2),   # what `python pretrain.py` plans for 2 workers here
         "pp2-interleaved": hp(quarter, schedule="interleaved_1f1b", v=2),
         "pp2-zbv": hp(quarter, schedule="zero_bubble", v=2),
         "hetero-1+2": build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny"),

@@ -82,7 +82,10 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     meta = introspect(arch, seq_len=seq)
     g = int(train["global_batch_size"])
     sizes = sorted({1, max(1, g // 4), g})
-    samples = measure_block(arch, seq, sizes, device)
+    # the compute fit also at half the batch: its line through three sizes put a 256-token block
+    # (the micro-batch the planner then picked here) 8% below its measured time
+    block_sizes = sorted(set(sizes) | {max(1, g // 2)})
+    samples = measure_block(arch, seq, block_sizes, device)
     zb_split = measure_zb_split(arch, seq, sizes, device)
     # groups are created collectively, in one order on every rank
     singles = [dist.new_group([r]) for r in range(world)]
@@ -154,7 +157,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         # contention the concurrent fit above includes does not land in the overhead.
         config = {"arch": arch, "train": dict(train), "data": dict(data)}
         # interleaved rounds, medians: a shared machine's load drifts between two measurements
-        rounds = [(measure_step(config), measure_block(arch, seq, sizes, device)) for _ in range(REFERENCE_ROUNDS)]
+        rounds = [(measure_step(config), measure_block(arch, seq, block_sizes, device)) for _ in range(REFERENCE_ROUNDS)]
         measured = statistics.median(r[0]["step_s"] for r in rounds)
         optimizer_in_step = statistics.median(r[0]["optimizer_s"] for r in rounds)
         alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
