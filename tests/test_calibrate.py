@@ -565,5 +565,8 @@ def test_devices_of_one_name_compute_at_one_calibrated_speed_whatever_their_prob
     # both ranks timed the same blocks: one speed, the one they measured
     assert model.flops[0] == pytest.approx(model.flops[1])
     assert model.throughput(0, 512) == pytest.approx(4e9, rel=1e-6)
+    # the calibration reused beside a fresh probe (a cached one): the speeds it measured stay
+    spec.devices[0].peak_flops, spec.devices[1].peak_flops = 2e10, 2.4e10
+    assert DeviceModel(spec).throughput(1, 512) == pytest.approx(4e9, rel=1e-6)
     spec.calibration = None   # uncalibrated, each device keeps its own probe figure
-    assert DeviceModel(spec).flops[0] > DeviceModel(spec).flops[1]
+    assert DeviceModel(spec).flops[1] > DeviceModel(spec).flops[0]

@@ -18,8 +18,10 @@ from hrlplan.plan import stage_to_group
 
 # Keys read from ClusterSpec.calibration (written by `hrlplan calibrate` or by hand):
 CALIBRATION_KEYS = {
-    "compute_efficiency": "float, or {device name: float}: sustained fraction of peak_flops -- the median "
-                          "peak_flops of the devices of that name (calibrated_peak_flops)",
+    "compute_efficiency": "float, or {device name: float}: sustained fraction of the peak below, or of "
+                          "the median probed peak_flops of the devices of that name (calibrated_peak_flops)",
+    "peak_flops": "{device name: FLOP/s}: the peak compute_efficiency was fitted against (written by "
+                  "calibration): a calibration reused with a fresh probe keeps the speeds it measured",
     "half_saturation_tokens": "float, or {device name: float}: tokens per micro-batch at which a "
                               "device reaches half its sustained throughput",
     "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
@@ -264,10 +266,14 @@ class Overheads:
 
 
 def calibrated_peak_flops(cluster, name: str) -> float:
-    """The peak FLOP/s a calibrated compute_efficiency is a fraction of: the median probe figure of
-    the devices named `name`. Calibration times every rank's blocks; the probe's one matmul per rank
-    is noisier (two ranks of one CPU 1.97e11 and 1.52e11 FLOP/s), and a device's own figure made the
-    stage on the luckier rank 30% faster than the one beside it in the model, not in the run."""
+    """The peak FLOP/s a calibrated compute_efficiency is a fraction of: the one the calibration
+    recorded (peak_flops), else the median probe figure of the devices named `name`. Calibration
+    times every rank's blocks; the probe's one matmul per rank is noisier (two ranks of one CPU
+    1.97e11 and 1.52e11 FLOP/s), and a device's own figure made the stage on the luckier rank 30%
+    faster than the one beside it in the model, not in the run."""
+    recorded = (cluster.calibration or {}).get("peak_flops")
+    if isinstance(recorded, dict) and recorded.get(name):
+        return float(recorded[name])
     return statistics.median(d.peak_flops for d in cluster.devices if d.name == name)
 
 

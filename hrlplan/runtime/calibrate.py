@@ -43,7 +43,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from hrlplan.cost.model import calibrated_peak_flops
 from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barrier, fit_compute, fit_optimizer,
                                               measure_block, measure_contention, measure_optimizer, measure_pipeline_ops,
                                               measure_step, measure_tp_optimizer, measure_zb_split,
@@ -166,8 +165,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
         ref = copy.deepcopy(spec)
         ref.calibration = dict(cal)
         d0 = spec.devices[0]
-        fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats,
-                           calibrated_peak_flops(spec, d0.name))
+        fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats, cal["peak_flops"][d0.name])
         ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
                                half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
                                contention_factor=None)   # the reference step ran alone
@@ -210,14 +208,16 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
     reference step's step_overhead_s (calibrate_in_job fits it last, from the rest)."""
     med = statistics.median
     cal = dict(spec.calibration or {})
+    cal.pop("peak_flops", None)   # an earlier calibration's: this one fits against this probe's
     flops = meta.block_flops_fwd_per_token[0] * meta.block_repeats
-    eff, half = {}, {}
+    eff, half, peak = {}, {}, {}
     for name in sorted({d.name for d in spec.devices}):
-        fits = [fit_compute(gathered[d.rank]["block"], flops, calibrated_peak_flops(spec, name)) for d in spec.devices
+        peak[name] = statistics.median(d.peak_flops for d in spec.devices if d.name == name)
+        fits = [fit_compute(gathered[d.rank]["block"], flops, peak[name]) for d in spec.devices
                 if d.name == name and d.rank < len(gathered)]
         eff[name] = med(f["compute_efficiency"] for f in fits)
         half[name] = med(f["half_saturation_tokens"] for f in fits)
-    cal.update(compute_efficiency=eff, half_saturation_tokens=half, step_time_scale=1.0)
+    cal.update(compute_efficiency=eff, half_saturation_tokens=half, peak_flops=peak, step_time_scale=1.0)
     # per micro-batch size (medians over ranks): backward / forward, and zero-bubble's B and W as
     # multiples of the plain backward (the simulator interpolates them at a layout's micro-batch)
     cal["backward_forward_ratio"] = [
