@@ -36,6 +36,7 @@ and fits the figures.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import statistics
 from typing import Any, Dict, List, Optional
@@ -67,7 +68,9 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     With train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("dtype") == "bfloat16"):
-        return _calibrate_in_job(spec, arch, train, data, device)
+        spec = _calibrate_in_job(spec, arch, train, data, device)
+    gc.collect()
+    return spec
 
 
 def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device):
@@ -199,6 +202,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     box = [cal]
     dist.broadcast_object_list(box, src=0)
     spec.calibration = box[0]
+    for group in singles + pair_groups + [g for _, _, groups in partitions for g in groups if g is not None]:
+        dist.destroy_process_group(group)
     return spec
 
 
