@@ -162,10 +162,9 @@ def main() -> None:
             cal = {k: v for k, v in calibrated.calibration.items() if k != "measurements"}
             cal["load_average_after"] = os.getloadavg()[0]   # a busy machine biases it
             report["calibration"].setdefault(str(world), []).append(cal)
-            # the whole calibrated spec per round: predictions can be recomputed offline from the report
-            spec = calibrated.to_dict()
-            spec["calibration"] = {k: v for k, v in spec.get("calibration", {}).items() if k != "measurements"}
-            report.setdefault("cluster_specs", {}).setdefault(str(world), []).append(spec)
+            # the whole calibrated spec per round, its raw measurements too (~15 kB): predictions, and
+            # other fits of the same micro-benchmarks, can be recomputed offline from the report
+            report.setdefault("cluster_specs", {}).setdefault(str(world), []).append(calibrated.to_dict())
             print(f"[bench] round {r + 1}/{args.repeats}: probed + calibrated {world} worker(s) in "
                   f"{time.time() - t0:.1f} s", flush=True)
             for name, plan in chosen.items():
