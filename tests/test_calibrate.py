@@ -219,6 +219,45 @@ def test_contention_scales_alone_and_paired_figures_by_their_factors():
     assert fast.breakdown["pipeline_s"] < slow.breakdown["pipeline_s"] < 3 * fast.breakdown["pipeline_s"]
 
 
+def test_fit_pipeline_compute_takes_the_blocks_in_pipeline_beyond_contention():
+    from hrlplan.runtime.calibrate_comm import fit_pipeline_compute
+
+    alone = [{"tokens": 64, "fwd_s": 1e-3, "bwd_s": 2e-3}, {"tokens": 128, "fwd_s": 2e-3, "bwd_s": 4e-3}]
+    op = {"fwd": 1e-4, "bwd": 2e-4}
+    # 64-token micro-batches inside the pipeline, less the per-op overhead (costed apart): 1.5x, 1.7x
+    # and 1.6x the same block alone
+    hops = [{"microbatch_size": 1, "fwd_s": 1.5e-3 + 1e-4, "bwd_s": 3e-3 + 2e-4},
+            {"microbatch_size": 1, "fwd_s": 1.7e-3 + 1e-4, "bwd_s": 3.4e-3 + 2e-4},
+            {"microbatch_size": 1, "fwd_s": 1.6e-3 + 1e-4, "bwd_s": 3.2e-3 + 2e-4}]
+    assert fit_pipeline_compute(hops, alone, 64, op, 1.0) == pytest.approx(1.6)
+    assert fit_pipeline_compute(hops, alone, 64, op, 1.25) == pytest.approx(1.6 / 1.25)   # contention explains part
+    assert fit_pipeline_compute(hops, alone, 64, op, 2.0) == 1.0                        # never below 1
+    assert fit_pipeline_compute(hops, alone, 32, op, 1.0) == 1.0                        # no block of that size alone
+
+
+def test_pipeline_compute_factor_slows_pipelined_stages_only():
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from tests.test_cost import toy_meta
+
+    meta = toy_meta()
+    pipe = Layout(spans=((0, 4), (4, 8)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=2,
+                  schedule="gpipe")
+    whole = Layout(spans=((0, 8),), groups=((0,),), tp=1, dp=1, microbatch_size=1, num_microbatches=1,
+                   schedule="gpipe")
+
+    def stage0(cal, lay):
+        cl = _overhead_cluster(cal)
+        cl.devices[0].peak_flops = cl.devices[1].peak_flops = 1e9
+        return Simulator(meta, cl, CostOptions()).evaluate(lay, detail=True).stages[0]
+
+    for lay, factor in ((pipe, 1.5), (whole, 1.0)):
+        base, slowed = stage0({}, lay), stage0({"pipeline_compute_factor": 1.5}, lay)
+        assert slowed["fwd_s"] == pytest.approx(base["fwd_s"] * factor)
+        assert slowed["bwd_s"] == pytest.approx(base["bwd_s"] * factor)
+    assert "pipeline_compute_factor" in CALIBRATION_KEYS
+
+
 def test_shared_cores_timeline_slows_operations_by_the_ranks_busy_while_they_run():
     from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 

@@ -77,6 +77,9 @@ CALIBRATION_KEYS = {
                            "micro-batch size in tokens (interpolated between)",
     "backward_forward_ratio": "[{tokens, ratio}] (default 2): a block's measured backward / forward time "
                               "per micro-batch size in tokens; splits the fitted forward + backward time",
+    "pipeline_compute_factor": "float (default 1): how much longer a block computes inside a real two-stage "
+                               "pipeline than alone, beyond contention_factor's compute; multiplies the compute "
+                               "of every stage of a pipeline (pp > 1)",
     "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
@@ -185,6 +188,7 @@ class Overheads:
     bwd_ratio: Tuple[Tuple[float, ...], ...] = ()        # (tokens, backward / forward)
     tp_block: Tuple[Tuple[float, ...], ...] = ()         # (tokens, fwd, bwd): see tp_block_overhead_s
     contention: float = 1.0            # multiplies compute (the fields above already include theirs)
+    pipeline_compute: float = 1.0      # multiplies the compute of pipelined stages (pipeline_compute_factor)
 
     @classmethod
     def from_calibration(cls, cal: Dict) -> "Overheads":
@@ -216,6 +220,7 @@ class Overheads:
                    zb_input_grad_share=None if zb is None else float(zb),
                    zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
                    bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc,
+                   pipeline_compute=max(float(cal.get("pipeline_compute_factor", 1.0)), 1.0),
                    tp_block=tuple((t, f * cp, b * cp) for t, f, b in _points(cal.get("tp_block_overhead_s"), ("fwd", "bwd"))),
                    allreduce_fits=tuple(sorted((float(f["ranks"]), float(f["latency_s"]), float(f["s_per_byte"]))
                                                for f in cal.get("allreduce_by_ranks") or ())))
@@ -422,6 +427,8 @@ class StageCostModel:
         flops = tokens * self.span_flops(start, end, first, last, tp)
         slowest = min(self.dev.throughput(d, tokens) for d in group)
         compute_fwd = flops / slowest * (self.dev.overheads.contention if contention is None else contention)
+        if pp > 1:
+            compute_fwd *= self.dev.overheads.pipeline_compute
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats

@@ -14,7 +14,8 @@ What is measured, and which ClusterSpec.calibration key (hrlplan.cost.model.CALI
   with a rank left over kept busy (a step has every rank working too): a ping-pong
   (bandwidth_efficiency); a real two-stage torch pipeline per schedule (p2p_latency_s,
   p2p_latency_by_schedule_s, p2p_handshake_s, and the small all-reduces after it:
-  allreduce_latency_s, tied_allreduce_s); FSDP2 over a pair (dp_collective_s,
+  allreduce_latency_s, tied_allreduce_s; its blocks' time against the same block alone, beyond
+  contention_factor, gives pipeline_compute_factor); FSDP2 over a pair (dp_collective_s,
   dp_collective_fixed_s, dp_hook_s, the sharded optimizer); stages of 1 and 6 blocks sharded over
   tp=2 beside the whole ones (tp_block_overhead_s, the slope per block) and their clipping + AdamW
   (the "tp" entries of optimizer_s_per_block / optimizer_fixed_s); all-reduces over groups of every
@@ -50,6 +51,7 @@ from hrlplan.runtime.calibrate_compute import (CONTENTION_SLACK, busy_until_barr
                                               predict_one_process_step)
 from hrlplan.runtime.calibrate_comm import (DP_SCALING_BLOCKS, HANDSHAKE_LATENCIES, HOP_SCHEDULES, REPEATS,
                                            allreduce_partitions, fit_allreduce, fit_dp_scaling, fit_hop_delay,
+                                           fit_pipeline_compute,
                                            measure_allreduce, measure_data_parallel, measure_p2p,
                                            measure_pipeline_hop, measure_tensor_parallel, pool_allreduce_passes,
                                            pool_hop_passes, fit_tensor_parallel)
@@ -194,6 +196,12 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
                                                  **ref.calibration["half_saturation_tokens"])
             cal["backward_forward_ratio"] = [{"tokens": a["tokens"], "ratio": a["bwd_s"] / a["fwd_s"]}
                                              for a in alone]
+        # the blocks inside the real two-stage pipeline vs the same blocks alone (fit_pipeline_compute)
+        hops = [h for r in gathered for h in (r.get("pipeline_hop") or {}).values() if h]
+        if hops:
+            cal["pipeline_compute_factor"] = fit_pipeline_compute(
+                hops, alone, seq, cal.get("op_overhead_s") or {},
+                float((cal.get("contention_factor") or {}).get("compute", 1.0)))
         cal["measurements"] = {"model": meta.name, "seq_len": seq, "dtype": str(train.get("dtype", "float32")),
                                "ranks": gathered, "p2p_bytes": msg,
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
