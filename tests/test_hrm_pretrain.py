@@ -14,7 +14,7 @@ HRM_GUIDE = ["epochs=500", "eval_interval=100", "global_batch_size=4", "lr=1e-4"
 
 
 def test_hrm_guide_command_runs_a_few_steps(tmp_path):
-    data = tmp_path / "sudoku-extreme-16-aug-2"   # built on first use, like data/sudoku-extreme-small
+    data = tmp_path / "sudoku-extreme-small"   # the README command's data, built on first use
     run_dir = tmp_path / "run"
     pretrain(run_dir, "arch=hrm", f"data_path={data}", *HRM_GUIDE, "train.stop_after=3")
     losses = [m["train/lm_loss"] for m in read_metrics(run_dir) if "train/lm_loss" in m]
