@@ -5,8 +5,11 @@ Why not torch.distributed.pipelining here: its PipelineStage ties a stage to one
 group, so (a) a stage of tp 2 feeding a stage of tp 1 cannot be expressed (the tp-1 rank would have
 to sit in two groups and run twice), and (b) its DDP/FSDP integrations assume identical replicas.
 This executor is the smallest piece that covers both: GPipe or 1F1B order per pipeline, a fixed
-activation shape, isend for outgoing tensors (so two neighbours never block each other) and
-blocking recv in schedule order.
+activation shape, and each step's receives posted together with the previous step's sends in one
+dist.batch_isend_irecv (as torch's schedules do; see p2p_program). Separate isend and recv calls
+form a cycle under 1F1B (stage 0 sends act1 before receiving grad0, stage 1 sends grad0 before
+receiving act1): NCCL runs a pair's p2p in order on one stream, so above its buffer size both wait
+forever.
 
 Resharding at a stage boundary: every rank of a tensor-parallel stage holds the full activation
 (tensor_parallel.py keeps block inputs/outputs replicated), so rank j of the receiving stage takes
@@ -19,7 +22,7 @@ Groups are created in one global order on every rank and reduced in that order.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,55 @@ def schedule_ops(schedule: str, n_stages: int, stage: int, m: int) -> List[Tuple
     for i in range(m - warm):
         ops += [("F", warm + i), ("B", i)]
     return ops + [("B", j) for j in range(m - warm, m)]
+
+
+class P2P(NamedTuple):
+    """One point-to-point message: send or recv, the peer rank, "act" or "grad", the micro-batch."""
+    op: str
+    peer: int
+    what: str
+    microbatch: int
+
+
+class Step(NamedTuple):
+    """Post `batch` together (one batch_isend_irecv), wait for it, then compute `kind` of `microbatch`
+    (kind None: the trailing batch of the last sends)."""
+    batch: Tuple[P2P, ...]
+    kind: Optional[str]
+    microbatch: int
+
+
+def p2p_program(ops: Sequence[Tuple[str, int]], recv_fwd_from: Optional[int], send_fwd_to: Sequence[int],
+                recv_bwd_from: Optional[int], send_bwd_to: Sequence[int]) -> List[Step]:
+    """A stage's steps: each op's receives batched with the sends the op before it produced, so a
+    neighbour's send and receive are posted together and no pair waits on a send ordered behind
+    its own receive. Pure, so tests replay every rank's program under rendezvous semantics."""
+    steps: List[Step] = []
+    pending: List[P2P] = []
+    for kind, j in ops:
+        if kind == "F":
+            recvs = [P2P("recv", recv_fwd_from, "act", j)] if recv_fwd_from is not None else []
+            sends = [P2P("send", r, "act", j) for r in send_fwd_to]
+        else:
+            recvs = [P2P("recv", recv_bwd_from, "grad", j)] if recv_bwd_from is not None else []
+            sends = [P2P("send", r, "grad", j) for r in send_bwd_to]
+        steps.append(Step(tuple(pending + recvs), kind, j))
+        pending = sends
+    if pending:
+        steps.append(Step(tuple(pending), None, -1))
+    return steps
+
+
+def stage_links(stages: Sequence, s: int, t: int) -> Tuple[Optional[int], List[int], Optional[int], List[int]]:
+    """Tensor-parallel rank t of stage s: (recv_fwd_from, send_fwd_to, recv_bwd_from, send_bwd_to).
+    Receiving rank j takes from rank j mod tp_sender (see the module docstring)."""
+    prev = stages[s - 1] if s > 0 else None
+    nxt = stages[s + 1] if s < len(stages) - 1 else None
+    tp = stages[s].tp
+    return (prev.ranks[t % prev.tp] if prev else None,
+            [r for j, r in enumerate(nxt.ranks) if j % tp == t] if nxt else [],
+            nxt.ranks[t % nxt.tp] if nxt else None,
+            [r for i, r in enumerate(prev.ranks) if i % tp == t] if prev else [])
 
 
 def embedding_units(full_model) -> Tuple[List[str], Optional[str]]:
@@ -210,14 +262,9 @@ class HeteroPipelineEngine:
         self.parts[self.gid] = part
         self.first, self.last = s == 0, s == len(self.pipe.stages) - 1
         self.units = _param_units(part, embed_units, self.tied_unit)
-        prev = self.pipe.stages[s - 1] if not self.first else None
-        nxt = self.pipe.stages[s + 1] if not self.last else None
-        t, tp = self.tp_index, self.stage.tp
-        self.recv_fwd_from = prev.ranks[t % prev.tp] if prev else None
-        self.send_fwd_to = [r for j, r in enumerate(nxt.ranks) if j % tp == t] if nxt else []
-        self.recv_bwd_from = nxt.ranks[t % nxt.tp] if nxt else None
-        self.send_bwd_to = [r for i, r in enumerate(prev.ranks) if i % tp == t] if prev else []
-        self.loss_reporter = self.last and t == 0
+        (self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from,
+         self.send_bwd_to) = stage_links(self.pipe.stages, s, self.tp_index)
+        self.loss_reporter = self.last and self.tp_index == 0
 
     def _tp_meshes(self):
         from torch.distributed.device_mesh import DeviceMesh
@@ -237,6 +284,10 @@ class HeteroPipelineEngine:
         start = sum(q.batch_size for q in self.pipes[:self.me[0]])
         return slice(start, start + self.pipe.batch_size)
 
+    def program(self) -> List[Step]:
+        ops = schedule_ops(self.plan.schedule, len(self.pipe.stages), self.me[1], self.pipe.num_microbatches)
+        return p2p_program(ops, self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from, self.send_bwd_to)
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_share = torch.zeros(1, device=self.device)
         if self.me is None:
@@ -244,18 +295,16 @@ class HeteroPipelineEngine:
         part, m = self.parts[self.gid], self.pipe.num_microbatches
         mbs = self.pipe.microbatch_size
         shape = (mbs, targets.shape[1], self.hidden)
-        sends: List[Tuple[object, torch.Tensor]] = []
+        outbox: Dict[Tuple[str, int], torch.Tensor] = {}   # what this rank's sends carry
+        inbox: Dict[Tuple[str, int], torch.Tensor] = {}
         stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         losses: List[torch.Tensor] = []
-        for kind, j in schedule_ops(self.plan.schedule, len(self.pipe.stages), self.me[1], m):
+        for step in self.program():
+            self._exchange(step.batch, shape, outbox, inbox)
+            kind, j = step.kind, step.microbatch
             rows = slice(j * mbs, (j + 1) * mbs)
             if kind == "F":
-                if self.first:
-                    x = inputs[rows]
-                else:
-                    x = torch.empty(shape, device=self.device)
-                    dist.recv(x, self.recv_fwd_from)
-                    x.requires_grad_(True)
+                x = inputs[rows] if self.first else inbox.pop(("act", j)).requires_grad_(True)
                 with self.recorder.op(self.gid, j, "F"):
                     out = part(x)
                     if self.last:   # 1/m: the pipeline's loss is the mean over its micro-batches
@@ -263,27 +312,40 @@ class HeteroPipelineEngine:
                 if self.last:
                     losses.append(out.detach() * m)
                 else:
-                    payload = out.detach().float()
-                    sends += [(dist.isend(payload, r), payload) for r in self.send_fwd_to]
+                    outbox[("act", j)] = out.detach().float()
                 stash[j] = (x, out)
-            else:
+            elif kind == "B":
                 x, out = stash.pop(j)
                 if self.last:
                     with self.recorder.op(self.gid, j, "B"):
                         out.backward()
                 else:
-                    grad = torch.empty(shape, device=self.device)
-                    dist.recv(grad, self.recv_bwd_from)
+                    grad = inbox.pop(("grad", j))
                     with self.recorder.op(self.gid, j, "B"):
                         torch.autograd.backward(out, grad.to(out.dtype))
                 if not self.first:
-                    payload = x.grad
-                    sends += [(dist.isend(payload, r), payload) for r in self.send_bwd_to]
-        for work, _ in sends:
-            work.wait()
+                    outbox[("grad", j)] = x.grad
         if self.loss_reporter:
             loss_share[0] = torch.stack(losses).float().mean() * self.reducer.weights[self.me[0]]
         return loss_share
+
+    def _exchange(self, batch: Sequence[P2P], shape, outbox: Dict, inbox: Dict) -> None:
+        """One batch_isend_irecv of a step's messages, waited for before the step computes."""
+        if not batch:
+            return
+        p2p_ops = []
+        for msg in batch:
+            key = (msg.what, msg.microbatch)
+            if msg.op == "send":
+                p2p_ops.append(dist.P2POp(dist.isend, outbox[key], msg.peer))
+            else:
+                inbox[key] = torch.empty(shape, device=self.device)
+                p2p_ops.append(dist.P2POp(dist.irecv, inbox[key], msg.peer))
+        for work in dist.batch_isend_irecv(p2p_ops):
+            work.wait()
+        for msg in batch:   # every copy of a tensor is sent in one batch: done with it now
+            if msg.op == "send":
+                outbox.pop((msg.what, msg.microbatch), None)
 
     def sync_and_clip(self, max_norm: float) -> torch.Tensor:
         params = self._unit_params()
