@@ -8,13 +8,17 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+# Activation recomputation per stage: none keeps every activation for backward; selective
+# recomputes attention's core (Korthikanti et al. 2022); full keeps each block's input only and
+# reruns the block's forward in backward (torch.utils.checkpoint per block, as torchtitan does).
+RECOMPUTE_MODES = ("none", "selective", "full")
 # Heterogeneous pipelines (and stages of unequal tp) run on hrlplan's own executor, which offers these.
 HETERO_SCHEDULES = ("gpipe", "1f1b")
 # Keys a heterogeneous plan derives from its first pipeline (for tools that know one pipeline) and
@@ -53,6 +57,7 @@ class StagePlan:
     dp: int = 1
     embedding: bool = False           # holds the input embeddings (first stage only)
     head: bool = False                # holds the final norm + output head (last stage only)
+    recompute: str = "none"           # none | selective | full (RECOMPUTE_MODES)
 
     @property
     def num_layers(self) -> int:
@@ -122,7 +127,8 @@ class Plan:
             return self.pipelines
         rows = self.microbatch_size * self.num_microbatches
         return [PipelinePlan(stages=[StagePlan(layers=list(s.layers), ranks=s.ranks[d * s.tp:(d + 1) * s.tp], tp=s.tp,
-                                               embedding=s.embedding, head=s.head) for s in self.stages],
+                                               embedding=s.embedding, head=s.head, recompute=s.recompute)
+                                     for s in self.stages],
                              num_microbatches=self.num_microbatches, batch_size=rows) for d in range(self.dp)]
 
     @property
@@ -143,6 +149,10 @@ class Plan:
     # ------------------------------------------------------------ YAML
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        # recompute: none is the default; leaving it out keeps plans without recomputation as they were
+        for stage in d["stages"] + [s for p in d["pipelines"] for s in p["stages"]]:
+            if stage.get("recompute") == "none":
+                stage.pop("recompute")
         if not self.pipelines:   # the usual plan's YAML stays as short as it always was
             d.pop("pipelines")
             if not self.unused_ranks:
@@ -221,7 +231,8 @@ def _parse_stages(raw: Any, where: str, source: str) -> List[StagePlan]:
             raise PlanError(f"{where}[{i}]", "must be a mapping with layers, ranks, tp, dp", source)
         extra = set(s) - set(StagePlan.__dataclass_fields__)
         if extra:
-            raise PlanError(f"{where}[{i}].{sorted(extra)[0]}", "unknown key; known: layers, ranks, tp, dp, embedding, head", source)
+            raise PlanError(f"{where}[{i}].{sorted(extra)[0]}", "unknown key; known: layers, ranks, tp, dp, embedding, head, "
+                            "recompute", source)
         for key in ("layers", "ranks"):
             if key not in s:
                 raise PlanError(f"{where}[{i}].{key}", "missing", source)
@@ -294,6 +305,8 @@ def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) 
             raise err(f"{where}[{i}]", f"tp and dp must be >= 1, got tp={s.tp} dp={s.dp}")
         if len(s.ranks) != s.tp * s.dp:
             raise err(f"{where}[{i}].ranks", f"{len(s.ranks)} ranks listed but tp*dp = {s.tp}*{s.dp} = {s.tp * s.dp}")
+        if s.recompute not in RECOMPUTE_MODES:
+            raise err(f"{where}[{i}].recompute", f"unknown mode {s.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
 
 
 def _check_world(plan: Plan, used: List[int], err) -> None:
@@ -456,12 +469,17 @@ def launch_meta(world_size: int, cluster=None) -> Dict[str, Any]:
 
 def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: int, microbatch_size: int,
                      num_microbatches: int, schedule: str, stages_per_rank: int = 1,
-                     meta: Optional[Dict[str, Any]] = None, rank_order: Optional[List[int]] = None) -> Plan:
+                     meta: Optional[Dict[str, Any]] = None, rank_order: Optional[List[int]] = None,
+                     recompute: Union[str, Sequence[str], None] = None) -> Plan:
     """Build (and validate) a plan with equal groups of tp*dp ranks, one per pipeline position.
 
     `rank_order` lists the world's ranks in the order groups take them (default 0..N-1), which is
-    how a planner assigns device groups to stages on a heterogeneous cluster.
+    how a planner assigns device groups to stages on a heterogeneous cluster. `recompute`: one mode
+    for every stage or one per stage (RECOMPUTE_MODES; default none).
     """
+    modes = [recompute or "none"] * len(spans) if recompute is None or isinstance(recompute, str) else list(recompute)
+    if len(modes) != len(spans):
+        raise PlanError("stages", f"{len(modes)} recompute modes for {len(spans)} stages; give one per stage")
     group_size = tp * dp
     pp = len(spans) // stages_per_rank
     world = pp * group_size
@@ -473,7 +491,7 @@ def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: 
                 meta=dict(meta or {}))
     for i, (start, end) in enumerate(spans):
         plan.stages.append(StagePlan(layers=[start, end], ranks=list(groups[plan.stage_group(i)]), tp=tp, dp=dp,
-                                     embedding=(i == 0), head=(i == len(spans) - 1)))
+                                     embedding=(i == 0), head=(i == len(spans) - 1), recompute=modes[i]))
     plan.meta.setdefault("launch", launch_meta(world))
     validate(plan)
     return plan

@@ -46,6 +46,8 @@ CASES = {
     "unknown key": (lambda d: d.update(ppp=2), "ppp", "unknown key"),
     "tp*dp != ranks": (lambda d: d["stages"][0].update(tp=2), "stages[0].ranks", "tp*dp"),
     "unequal groups": (lambda d: d["device_groups"][1].append(9), "device_groups", "equal size"),
+    "unknown recompute": (lambda d: d["stages"][1].update(recompute="partial"), "stages[1].recompute",
+                          "unknown mode 'partial'; choose one of none, selective, full"),
 }
 
 
@@ -94,3 +96,22 @@ def test_preset_plan_may_use_a_subset_through_rank_to_device():
     plan.meta["launch"]["rank_to_device"] = [5, 6, 7, 8]
     with pytest.raises(PlanError, match="does not have"):
         check_fits(plan, preset)
+
+
+def test_recompute_is_per_stage_defaults_to_none_and_round_trips(tmp_path):
+    plan = good()
+    assert [s.recompute for s in plan.stages] == ["none", "none"]
+    assert "recompute" not in plan.to_yaml()      # plans without recomputation read as they always did
+    d = copy.deepcopy(plan.to_dict())
+    d["stages"][0]["recompute"] = "full"
+    again = Plan.from_yaml(yaml.safe_dump(d))
+    assert [s.recompute for s in again.stages] == ["full", "none"]
+    again.save(tmp_path / "plan.yaml")
+    assert Plan.load(tmp_path / "plan.yaml") == again
+    assert [s.recompute for s in again.as_pipelines()[1].stages] == ["full", "none"]
+    built = homogeneous_plan("gpt2-tiny", 6, [(0, 4), (4, 6)], dp=1, tp=1, microbatch_size=1, num_microbatches=2,
+                             schedule="1f1b", recompute=["selective", "full"])
+    assert [s.recompute for s in built.stages] == ["selective", "full"]
+    with pytest.raises(PlanError, match="1 recompute modes for 2 stages"):
+        homogeneous_plan("gpt2-tiny", 6, [(0, 4), (4, 6)], dp=1, tp=1, microbatch_size=1, num_microbatches=2,
+                         schedule="1f1b", recompute=["full"])

@@ -14,81 +14,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan.cost import memory as mem
+from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
 from hrlplan.plan import stage_to_group
 
-# Keys read from ClusterSpec.calibration (written by `hrlplan calibrate` or by hand):
-CALIBRATION_KEYS = {
-    "compute_efficiency": "float, or {device name: float}: sustained fraction of the peak below, or of "
-                          "the median probed peak_flops of the devices of that name (calibrated_peak_flops)",
-    "peak_flops": "{device name: FLOP/s}: the peak compute_efficiency was fitted against (written by "
-                  "calibration): a calibration reused with a fresh probe keeps the speeds it measured",
-    "half_saturation_tokens": "float, or {device name: float}: tokens per micro-batch at which a "
-                              "device reaches half its sustained throughput",
-    "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
-    "step_time_scale": "float: measured/predicted step time of a reference run (multiplies every time)",
-    "workspace_bytes": "float, or {device name: float}: framework overhead per rank",
-    # Fixed costs (seconds), fitted by `hrlplan calibrate` from its micro-benchmarks; absent = 0, so an
-    # uncalibrated cluster is costed exactly as before.
-    "op_overhead_s": "{fwd: s, bwd: s}: runtime overhead per forward / backward of one micro-batch on one "
-                     "stage (the pipeline library's per-call work), beside the blocks' own time",
-    "p2p_latency_s": "float: one-way time of a tiny point-to-point message (replaces the probed link "
-                     "latency for pipeline sends)",
-    "p2p_latency_by_schedule_s": "{schedule: s}: p2p_latency_s as fitted from that schedule's own real "
-                                 "pipeline (GPipe's back-to-back forwards keep a sender busy, which delays its "
-                                 "messages); schedules not named use p2p_latency_s, the handshake scales along",
-    "p2p_handshake_s": "float: rendezvous of a point-to-point receive (gloo): a stage that gets to a receive "
-                       "whose message was sent earlier still waits this long (its notice reaches the sender, "
-                       "which then sends); fitted with p2p_latency_s from a real two-stage pipeline",
-    "dp_collective_s": "{allgather: s, reduce: s}: exposed time of one FSDP/replicate collective per "
-                       "parameter unit (a block, or a stage's own embedding/head); all-gathers delay the "
-                       "unit's first forward, reduces its last backward",
-    "dp_collective_fixed_s": "{allgather: s, reduce: s} (default 0): exposed time per stage and step of its "
-                             "FSDP collectives beyond dp_collective_s per unit -- the last unit's tail, which no "
-                             "later compute hides; fitted with dp_collective_s over stage depths",
-    "dp_hook_s": "{fwd: s, bwd: s}: FSDP/replicate per-block per-micro-batch hook overhead",
-    "tp_block_overhead_s": "[{tokens, fwd, bwd}]: each block of a stage sharded over tp=2 takes this much beyond half "
-                           "the whole block's time (the slope over stage depths) per forward / backward of a "
-                           "micro-batch of `tokens` tokens (its all-reduces and DTensor's dispatch); replaces the "
-                           "analytic all-reduce time, x (tp-1) beyond tp=2",
-    "allreduce_latency_s": "float: one small all-reduce (loss, gradient norm, heterogeneous cross-replica "
-                           "gradient reduces) as a step pays it after the pipeline",
-    "allreduce_by_ranks": "[{ranks, latency_s, s_per_byte}]: an all-reduce over a group of `ranks` ranks as a "
-                          "step pays it (every group of the world at once, ranks arriving as their work ends): "
-                          "latency + bytes x s_per_byte; when present it costs the step's all-reduces (loss, "
-                          "gradient norms, tied embedding, heterogeneous cross-replica reduces) instead of "
-                          "allreduce_latency_s / tied_allreduce_s",
-    "tied_allreduce_s": "float (default allreduce_latency_s): the all-reduce of a tied embedding's gradient "
-                        "between the first and the last stage, after the pipeline",
-    "optimizer_s_per_block": "{plain: s, sharded: s, tp: s}: gradient clipping + optimizer step per block of "
-                             "a rank's stages (sharded: FSDP/replicate DTensor parameters; tp: a stage sharded "
-                             "over tp=2 without dp, default sharded; clipping's norm all-reduce over the shards "
-                             "is one allreduce_latency_s per step, not per block)",
-    "optimizer_fixed_s": "{plain: s, sharded: s, tp: s} (default 0): the optimizer's per-call cost (norms, foreach "
-                         "launches, Python), paid once per rank and step beside optimizer_s_per_block",
-    "optimizer_in_step_scale": "float (informational): how much longer clipping + AdamW took in a real "
-                               "one-process step than in the optimizer micro-benchmark; the plain optimizer "
-                               "figures above already include it",
-    "optimizer_ends_blocks": "float: the embedding + final norm/head parameters' optimizer time, in blocks",
-    "step_overhead_s": "float: per-step time the above leave out (Python, scheduler), from one reference step",
-    "zb_input_grad_share": "float: zero-bubble's input-gradient (B) share of a backward; the rest is W "
-                           "(used when zb_backward_factors is absent)",
-    "zb_backward_factors": "[{tokens, input, weight}]: zero-bubble's B and W of a block (torch's "
-                           "stage_backward_input / _weight) as multiples of its plain backward, per "
-                           "micro-batch size in tokens (interpolated between)",
-    "backward_forward_ratio": "[{tokens, ratio}] (default 2): a block's measured backward / forward time "
-                              "per micro-batch size in tokens; splits the fitted forward + backward time",
-    "pipeline_compute_factor": "float (default 1): how much longer a block computes inside a real two-stage "
-                               "pipeline than alone, beyond contention_factor's compute; multiplies the compute "
-                               "of every stage of a pipeline (pp > 1)",
-    "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
-                         "of the job works at once -- more ranks than cores share them. compute: vs one rank "
-                         "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
-                         "measured alone); paired: vs the two ranks of a pair (multiplies what the two-rank "
-                         "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, tp, all-reduces); "
-                         "`hrlplan calibrate` runs those with every rank busy and sets paired to 1",
-}
+from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
 
-STATE_BYTES_PER_PARAM = 16      # weights + grads + AdamW m, v (fp32, or bf16 with fp32 master: 2+2+12)
 GiB = 2 ** 30
 
 
@@ -107,6 +38,10 @@ class Layout:
     num_microbatches: int
     schedule: str
     stages_per_rank: int = 1
+    # Per virtual stage, empty = uniform: each stage's own tp degree (its group holds tp_of(k) * dp
+    # devices; `tp` is then the largest) and its activation recomputation (RECOMPUTE_MODES).
+    stage_tp: Tuple[int, ...] = ()
+    recompute: Tuple[str, ...] = ()
 
     @property
     def pp(self) -> int:
@@ -115,6 +50,12 @@ class Layout:
     def stage_group(self, k: int) -> int:
         return stage_to_group(k, self.pp, self.stages_per_rank, self.schedule)
 
+    def tp_of(self, k: int) -> int:
+        return self.stage_tp[k] if self.stage_tp else self.tp
+
+    def recompute_of(self, k: int) -> str:
+        return self.recompute[k] if self.recompute else "none"
+
 
 @dataclass
 class CostOptions:
@@ -122,6 +63,11 @@ class CostOptions:
     dp_mode: str = "fsdp"              # fsdp | replicate
     dp_overlap: bool = True
     memory_margin: float = 0.9
+    # The memory model's assumptions (see hrlplan.cost.memory): attention through SDPA's fused kernels
+    # (no s x s scores stored); an output head and embedding sharded over tp (vocabulary-parallel,
+    # Megatron's; False: whole on every tp rank, as the runtime's tensor_parallel.py keeps them).
+    fused_attention: bool = True
+    vocab_parallel: bool = False
 
 
 def interpolate_by_tokens(points: Sequence[Tuple[float, ...]], tokens: float, index: int = 1) -> float:
@@ -375,20 +321,35 @@ class StageCostModel:
         return arr[index]
 
     def span_flops(self, start, end, first: bool, last: bool, tp: int = 1):
-        """Forward FLOPs per token on each rank of a stage: tensor_parallel.py shards the blocks
-        only; the head (like embeddings and norms) stays whole on every tp rank."""
-        return (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp + (self.meta.head_flops_fwd_per_token if last else 0.0)
+        """Forward FLOPs per token on each rank of a stage: the blocks sharded over tp; the head
+        too where it is vocabulary-parallel (CostOptions.vocab_parallel), else whole on every rank."""
+        head_tp = tp if self.opts.vocab_parallel else 1
+        return (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp + (self.meta.head_flops_fwd_per_token / head_tp if last else 0.0)
 
     def span_params(self, start, end, first: bool, last: bool, pp: int, tp: int = 1):
-        """Parameters on each rank of a stage (blocks sharded over tp, the rest whole)."""
+        """Parameters on each rank of a stage: blocks sharded over tp; the embedding and the head's
+        matrix too when vocabulary-parallel; norms whole."""
+        meta = self.meta
+        vocab_tp = tp if self.opts.vocab_parallel else 1
         p = (self._prefix("_pp", end) - self._prefix("_pp", start)) / tp
         if first:
-            p += self.meta.embedding_params
+            p += meta.embedding_params / vocab_tp
         if last:
-            p += self.meta.head_params
-            if self.meta.tied_embeddings and not first:
-                p += self.meta.head_matmul_params  # the tied head needs its own copy on another stage
+            own_head = meta.head_params - (0 if meta.tied_embeddings else meta.head_matmul_params)   # the final norm
+            p += own_head + (0 if meta.tied_embeddings else meta.head_matmul_params / vocab_tp)
+            if meta.tied_embeddings and not first:
+                p += meta.head_matmul_params / vocab_tp  # the tied head needs its own copy on another stage
         return p
+
+    def head_activation_per_token(self, tp: int) -> float:
+        """Bytes per token (16-bit scale) the head keeps: the final norm's input (2h) and the fp32
+        logits for the loss, sharded over tp when vocabulary-parallel (a loss over sharded logits)."""
+        meta = self.meta
+        act = meta.head_activation_bytes_per_token
+        if not self.opts.vocab_parallel or tp == 1 or meta.family != "hf":
+            return act
+        norm_in = 2.0 * meta.hidden_size
+        return norm_in + max(act - norm_in, 0.0) / tp
 
     def group_links(self, group: Sequence[int], tp: int, dp: int):
         """(tp ring bw, lat), (dp ring bw, lat) for a group laid out dp-major."""
@@ -411,24 +372,40 @@ class StageCostModel:
             worst = max(worst, t)
         return worst
 
+    def compute_parts(self, start, end, last: bool, group: Sequence[int], tp: int, tokens: float):
+        """Forward-equivalent compute seconds (a third of forward + backward) of one micro-batch on
+        the group's slowest rank: (the blocks, the head, one block's attention core), before contention."""
+        meta = self.meta
+        block_flops = tokens * (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp
+        head_flops = tokens * (self.span_flops(0, 0, False, True, tp) if last else 0.0)
+        core = tokens * mem.attention_core_flops_per_token(meta) / tp
+        slowest = min(self.dev.throughput(d, tokens) for d in group)
+        return block_flops / slowest, head_flops / slowest, core / slowest
+
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None,
-              shared_cores: bool = False) -> StageCost:
+              shared_cores: bool = False, recompute: str = "none", microbatches: int = 2) -> StageCost:
         """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
         per-op overhead, calibrated as every rank busy pays it, shrinks in the same proportion when
         it is below that factor. FSDP's hooks and collectives and tensor parallel's overhead do not:
         data-parallel replicas run one schedule in lockstep, and a stage's tp ranks each op, so when a
         rank's collective runs its peers' run too. `shared_cores` (with contention 1): every cost
-        at its ranks-alone level, these too, for simulate_shared_timeline to slow by the ranks busy."""
+        at its ranks-alone level, these too, for simulate_shared_timeline to slow by the ranks busy.
+        `recompute` (none | selective | full) is the stage's activation recomputation: full reruns
+        its blocks' forward (their tp all-reduces included) in backward and keeps each block's input
+        only; selective reruns the attention core. `microbatches` per step decides whether FSDP keeps
+        unsharded gradients between them (see memory.static_state_bytes)."""
         meta, o = self.meta, self.opts
+        if recompute not in mem.RECOMPUTE_MODES:
+            raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(mem.RECOMPUTE_MODES)}")
         derate = self.dev.overheads.busy_derate(contention)
         lockstep = derate if shared_cores else 1.0   # FSDP's and tp's figures, measured every rank busy
         tokens = microbatch_size * meta.seq_len
-        flops = tokens * self.span_flops(start, end, first, last, tp)
-        slowest = min(self.dev.throughput(d, tokens) for d in group)
-        compute_fwd = flops / slowest * (self.dev.overheads.contention if contention is None else contention)
+        factor = self.dev.overheads.contention if contention is None else contention
         if pp > 1:
-            compute_fwd *= self.dev.overheads.pipeline_compute
+            factor *= self.dev.overheads.pipeline_compute
+        blocks_c, head_c, core_c = (x * factor for x in self.compute_parts(start, end, last, group, tp, tokens))
+        compute_fwd = blocks_c + head_c
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats
@@ -443,25 +420,22 @@ class StageCostModel:
             tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * lockstep
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
-        fwd = 3.0 * compute_fwd / (1.0 + ratio) + tp_comm + ov.op_fwd * derate
-        bwd = 3.0 * compute_fwd * ratio / (1.0 + ratio) + tp_comm_bwd + ov.op_bwd * derate
-        scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
-        act_per_token = (self._prefix("_pa", end) - self._prefix("_pa", start)) + (meta.head_activation_bytes_per_token if last else 0.0)
-        activation = tokens * act_per_token * scale / tp
+        fwd_share = 3.0 / (1.0 + ratio)
+        fwd = fwd_share * compute_fwd + tp_comm + ov.op_fwd * derate
+        bwd = fwd_share * ratio * compute_fwd + tp_comm_bwd + ov.op_bwd * derate
+        if recompute == "full":
+            bwd = bwd + fwd_share * blocks_c + tp_comm
+        elif recompute == "selective":
+            bwd = bwd + fwd_share * core_c * n_blocks
+        activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
-        if o.dp_mode == "fsdp" and dp > 1:
-            # FSDP2: grads/optimizer states sharded; unsharded compute weights live during the step.
-            static = per_rank * (STATE_BYTES_PER_PARAM - 4) / dp + per_rank * o.bytes_per_value
-            # all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
-            sync_bytes = per_rank * o.bytes_per_value
-        else:
-            static = per_rank * STATE_BYTES_PER_PARAM
-            sync_bytes = per_rank * o.bytes_per_value
+        static = mem.static_state_bytes(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches)
+        # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
+        sync_bytes = per_rank * o.bytes_per_value
         workspace = max(self.dev.workspace[d] for d in group)
-        static += workspace
+        static = static + workspace + transient
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
-        ov = self.dev.overheads
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
         first_extra = last_extra = 0.0
@@ -482,6 +456,22 @@ class StageCostModel:
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
                          tp_comm_bwd=tp_comm_bwd)
+
+    def _activation(self, start, end, last: bool, tp: int, tokens: float, recompute: str, n_blocks):
+        """(bytes one micro-batch keeps on each rank until its backward, the transient of a block being
+        recomputed): see hrlplan.cost.memory. Blocks keep their share of meta's per-block figures."""
+        meta, o = self.meta, self.opts
+        scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
+        mean = sum(meta.block_activation_bytes_per_token) / max(len(meta.block_activation_bytes_per_token), 1)
+        span = self._prefix("_pa", end) - self._prefix("_pa", start)
+        held = mem.held_per_token(meta, tp, recompute, o.fused_attention) / mean if mean > 0 else 0.0
+        head = self.head_activation_per_token(tp) if last else 0.0
+        activation = tokens * (span * held + head) * scale
+        transient = 0.0
+        if recompute == "full":
+            live = tokens * mem.live_per_token(meta, tp, o.fused_attention) * scale * meta.block_repeats
+            transient = np.where(n_blocks > 0, live, 0.0) if isinstance(n_blocks, np.ndarray) else (live if n_blocks else 0.0)
+        return activation, transient
 
     def activation_message(self, microbatch_size: int) -> float:
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value

@@ -86,9 +86,12 @@ class Simulator:
         handshake = [hop_handshake] * n if hop_handshake else None
 
         def stage_costs_at(contention: Optional[float], shared_cores: bool = False):
-            return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp, layout.dp,
-                                     layout.microbatch_size, layout.pp, links=self.links(groups[k], layout.tp, layout.dp),
-                                     contention=contention, shared_cores=shared_cores)
+            # each stage at its own tp degree and recompute mode (Layout.tp_of / recompute_of)
+            return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp_of(k), layout.dp,
+                                     layout.microbatch_size, layout.pp,
+                                     links=self.links(groups[k], layout.tp_of(k), layout.dp),
+                                     contention=contention, shared_cores=shared_cores,
+                                     recompute=layout.recompute_of(k), microbatches=layout.num_microbatches)
                     for k, (start, end) in enumerate(layout.spans)]
 
         def durations(costs):
@@ -218,6 +221,7 @@ class Simulator:
                 res.stages.append({
                     "stage": k, "layers": list(layout.spans[k]), "position": layout.stage_group(k),
                     "devices": list(groups[k]), "device_type": self.cluster.devices[groups[k][0]].name,
+                    "tp": layout.tp_of(k), "recompute": layout.recompute_of(k),
                     "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
                     # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
                     "bwd_input_s": bwd[k] * scale, "bwd_weight_s": wgt[k] * scale,

@@ -1,0 +1,74 @@
+"""What a stage's ranks hold: activations per micro-batch (by recompute mode and tp), the state of
+mixed-precision AdamW, and FSDP2's unsharded parameters and gradients as the runtime uses them.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), per token of one block in 16-bit values, without sequence parallelism:
+  - replicated over tp (every tp rank keeps them): the two norms' inputs, the attention and MLP
+    inputs, dropout masks -- 10h;
+  - sharded over tp: q, k, v, the attention output, the MLP's hidden activations -- the rest;
+  - attention scores (5 a s): only an attention that materialises the s x s matrix stores them.
+    torch's scaled_dot_product_attention (the runtime's attention) never does: its fused kernels
+    keep q, k, v, the output and a log-sum-exp per row, so `fused_attention` (default) drops them.
+ModelMeta's block_activation_bytes_per_token carries Korthikanti's whole figure for Hugging Face
+models (model_meta.py); other families (HRM) are taken as they are, all sharded over tp.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Mixed-precision AdamW keeps fp32 parameters, fp32 gradients and two fp32 moments per parameter.
+STATE_BYTES_PER_PARAM = 16
+# Gradients FSDP2 accumulates unsharded between micro-batches: in its reduce dtype (float32 here).
+UNSHARDED_GRAD_BYTES = 4
+
+
+def block_activation_terms(meta) -> Tuple[float, float, float]:
+    """(replicated, sharded, scores) bytes per token of one block, 16-bit values, mean over blocks."""
+    n = max(len(meta.block_activation_bytes_per_token), 1)
+    total = sum(meta.block_activation_bytes_per_token) / n
+    if meta.family != "hf":
+        return 0.0, total, 0.0
+    h = float(meta.hidden_size)
+    scores = 5.0 * meta.num_heads * meta.seq_len
+    replicated = min(10.0 * h, max(total - scores, 0.0))
+    return replicated, max(total - scores - replicated, 0.0), scores
+
+
+def held_per_token(meta, tp: int, recompute: str, fused_attention: bool = True) -> float:
+    """Bytes per token (16-bit values) one block keeps for its backward between forward and backward.
+
+    none: everything; selective: the attention core's own tensors are recomputed (the scores,
+    Korthikanti's selective recomputation; with SDPA nothing of the core is stored anyway, so
+    selective saves no memory over none there); full: only the block's input (torch.utils.checkpoint
+    keeps the wrapped block's arguments), 2h replicated over tp."""
+    if recompute == "full":
+        return 2.0 * meta.hidden_size
+    rep, shard, scores = block_activation_terms(meta)
+    kept_scores = 0.0 if (fused_attention or recompute == "selective") else scores
+    return rep + (shard + kept_scores) / tp
+
+
+def live_per_token(meta, tp: int, fused_attention: bool = True) -> float:
+    """Bytes per token of one block's full activations: what recomputation rebuilds for the one
+    block whose backward runs (the transient a full-recompute stage adds at its peak)."""
+    return held_per_token(meta, tp, "none", fused_attention)
+
+
+def attention_core_flops_per_token(meta) -> float:
+    """Forward FLOPs per token of one block's attention core (Q K^T and A V), as model_meta counts them."""
+    return 4.0 * meta.seq_len * meta.hidden_size if meta.family == "hf" else 0.0
+
+
+def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int):
+    """Weights, gradients and AdamW state per rank (params_per_rank: what a rank computes with,
+    before dp sharding; may be an array). FSDP2 as the runtime applies it under torch pipelining:
+    16 bytes/param sharded over dp, the unsharded compute weights held all step
+    (reshard_after_forward=False: pipelining runs many forwards), and -- with more than one
+    micro-batch -- unsharded gradients accumulated in float32 until the step's last backward
+    (the pipeline stage turns gradient sync off for the earlier ones); one micro-batch reduces each
+    block's gradient as it is made. Replicate / no dp: 16 bytes/param whole."""
+    if dp_mode == "fsdp" and dp > 1:
+        unsharded_grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 0.0
+        return params_per_rank * (STATE_BYTES_PER_PARAM / dp + bytes_per_value + unsharded_grads)
+    return params_per_rank * STATE_BYTES_PER_PARAM
