@@ -108,3 +108,51 @@ def test_preemption_flag_checkpoints_and_stops(sudoku_dir, tmp_path, process_gro
         preempt.clear()
     assert result["preempted"] and result["step"] == 1
     assert os.path.basename(result["checkpoint"]) == "step_1"
+
+
+def test_hrm_1k_recipe_step_count_follows_the_reference():
+    from hrlplan.runtime.hrm_trainer import hrm_schedule
+
+    # README's Sudoku 1k recipe: 1000 groups, batch 768, epochs=20000 eval_interval=2000.
+    meta = {"total_groups": 1000, "mean_puzzle_examples": 1}
+    sched = hrm_schedule({"epochs": 20000, "eval_interval": 2000}, meta, 768, 2000 * 1000 // 768)
+    assert sched.total_steps == 26041          # HRM's schedule length (its progress bar's total)
+    assert sched.iterations == 10 and sched.steps_per_iter == 2604
+    assert sched.run_steps == sched.stop_at == 26040   # 10 iterations, one partial batch dropped in each
+    assert 20000 * -(-1000 // 768) == 40000    # what padding every epoch's last batch used to take
+    with pytest.raises(Exception, match="must divide"):
+        hrm_schedule({"epochs": 10, "eval_interval": 3}, meta, 768, 1)
+
+
+def test_padded_rows_contribute_nothing(sudoku_dir, tmp_path, process_group):
+    from hrlplan.data.sudoku import PuzzleSplit
+    from hrlplan.models.hrm import build_hrm
+    from hrlplan.runtime.hrm_trainer import evaluate
+
+    train, test = PuzzleSplit(sudoku_dir, "train"), PuzzleSplit(sudoku_dir, "test")
+    # Training never sees a padded row: only full batches are built.
+    plan = train.iteration_plan(0, seed=0, epochs_per_iter=3, global_batch_size=5)
+    assert all(b["labels"].ne(-100).all() for b in train.iteration_batches(plan, 0, 1))
+    # Evaluation pads its last batch; the padded rows change no metric (4 test puzzles, batch 3 vs 4).
+    torch.manual_seed(0)
+    model = build_hrm(dict(ARCH), num_puzzle_identifiers=train.metadata["num_puzzle_identifiers"])
+    padded = evaluate(model, test, 3, torch.device("cpu"))
+    full = evaluate(model, test, 4, torch.device("cpu"))
+    assert padded.keys() == full.keys()
+    for key in full:
+        assert padded[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+
+
+def test_iterations_checkpoint_path_and_nested_loss(sudoku_dir, tmp_path, process_group):
+    arch = dict(ARCH, loss={"name": "losses@ACTLossHead", "loss_type": "softmax_cross_entropy"})
+    cfg = _cfg(sudoku_dir, epochs=2, eval_interval=1, global_batch_size=3, grad_clip=None,
+               checkpoint_every_eval=False, checkpoint_path=str(tmp_path / "ckpts"))
+    cfg["arch"] = arch
+    logger = RecordingLogger()
+    result = train_hrm(cfg, str(tmp_path / "run"), None, logger)
+    # 8 groups per epoch, batch 3: 2 full batches per iteration (2 rows dropped), 2 iterations.
+    assert result["step"] == 4 and result["total_steps"] == 5
+    assert [s for s, m in logger.records if "eval/exact_accuracy" in m] == [2, 4]
+    assert sorted(os.listdir(tmp_path / "ckpts")).count("step_4") == 1
+    assert not (tmp_path / "ckpts" / "step_2").exists()   # checkpoint_every_eval=False: the last one only
+    assert not (tmp_path / "run" / "checkpoints").exists()

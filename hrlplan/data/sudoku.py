@@ -27,7 +27,8 @@ Layout (identical to HRM's dataset/build_sudoku_dataset.py, so HRM-built sets lo
     <out>/{split}/all__puzzle_indices.npy int32 [P+1] first example of each puzzle
     <out>/{split}/all__group_indices.npy  int32 [G+1] first puzzle of each group (an original
                                           puzzle and its augmentations); test groups have one
-One training epoch visits every group once and takes one random puzzle of it (HRM's sampler).
+One training epoch visits every group once and takes one random puzzle of it; batches run across
+the epochs of one evaluation interval and only full batches train (HRM's sampler, PuzzleSplit).
 """
 from __future__ import annotations
 
@@ -396,8 +397,54 @@ class PuzzleSplit:
     def num_groups(self) -> int:
         return len(self.group_indices) - 1
 
-    def steps_per_epoch(self, global_batch_size: int) -> int:
-        return -(-self.num_groups // global_batch_size)
+    @property
+    def one_example_per_puzzle(self) -> bool:
+        return bool(np.all(np.diff(self.puzzle_indices) == 1))
+
+    def iteration_plan(self, iteration: int, seed: int, epochs_per_iter: int,
+                       global_batch_size: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(example ids, puzzle ids), each [batches, global_batch_size], of one training iteration
+        (eval_interval epochs between two evaluations), batched as HRM's puzzle_dataset.py does:
+        the groups of every epoch in a fresh random order, one random puzzle per group, a puzzle's
+        examples packed in (cut at the batch's end), and the one partial batch at the end dropped,
+        so no row is ever padding. HRM's generator (Philox(seed + iteration + 1)) draws the order
+        and the puzzles, so with one example per puzzle (Sudoku) the batches are HRM's own."""
+        rng = np.random.Generator(np.random.Philox(seed=seed + iteration + 1))
+        order = np.concatenate([rng.permutation(self.num_groups) for _ in range(epochs_per_iter)])
+        # One vectorised draw consumes the generator as HRM's draw per group does (same bounds, in order).
+        puzzles = rng.integers(self.group_indices[order], self.group_indices[order + 1])
+        first = self.puzzle_indices[puzzles].astype(np.int64)
+        sizes = self.puzzle_indices[puzzles + 1] - first
+        gbs = global_batch_size
+        if np.all(sizes == 1):
+            full = len(puzzles) // gbs * gbs
+            return first[:full].reshape(-1, gbs), puzzles[:full].reshape(-1, gbs)
+        # HRM draws a puzzle's examples with the global numpy generator; a seeded one keeps resume exact.
+        pick = np.random.default_rng([seed, iteration])
+        examples, owners, filled = [], [], 0
+        for puzzle, start, size in zip(puzzles.tolist(), first.tolist(), sizes.tolist()):
+            take = min(size, gbs - filled % gbs)
+            examples.append(start + pick.choice(size, take, replace=False))
+            owners.append(np.full(take, puzzle))
+            filled += take
+        full = filled // gbs * gbs
+        return (np.concatenate(examples)[:full].reshape(-1, gbs), np.concatenate(owners)[:full].reshape(-1, gbs))
+
+    def iteration_batches(self, plan: Tuple[np.ndarray, np.ndarray], rank: int, world_size: int,
+                          start_batch: int = 0) -> Iterator[Dict]:
+        """This rank's share of each global batch of an iteration_plan, from batch start_batch on
+        (a resumed run sees exactly the batches it would have seen)."""
+        examples, puzzles = plan
+        local = examples.shape[1] // world_size
+        part = slice(rank * local, (rank + 1) * local)
+        for b in range(start_batch, len(examples)):
+            yield self._collate(examples[b, part], puzzles[b, part], local)
+
+    def steps_per_iteration(self, epochs_per_iter: int, global_batch_size: int) -> Optional[int]:
+        """Full batches in one iteration when it is known without drawing (one example per puzzle)."""
+        if not self.one_example_per_puzzle:
+            return None
+        return epochs_per_iter * self.num_groups // global_batch_size
 
     def _collate(self, example_ids: np.ndarray, puzzle_ids: np.ndarray, size: int):
         import torch

@@ -42,6 +42,11 @@ class HRMConfig(HRMArchConfig):
     def from_arch(cls, arch: Dict[str, Any], **data_dims: Any) -> "HRMConfig":
         """cfg.arch (unknown keys such as name/family ignored) plus the data's seq_len/vocab/ids."""
         arch = dict(arch)
+        # HRM nests the loss under arch.loss (arch.loss.loss_type=softmax_cross_entropy); it wins.
+        loss = arch.get("loss")
+        if isinstance(loss, dict) and loss.get("loss_type"):
+            arch["loss_type"] = loss["loss_type"]
+        arch["forward_dtype"] = resolve_forward_dtype(arch.get("forward_dtype"))
         types = {f.name: type(f.default) for f in fields(cls)}
         values = {k: _resolve(arch, v) for k, v in arch.items() if k in types and v is not None}
         values.update({k: v for k, v in data_dims.items() if v is not None})
@@ -55,6 +60,19 @@ class HRMConfig(HRMArchConfig):
     @property
     def positions(self) -> int:
         return self.seq_len + self.puzzle_emb_len
+
+
+def resolve_forward_dtype(setting: Optional[str], device_type: Optional[str] = None) -> str:
+    """arch.forward_dtype: auto = HRM's bfloat16 on a GPU, float32 on the CPU (where bfloat16
+    matmuls are slow); an explicit dtype name is kept."""
+    setting = str(setting or "auto")
+    if setting != "auto":
+        if not isinstance(getattr(torch, setting, None), torch.dtype):
+            raise ValueError(f"arch.forward_dtype={setting!r}: use auto, bfloat16, float16 or float32")
+        return setting
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 def _resolve(arch: Dict[str, Any], value: Any) -> Any:
@@ -231,7 +249,7 @@ class ACTLossHead(nn.Module):
     def __init__(self, model: HRMACT, loss_type: str = "stablemax_cross_entropy"):
         super().__init__()
         if loss_type not in LOSSES:
-            raise ValueError(f"arch.loss_type={loss_type!r}: expected one of {sorted(LOSSES)}")
+            raise ValueError(f"arch.loss.loss_type={loss_type!r}: expected one of {sorted(LOSSES)}")
         self.model = model
         self.loss_fn = LOSSES[loss_type]
 
@@ -256,13 +274,17 @@ class ACTLossHead(nn.Module):
                 "steps": torch.where(valid, carry.steps, 0).sum(),
             }
         lm_loss = (self.loss_fn(outputs["logits"], labels) / divisor).sum()
-        q_halt_loss = F.binary_cross_entropy_with_logits(outputs["q_halt_logits"], seq_correct.to(outputs["q_halt_logits"].dtype),
-                                                         reduction="sum")
+        # A row without labels (batch padding) would teach the Q head that an empty puzzle is
+        # solved; HRM never trains on one. Dropping it (not weighting by 0) keeps full batches' sums
+        # bit-identical to HRM's.
+        labelled = counts > 0
+        q_halt_loss = torch.where(labelled, F.binary_cross_entropy_with_logits(
+            outputs["q_halt_logits"], seq_correct.to(outputs["q_halt_logits"].dtype), reduction="none"), 0).sum()
         loss = lm_loss + 0.5 * q_halt_loss
         metrics.update(lm_loss=lm_loss.detach(), q_halt_loss=q_halt_loss.detach())
         if "target_q_continue" in outputs:
-            q_continue_loss = F.binary_cross_entropy_with_logits(outputs["q_continue_logits"], outputs["target_q_continue"],
-                                                                 reduction="sum")
+            q_continue_loss = torch.where(labelled, F.binary_cross_entropy_with_logits(
+                outputs["q_continue_logits"], outputs["target_q_continue"], reduction="none"), 0).sum()
             loss = loss + 0.5 * q_continue_loss
             metrics["q_continue_loss"] = q_continue_loss.detach()
         metrics = {k: v.detach().to(torch.float32) for k, v in metrics.items()}

@@ -2,19 +2,25 @@
 
 The model is wrapped with FSDP2 `fully_shard` (train.dp_mode=fsdp) or composable `replicate`
 (train.dp_mode=replicate) on a 1-D DeviceMesh. The puzzle-embedding table is a buffer outside
-both wrappers; its touched rows are all-reduced by hand in SparseEmbeddingSignSGD.
+both wrappers; its touched rows are all-reduced by hand in SparseEmbeddingSignSGD. The weights
+train with AdamATan2 (hrlplan/optim.py), as in HRM.
 
-Counting follows HRM's pretrain.py: an epoch visits every puzzle group once, a step consumes one
-global batch, `eval_interval` is in epochs, the learning rate warms up for train.warmup_steps and
-then follows a cosine down to min_lr_ratio * lr over all planned steps. train.steps sets the run's
-length only when epochs is not given; train.stop_after caps it either way. ACT carries unfinished sequences across batches.
+Counting follows HRM's pretrain.py: an epoch visits every puzzle group once; `eval_interval`
+epochs form one iteration, batched together, whose one partial batch at the end is dropped (no
+padded row ever trains); the model is evaluated after every iteration. The learning rate warms up
+for train.warmup_steps and then follows a cosine down to min_lr_ratio * lr over HRM's
+int(epochs * examples / global_batch_size) steps. train.steps sets the run's length only when
+epochs is not given; train.stop_after caps it either way. ACT carries unfinished sequences across
+batches.
 
-Checkpoints (rank 0 writes, atomically: a temporary directory renamed into place):
-    <run_dir>/checkpoints/all_config.yaml, hrm.py, ...   config and model source (as HRM)
-    <run_dir>/checkpoints/step_<N>/model.pt              full state dict (torch.save)
-    <run_dir>/checkpoints/step_<N>/optimizer.pt          AdamW state (full, unsharded)
-    <run_dir>/checkpoints/step_<N>/train_state.json      step, epoch, planned steps
-    <run_dir>/checkpoints/step_<N>/all_config.yaml + model source files
+Checkpoints (rank 0 writes, atomically: a temporary directory renamed into place) go to
+train.checkpoint_path (HRM's checkpoint_path) or <run_dir>/checkpoints, after every evaluation
+with train.checkpoint_every_eval (default) else at the end, and every train.checkpoint_interval steps:
+    <checkpoints>/all_config.yaml, hrm.py, ...   config and model source (as HRM)
+    <checkpoints>/step_<N>/model.pt              full state dict (torch.save)
+    <checkpoints>/step_<N>/optimizer.pt          AdamATan2 state (full, unsharded)
+    <checkpoints>/step_<N>/train_state.json      step, iteration, batch, planned steps
+    <checkpoints>/step_<N>/all_config.yaml + model source files
 `hrlplan evaluate <step dir | checkpoints dir | HRM step file>` reports test exact accuracy.
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -33,9 +40,12 @@ import torch.distributed as dist
 import yaml
 
 from hrlplan.data.sudoku import PuzzleSplit, ensure_sudoku_dataset
+from hrlplan.devices import activate, choose_device
 from hrlplan.errors import UserError
-from hrlplan.models.hrm import ACTLossHead, build_hrm, check_hrm_fits, maybe_compile, source_files
+from hrlplan.models.hrm import (ACTLossHead, build_hrm, check_hrm_fits, maybe_compile, resolve_forward_dtype,
+                                source_files)
 from hrlplan.models.sparse_embedding import SparseEmbeddingSignSGD
+from hrlplan.optim import AdamATan2
 from hrlplan.runtime import preempt
 
 log = logging.getLogger("hrlplan.hrm")
@@ -43,16 +53,16 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ---------------------------------------------------------------- setup
-def _pick_device(preference: str) -> torch.device:
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    gpu_ok = torch.cuda.is_available() and "nccl" in str(backend)
-    if preference == "cuda" and not gpu_ok:
-        raise UserError("train.device=cuda needs CUDA and an NCCL process group; use train.device=cpu or auto")
-    if preference in ("cuda", "auto") and gpu_ok:
-        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _pick_device(setting: str) -> torch.device:
+    """The rank's device (hrlplan.devices' choice); CUDA only under an NCCL process group."""
+    backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
+    choice = choose_device(setting)
+    if choice.is_cuda and "nccl" not in backend:
+        if setting == "cuda":
+            raise UserError(f"train.device=cuda needs an NCCL process group (this one is {backend}); "
+                            "use train.device=cpu or auto")
+        return torch.device("cpu")
+    return activate(choice).device
 
 
 def _wrap(model: ACTLossHead, mode: str, device: torch.device, world: int) -> ACTLossHead:
@@ -110,14 +120,14 @@ def _write_sources(directory: str, cfg: Dict[str, Any]) -> None:
         shutil.copy(path, os.path.join(directory, os.path.basename(path)))
 
 
-def save_checkpoint(model, optimizer, state: Dict[str, Any], cfg: Dict[str, Any], run_dir: str) -> str:
-    """Collective; rank 0 writes <run_dir>/checkpoints/step_<N> atomically and returns its path."""
+def save_checkpoint(model, optimizer, state: Dict[str, Any], cfg: Dict[str, Any], checkpoint_dir: str) -> str:
+    """Collective; rank 0 writes <checkpoint_dir>/step_<N> atomically and returns its path."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     model_state = _full_model_state(model)
     optim_state = (get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                    if dist.is_initialized() else optimizer.state_dict())
-    final = os.path.join(run_dir, "checkpoints", f"step_{state['step']}")
+    final = os.path.join(checkpoint_dir, f"step_{state['step']}")
     if not dist.is_initialized() or dist.get_rank() == 0:
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,182 +216,290 @@ def _prepare_data(path: str, rank: int, logger) -> Tuple[PuzzleSplit, PuzzleSpli
     return PuzzleSplit(path, "train"), PuzzleSplit(path, "test")
 
 
-def _resume_dir(resume: Optional[str], run_dir: str) -> Optional[str]:
+def _resume_dir(resume: Optional[str], search_dir: str) -> Optional[str]:
     if resume in (None, "", "none"):
         return None
-    found = find_checkpoint(run_dir if resume == "auto" else resume)
+    found = find_checkpoint(search_dir if resume == "auto" else resume)
     if found is None and resume != "auto":
         raise UserError(f"train.resume={resume}: no checkpoint (step_<N>/model.pt) there")
     return found
+
+
+@dataclass
+class HRMSchedule:
+    """How long a run is, counted as HRM's pretrain.py counts."""
+    epochs: int
+    epochs_per_iter: int            # eval_interval: epochs batched together between evaluations
+    iterations: int
+    total_steps: int                # the learning-rate schedule's length: int(epochs * examples / batch)
+    steps_per_iter: Optional[int]   # full batches per iteration (None: drawn, puzzles of many examples)
+    stop_at: int                    # the step this run stops at
+
+    @property
+    def run_steps(self) -> Optional[int]:
+        """Optimizer steps of the whole recipe: every iteration's full batches (one partial batch
+        dropped per iteration), at most total_steps as in HRM."""
+        return None if self.steps_per_iter is None else min(self.total_steps, self.iterations * self.steps_per_iter)
+
+
+def hrm_schedule(train: Dict[str, Any], metadata: Dict[str, Any], global_batch_size: int,
+                 steps_per_iter: Optional[int]) -> HRMSchedule:
+    """Epochs, eval_interval (in epochs) and the step caps train.steps / train.stop_after."""
+    examples_per_epoch = metadata["total_groups"] * metadata.get("mean_puzzle_examples", 1)
+    epochs, interval = train.get("epochs"), train.get("eval_interval")
+    # HRM counts in epochs (its users type epochs=500); train.steps only counts when no epochs are given.
+    cap = None if epochs is not None else train.get("steps")
+    if epochs is None and cap is None:
+        raise UserError("set epochs=<N> (passes over the training puzzles) or train.steps=<N>")
+    if epochs is None:
+        epochs = max(1, -(-int(cap) * global_batch_size // int(examples_per_epoch)))
+        epochs = -(-epochs // int(interval)) * int(interval) if interval else epochs
+    epochs = int(epochs)
+    interval = int(interval) if interval else epochs
+    if interval <= 0 or epochs % interval:
+        raise UserError(f"eval_interval={interval} must divide epochs={epochs} (HRM evaluates every eval_interval "
+                        "epochs and runs epochs / eval_interval such rounds)")
+    total = int(epochs * examples_per_epoch / global_batch_size)
+    sched = HRMSchedule(epochs, interval, epochs // interval, total, steps_per_iter, total)
+    stop_at = sched.run_steps if sched.run_steps is not None else total
+    for limit in (cap, train.get("stop_after")):
+        if limit is not None:
+            stop_at = min(stop_at, int(limit))
+    sched.stop_at = stop_at
+    return sched
+
+
+def _forward_dtype(arch: Dict[str, Any], device: torch.device) -> str:
+    return resolve_forward_dtype(arch.get("forward_dtype"), device.type)
+
+
+def _optimizers(model, train: Dict[str, Any], world: int):
+    """HRM's pair: AdamATan2 on the weights, SignSGD on the puzzle-embedding rows."""
+    betas = (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95)))
+    optimizer = AdamATan2(model.parameters(), lr=0.0, betas=betas, weight_decay=float(train.get("weight_decay", 0.1)))
+    emb = model.model.puzzle_emb
+    sparse = SparseEmbeddingSignSGD([emb], lr=0.0, weight_decay=float(train.get("puzzle_emb_weight_decay", 0.1)),
+                                    world_size=world) if emb is not None else None
+    return optimizer, sparse
+
+
+def _checkpoint_dir(train: Dict[str, Any], run_dir: str) -> str:
+    # HRM's checkpoint_path names the directory its step_<N> files go to.
+    return str(train.get("checkpoint_path") or os.path.join(run_dir, "checkpoints"))
+
+
+def _state(step: int, iteration: int, batch: int, sched: HRMSchedule) -> Dict[str, Any]:
+    return {"step": step, "iteration": iteration, "batch": batch,
+            "epoch": iteration * sched.epochs_per_iter, "total_steps": sched.total_steps}
+
+
+def _resume_position(state: Dict[str, Any], sched: HRMSchedule) -> Tuple[int, int]:
+    """(iteration, batch inside it) to continue from."""
+    if "iteration" in state:
+        return int(state["iteration"]), int(state.get("batch", 0))
+    if sched.steps_per_iter:   # a checkpoint written before iterations were recorded
+        return divmod(int(state["step"]), sched.steps_per_iter)
+    raise UserError("the checkpoint records no iteration; resume it with the hrlplan version that wrote it")
+
+
+class _Run:
+    """One HRM training run's state and the pieces of its loop."""
+
+    def __init__(self, cfg: Dict[str, Any], run_dir: str, logger):
+        self.cfg, self.logger = cfg, logger
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.train, self.arch = dict(cfg["train"]), dict(cfg["arch"])
+        self.gbs = int(self.train.get("global_batch_size") or 8)
+        if self.gbs % self.world:
+            raise UserError(f"global_batch_size={self.gbs} must be a multiple of the {self.world} data-parallel ranks")
+        self.seed = int(self.train.get("seed", 0))
+        self.device = _pick_device(str(self.train.get("device", "auto")))
+        self.arch["forward_dtype"] = _forward_dtype(self.arch, self.device)
+        self.train_split, self.test_split = _prepare_data(_data_path(cfg), self.rank, logger)
+        meta = self.train_split.metadata
+        self.sched = hrm_schedule(self.train, meta, self.gbs, None)
+        self.sched = hrm_schedule(self.train, meta, self.gbs,
+                                  self.train_split.steps_per_iteration(self.sched.epochs_per_iter, self.gbs))
+        if self.sched.steps_per_iter == 0:
+            raise UserError(f"global_batch_size={self.gbs} is more than the {self.train_split.num_groups} puzzles x "
+                            f"eval_interval={self.sched.epochs_per_iter} epochs of one iteration: no full batch to "
+                            "train on; lower global_batch_size or raise eval_interval")
+        self.ckpt_dir = _checkpoint_dir(self.train, run_dir)
+        self.every_eval = bool(self.train.get("checkpoint_every_eval", True))
+        self.checkpoint_every = int(self.train.get("checkpoint_interval") or 0)
+        self.grad_clip = float(self.train.get("grad_clip") or 0.0)   # None / 0: none (HRM clips nothing)
+        self.lrs = (float(self.train.get("lr", 1e-4)), float(self.train.get("puzzle_emb_lr", 1e-2)))
+        self.warmup = int(self.train.get("warmup_steps", 2000))
+        self.min_ratio = float(self.train.get("min_lr_ratio", 1.0))
+        self.last_ckpt: Optional[str] = None
+        self.periodic: Optional[str] = None   # the latest interval checkpoint; replaced by the next one
+
+    def build(self, resume_from: Optional[str]) -> Dict[str, Any]:
+        meta = self.train_split.metadata
+        torch.manual_seed(self.seed)   # identical initial weights on every rank
+        with torch.device(self.device):
+            model = build_hrm(self.arch, seq_len=meta["seq_len"], vocab_size=meta["vocab_size"],
+                              num_puzzle_identifiers=meta["num_puzzle_identifiers"])
+        state = {"step": 0, "iteration": 0, "batch": 0}
+        if resume_from:
+            model.load_state_dict(torch.load(os.path.join(resume_from, "model.pt"), map_location=self.device,
+                                             weights_only=True))
+            with open(os.path.join(resume_from, "train_state.json")) as f:
+                state = json.load(f)
+        if self.device.type == "cuda":
+            warning = check_hrm_fits(self.arch, self.gbs, torch.cuda.get_device_properties(self.device).total_memory,
+                                     self.world, meta["seq_len"])
+            if warning and self.rank == 0:
+                _say(self.logger, f"warning: {warning}")
+        self.model = _wrap(model, str(self.train.get("dp_mode", "fsdp")), self.device, self.world)
+        self.compiled = maybe_compile(self.model, self.device)
+        torch.manual_seed(self.seed + self.rank)   # ACT exploration differs per rank, as in HRM
+        self.optimizer, self.sparse = _optimizers(self.model, self.train, self.world)
+        if resume_from:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            saved = torch.load(os.path.join(resume_from, "optimizer.pt"), map_location="cpu", weights_only=True)
+            set_optimizer_state_dict(self.model, self.optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        return state
+
+    def announce(self, step: int, resume_from: Optional[str]) -> None:
+        s = self.sched
+        n_params = sum(p.numel() for p in self.model.parameters())
+        runs = f"{s.run_steps} steps" if s.run_steps is not None else "steps drawn per iteration"
+        _say(self.logger, f"HRM: {n_params:,} parameters, {self.world} rank(s) on {self.device}, forward in "
+                          f"{self.arch['forward_dtype']}, {self.train.get('dp_mode', 'fsdp')}, AdamATan2, "
+                          f"{s.iterations} x {s.epochs_per_iter} epochs: {runs} (schedule over {s.total_steps})"
+                          + (f", stopping at step {s.stop_at}" if s.run_steps is None or s.stop_at < s.run_steps else "")
+                          + (" (compiled)" if self.compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
+        self.logger.log({"num_params": n_params}, step=step)
+
+    def step(self, carry, batch: Dict[str, torch.Tensor], step: int):
+        """One optimizer step (step is the 1-based number of the step taken)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if carry is None:
+            carry = self.model.initial_carry(batch)
+        carry, loss, metrics, _, _ = self.model(carry, batch)
+        # Losses are sums over sequences; wrappers average gradients over ranks, so dividing by the
+        # local batch gives HRM's sum / global_batch_size.
+        (loss / (self.gbs // self.world)).backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        lr = lr_at(step, self.lrs[0], self.warmup, self.sched.total_steps, self.min_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.sparse is not None:
+            self.sparse.param_groups[0]["lr"] = lr_at(step, self.lrs[1], self.warmup, self.sched.total_steps,
+                                                      self.min_ratio)
+            self.sparse.step()
+            self.sparse.zero_grad()
+        return carry, metrics, lr
+
+    def train_metrics(self, metrics: Dict[str, torch.Tensor], lr: float, step: int) -> Dict[str, float]:
+        keys = sorted(metrics)
+        totals = _all_reduce_sum(torch.stack([metrics[k] for k in keys]).to(torch.float64)).cpu().tolist()
+        values = dict(zip(keys, totals))
+        count = max(values.pop("count"), 1.0)
+        out = {f"train/{k}": v / (self.gbs if k.endswith("loss") else count) for k, v in values.items()}
+        examples = self.train_split.metadata["total_groups"] * self.train_split.metadata.get("mean_puzzle_examples", 1)
+        out.update({"train/lr": lr, "train/epoch": step * self.gbs / examples})
+        return out
+
+    def save(self, step: int, iteration: int, batch: int) -> str:
+        self.last_ckpt = save_checkpoint(self.model, self.optimizer, _state(step, iteration, batch, self.sched),
+                                         self.cfg, self.ckpt_dir)
+        return self.last_ckpt
+
+    def saved_at(self, step: int) -> bool:
+        return self.last_ckpt is not None and self.last_ckpt.endswith(f"step_{step}")
+
+    def periodic_checkpoint(self, step: int, iteration: int, batch: int) -> None:
+        if not (self.checkpoint_every and step % self.checkpoint_every == 0):
+            return
+        self.save(step, iteration, batch)
+        # Interval checkpoints are for resuming: keep the newest only (evaluation ones stay).
+        if self.periodic and self.periodic != self.last_ckpt and self.rank == 0:
+            shutil.rmtree(self.periodic, ignore_errors=True)
+        self.periodic = self.last_ckpt
+
+    def evaluate_and_checkpoint(self, step: int, iteration: int, batch: int, last: bool, result: Dict) -> None:
+        eval_metrics = {f"eval/{k}": v for k, v in
+                        evaluate(self.model, self.test_split, self.gbs, self.device, self.rank, self.world).items()}
+        result.update(eval_metrics)
+        if self.rank == 0:
+            self.logger.log(eval_metrics, step=step)
+            _say(self.logger, f"step {step} (epoch {min(iteration, self.sched.iterations) * self.sched.epochs_per_iter}): "
+                              f"eval exact_accuracy {eval_metrics.get('eval/exact_accuracy', float('nan')):.4f}")
+        if (self.every_eval or last) and not self.saved_at(step):
+            self.save(step, iteration, batch)
+        if self.periodic == self.last_ckpt:
+            self.periodic = None   # now an evaluation checkpoint: kept
 
 
 def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]:
     """Train HRM on cfg['data']['path']; returns the final metrics, step and checkpoint path."""
     if not dist.is_initialized():
         raise RuntimeError("train_hrm needs an initialised torch.distributed process group (gloo or nccl)")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if plan is not None and getattr(plan, "pp", 1) != 1:
         raise UserError(f"HRM trains data parallel only; the plan has pp={plan.pp} (use a pp=1 plan)")
-    train, arch = dict(cfg["train"]), dict(cfg["arch"])
-    gbs = int(train.get("global_batch_size") or 8)
-    if gbs % world:
-        raise UserError(f"global_batch_size={gbs} must be a multiple of the {world} data-parallel ranks")
-    seed = int(train.get("seed", 0))
-    device = _pick_device(str(train.get("device", "auto")))
-    train_split, test_split = _prepare_data(_data_path(cfg), rank, logger)
-    meta = train_split.metadata
-
-    steps_per_epoch = train_split.steps_per_epoch(gbs)
-    epochs = train.get("epochs")
-    # HRM counts in epochs (its users type epochs=500); train.steps only counts when no epochs are
-    # given, and train.stop_after caps either.
-    cap = None if epochs is not None else train.get("steps")
-    if epochs is None and cap is None:
-        raise UserError("set epochs=<N> (passes over the training puzzles) or train.steps=<N>")
-    epochs = int(epochs) if epochs is not None else -(-int(cap) // steps_per_epoch)
-    total_steps = epochs * steps_per_epoch
-    stop_at = min(total_steps, int(cap)) if cap is not None else total_steps
-    stop_after = train.get("stop_after")
-    if stop_after is not None:
-        stop_at = min(stop_at, int(stop_after))
-    eval_interval = int(train.get("eval_interval") or epochs)
-
-    torch.manual_seed(seed)   # identical initial weights on every rank
-    with torch.device(device):
-        model = build_hrm(arch, seq_len=meta["seq_len"], vocab_size=meta["vocab_size"],
-                          num_puzzle_identifiers=meta["num_puzzle_identifiers"])
-    resume_from = _resume_dir(train.get("resume"), run_dir)
-    state = {"step": 0, "epoch": 0}
-    if resume_from:
-        model.load_state_dict(torch.load(os.path.join(resume_from, "model.pt"), map_location=device, weights_only=True))
-        with open(os.path.join(resume_from, "train_state.json")) as f:
-            state = json.load(f)
-    if device.type == "cuda":
-        warning = check_hrm_fits(arch, gbs, torch.cuda.get_device_properties(device).total_memory, world, meta["seq_len"])
-        if warning and rank == 0:
-            _say(logger, f"warning: {warning}")
-    model = _wrap(model, str(train.get("dp_mode", "fsdp")), device, world)
-    compiled = maybe_compile(model, device)
-    torch.manual_seed(seed + rank)   # ACT exploration differs per rank, as in HRM
-
-    betas = (float(train.get("beta1", 0.9)), float(train.get("beta2", 0.95)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=float(train.get("weight_decay", 0.1)), betas=betas)
-    emb = model.model.puzzle_emb
-    sparse = SparseEmbeddingSignSGD([emb], lr=0.0, weight_decay=float(train.get("puzzle_emb_weight_decay", 0.1)),
-                                    world_size=world) if emb is not None else None
-    if resume_from:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        saved = torch.load(os.path.join(resume_from, "optimizer.pt"), map_location="cpu", weights_only=True)
-        set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
-    lrs = (float(train.get("lr", 1e-4)), float(train.get("puzzle_emb_lr", 1e-2)))
-    warmup, min_ratio = int(train.get("warmup_steps", 0)), float(train.get("min_lr_ratio", 1.0))
-    grad_clip, log_every = float(train.get("grad_clip") or 0.0), max(1, int(train.get("log_interval") or 1))
-    checkpoint_every = int(train.get("checkpoint_interval") or 0)
-
+    run = _Run(cfg, run_dir, logger)
+    resume_from = _resume_dir(run.train.get("resume"), run.ckpt_dir)
+    state = run.build(resume_from)
     step = int(state["step"])
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    if rank == 0:
-        os.makedirs(checkpoints, exist_ok=True)
-        _write_sources(checkpoints, cfg)
-        n_params = sum(p.numel() for p in model.parameters())
-        _say(logger, f"HRM: {n_params:,} parameters, {world} rank(s) on {device}, {train.get('dp_mode', 'fsdp')}, "
-                 f"{epochs} epochs x {steps_per_epoch} steps = {total_steps} steps"
-                 + (f", stopping at step {stop_at} (train.steps / train.stop_after)" if stop_at < total_steps else "")
-                 + (" (compiled)" if compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
-        logger.log({"num_params": n_params}, step=step)
+    iteration, first_batch = _resume_position(state, run.sched)
+    if run.rank == 0:
+        os.makedirs(run.ckpt_dir, exist_ok=True)
+        _write_sources(run.ckpt_dir, cfg)
+        run.announce(step, resume_from)
     from tqdm import tqdm
 
-    bar = tqdm(total=stop_at, initial=step, desc="HRM", unit="step", disable=rank != 0)
+    sched, log_every = run.sched, max(1, int(run.train.get("log_interval") or 1))
+    bar = tqdm(total=sched.stop_at, initial=step, desc="HRM", unit="step", disable=run.rank != 0)
     result: Dict[str, Any] = {}
     history: List[Dict[str, float]] = []
-    last_ckpt: Optional[str] = None
-    periodic: Optional[str] = None   # the latest interval checkpoint; replaced by the next one
     first_step_at: Optional[float] = None
-    carry = None
-    local_bs = gbs // world
+    carry, preempted = None, False
     started, start_step = time.time(), step
-    preempted = False
-    model.train()
-    for epoch in range(step // steps_per_epoch, epochs):
-        first_batch = step - epoch * steps_per_epoch
-        for batch in train_split.epoch_batches(epoch, seed, gbs, rank, world, start_batch=first_batch):
-            if step >= stop_at:
+    run.model.train()
+    while iteration < sched.iterations and step < sched.stop_at and not preempted:
+        plan_ = run.train_split.iteration_plan(iteration, run.seed, sched.epochs_per_iter, run.gbs)
+        batch_index = first_batch
+        for batch in run.train_split.iteration_batches(plan_, run.rank, run.world, first_batch):
+            if step >= sched.stop_at:
                 break
-            batch = {k: v.to(device) for k, v in batch.items()}
-            if carry is None:
-                carry = model.initial_carry(batch)
-            carry, loss, metrics, _, _ = model(carry, batch)
-            # Losses are sums over sequences; wrappers average gradients over ranks, so dividing
-            # by the local batch gives HRM's sum / global_batch_size.
-            (loss / local_bs).backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            # HRM counts the step being taken (1-based), so the first update already has a learning rate.
-            lr = lr_at(step + 1, lrs[0], warmup, total_steps, min_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if sparse is not None:
-                sparse.param_groups[0]["lr"] = lr_at(step + 1, lrs[1], warmup, total_steps, min_ratio)
-                sparse.step()
-                sparse.zero_grad()
-            step += 1
+            carry, metrics, lr = run.step(carry, batch, step + 1)
+            step, batch_index = step + 1, batch_index + 1
             bar.update(1)
-            if first_step_at is None:
-                first_step_at = time.time()
-            if step % log_every == 0 or step == stop_at:
-                keys = sorted(metrics)
-                totals = _all_reduce_sum(torch.stack([metrics[k] for k in keys]).to(torch.float64)).cpu().tolist()
-                values = dict(zip(keys, totals))
-                count = max(values.pop("count"), 1.0)
-                train_metrics = {f"train/{k}": v / (gbs if k.endswith("loss") else count) for k, v in values.items()}
-                train_metrics.update({"train/lr": lr, "train/epoch": step / steps_per_epoch})
+            first_step_at = first_step_at or time.time()
+            if step % log_every == 0 or step == sched.stop_at:
+                train_metrics = run.train_metrics(metrics, lr, step)
                 result.update(train_metrics)
                 history = (history + [dict(train_metrics, step=step)])[-100:]
-                if rank == 0:
-                    logger.log(train_metrics, step=step)
+                if run.rank == 0:
+                    run.logger.log(train_metrics, step=step)
                     bar.set_postfix(lm_loss=f"{train_metrics['train/lm_loss']:.3f}")
-            if checkpoint_every and step % checkpoint_every == 0:
-                last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg, run_dir)
-                # Interval checkpoints are for resuming: keep the newest only (evaluation ones stay).
-                if periodic and periodic != last_ckpt and rank == 0:
-                    shutil.rmtree(periodic, ignore_errors=True)
-                periodic = last_ckpt
+            run.periodic_checkpoint(step, iteration, batch_index)
             # Collective (preempt's contract): all ranks agree, checkpoint together and stop.
-            if preempt.stop_agreed(device):
+            if preempt.stop_agreed(run.device):
                 preempted = True
-                if last_ckpt is None or not last_ckpt.endswith(f"step_{step}"):
-                    last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg,
-                                                run_dir)
+                if not run.saved_at(step):
+                    run.save(step, iteration, batch_index)
                 break
         if preempted:
             break
-        finished_epoch = step // steps_per_epoch
-        at_end = step >= stop_at
-        if (finished_epoch % eval_interval == 0 and step % steps_per_epoch == 0) or at_end:
-            eval_metrics = {f"eval/{k}": v for k, v in evaluate(model, test_split, gbs, device, rank, world).items()}
-            result.update(eval_metrics)
-            if rank == 0:
-                logger.log(eval_metrics, step=step)
-                _say(logger, f"step {step} (epoch {finished_epoch}): eval exact_accuracy "
-                         f"{eval_metrics.get('eval/exact_accuracy', float('nan')):.4f}")
-            if last_ckpt is None or not last_ckpt.endswith(f"step_{step}"):
-                last_ckpt = save_checkpoint(model, optimizer, _state(step, total_steps, steps_per_epoch), cfg, run_dir)
-            if periodic == last_ckpt:
-                periodic = None   # now an evaluation checkpoint: kept
-        if at_end:
-            break
+        finished = batch_index >= len(plan_[0])
+        position = (iteration + 1, 0) if finished else (iteration, batch_index)
+        if finished or step >= sched.stop_at:
+            last = step >= sched.stop_at or position[0] >= sched.iterations
+            run.evaluate_and_checkpoint(step, *position, last=last, result=result)
+        iteration, first_batch = position
     bar.close()
     elapsed = time.time() - started
-    result.update(step=step, final_step=step, total_steps=total_steps, checkpoint=last_ckpt, history=history,
-                  first_step_at=first_step_at, preempted=preempted, steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
+    result.update(step=step, final_step=step, total_steps=sched.total_steps, run_steps=sched.run_steps,
+                  checkpoint=run.last_ckpt, history=history, first_step_at=first_step_at, preempted=preempted,
+                  steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
     return result
-
-
-def _state(step: int, total_steps: int, steps_per_epoch: int) -> Dict[str, Any]:
-    return {"step": step, "epoch": step // steps_per_epoch, "total_steps": total_steps}
 
 
 # ---------------------------------------------------------------- hrlplan evaluate
