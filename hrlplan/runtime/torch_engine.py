@@ -17,6 +17,7 @@ from torch.distributed.pipelining import (
 from hrlplan.models.hf import build_stage_modules, causal_lm_loss, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
+from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import parallelize_stage
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
 
@@ -55,6 +56,7 @@ class TorchPipelineEngine:
             part = all_parts[i].to(self.device)
             if tp > 1:
                 parallelize_stage(part, self.mesh["tp"])
+            apply_recompute(part, plan.stages[i].recompute)   # after tp, before FSDP (torchtitan's order)
             blocks = getattr(part.base, part.blocks_attr)
             if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train["dp_mode"] != "fsdp"):
                 part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards
