@@ -1,14 +1,21 @@
-"""Every config option composes; a typo or a mistyped value fails at compose time."""
+"""Every config option composes; a typo or a mistyped value fails at compose time; the library gets
+plain values; HRM's keys and recipe work as HRM users type them."""
 
+import pickle
+import subprocess
+import sys
+from enum import Enum
 from pathlib import Path
 
 import pytest
-from hydra.errors import ConfigCompositionException
+import yaml
 
-from hrlplan.config import compose
+from hrlplan.config import HRM_RECIPE, TOP_LEVEL_ALIASES, DType, Schedule, compose
+from hrlplan.errors import ConfigError
 from hrlplan.model_meta import conf_dir
 
-GROUPS = ["arch", "cluster", "planner", "train", "data", "logger"]
+GROUPS = ["arch", "cluster", "planner", "train", "data", "logger", "experiment"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def options(group):
@@ -18,7 +25,7 @@ def options(group):
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes(group, option):
     cfg = compose([f"{group}={option}"])
-    assert cfg[group]
+    assert cfg["arch"] and cfg["train"]
 
 
 def test_defaults_are_the_tiny_local_job():
@@ -32,8 +39,35 @@ def test_defaults_are_the_tiny_local_job():
 @pytest.mark.parametrize("override", ["arch.n_layr=3", "train.stepz=3", "train.steps=many", "planner.samplez=3",
                                       "logger.mode_=offline", "cluster.nproc=2"])
 def test_typo_fails_at_compose(override):
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
         compose([override])
+
+
+def _walk(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _walk(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _walk(v)
+    else:
+        yield tree
+
+
+@pytest.mark.parametrize("overrides", [[], ["arch=hrm"], ["planner=hrl", "planner.schedules=[gpipe,1f1b]"],
+                                       ["train.dtype=bfloat16", "train.schedule=zero_bubble", "logger=disabled"]])
+def test_the_library_gets_plain_strings_not_enums(overrides):
+    cfg = compose(overrides)
+    assert not any(isinstance(v, Enum) for v in _walk(cfg))
+    yaml.safe_dump(cfg)   # what the W&B config copy and plan cache write
+    if "train.dtype=bfloat16" in overrides:
+        assert type(cfg["train"]["dtype"]) is str and cfg["train"]["dtype"] == "bfloat16"
+        assert cfg["train"]["schedule"] == "zero_bubble" and cfg["logger"]["mode"] == "disabled"
+
+
+def test_enum_members_read_as_their_strings_and_survive_spawn():
+    assert DType["bfloat16"] == "bfloat16" and f"{Schedule['1f1b']}" == "1f1b" and str(Schedule["gpipe"]) == "gpipe"
+    assert pickle.loads(pickle.dumps(Schedule["1f1b"])) is Schedule["1f1b"]
 
 
 def test_hrm_overrides_users_know_compose():
@@ -44,6 +78,96 @@ def test_hrm_overrides_users_know_compose():
     assert cfg["train"]["global_batch_size"] == 4 and cfg["train"]["lr"] == 1e-4
     assert cfg["train"]["epochs"] == 500 and cfg["data"]["path"] == "data/sudoku-extreme-small"
     assert cfg["arch"]["hidden_size"] == 32 and cfg["arch"]["puzzle_emb_ndim"] == 32
+
+
+ALIAS_VALUES = {"data_path": "x/y", "epochs": 7, "eval_interval": 3, "checkpoint_every_eval": True,
+                "global_batch_size": 12, "lr": 2e-4, "lr_min_ratio": 0.5, "lr_warmup_steps": 11, "beta1": 0.8,
+                "beta2": 0.9, "weight_decay": 0.5, "puzzle_emb_lr": 3e-4, "puzzle_emb_weight_decay": 0.25,
+                "seed": 5, "project_name": "Sudoku-extreme-1k-aug-1000", "run_name": "my-run",
+                "checkpoint_path": "checkpoints/mine"}
+
+
+def test_every_hrm_top_level_key_reaches_its_group():
+    assert set(ALIAS_VALUES) == set(TOP_LEVEL_ALIASES)
+    overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ALIAS_VALUES.items()]
+    cfg = compose(["arch=hrm", *overrides])
+    for key, (group, sub) in TOP_LEVEL_ALIASES.items():
+        assert cfg[group][sub] == ALIAS_VALUES[key], key
+
+
+def test_hrm_recipe_defaults_apply_to_hrm_only():
+    hrm = compose(["arch=hrm"])["train"]
+    assert {k: hrm[k] for k in HRM_RECIPE} == HRM_RECIPE
+    assert hrm["grad_clip"] is None and hrm["warmup_steps"] == 2000 and hrm["min_lr_ratio"] == 1.0
+    lm = compose([])["train"]
+    assert lm["grad_clip"] == 1.0 and lm["warmup_steps"] == 3 and lm["seed"] == 1234
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("lr_warmup_steps=5", "warmup_steps", 5), ("train.warmup_steps=3", "warmup_steps", 3),  # 3: the LM default
+    ("train.seed=1234", "seed", 1234), ("seed=1234", "seed", 1234), ("train.grad_clip=1.0", "grad_clip", 1.0),
+    ("lr_min_ratio=0.1", "min_lr_ratio", 0.1), ("++train.seed=1234", "seed", 1234)])
+def test_the_users_explicit_value_beats_the_hrm_recipe(override, key, value):
+    train = compose(["arch=hrm", override])["train"]
+    assert train[key] == value
+    others = {k: v for k, v in HRM_RECIPE.items() if k != key}
+    assert {k: train[k] for k in others} == others   # the rest of the recipe still applies
+
+
+def test_an_experiment_file_beats_the_hrm_recipe():
+    train = compose(["experiment=hrm-sudoku"])["train"]
+    assert train["grad_clip"] == 0.0 and train["warmup_steps"] == 2000 and train["seed"] == 0
+
+
+def test_grad_clip_accepts_null():
+    assert compose(["train.grad_clip=null"])["train"]["grad_clip"] is None
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], "stablemax_cross_entropy"),
+    (["arch.loss.loss_type=softmax_cross_entropy"], "softmax_cross_entropy"),
+    (["arch.loss_type=softmax_cross_entropy"], "softmax_cross_entropy")])
+def test_hrm_loss_type_both_spellings_agree(overrides, expected):
+    arch = compose(["arch=hrm", *overrides])["arch"]
+    assert arch["loss"]["loss_type"] == arch["loss_type"] == expected
+    assert arch["loss"]["name"] == "losses@ACTLossHead"
+
+
+def test_experiment_needs_no_plus_and_the_old_plus_still_works():
+    plain = compose(["experiment=hrm-sudoku"])
+    assert plain["arch"]["family"] == "hrm" and plain["train"]["global_batch_size"] == 768
+    assert compose(["+experiment=hrm-sudoku"]) == plain
+
+
+# HRM's README (sapientinc/HRM), its commands' keys verbatim after `arch=hrm`.
+HRM_README = {
+    "sudoku-1k": "data_path=data/sudoku-extreme-1k-aug-1000 epochs=20000 eval_interval=2000 global_batch_size=384 "
+                 "lr=7e-5 puzzle_emb_lr=7e-5 weight_decay=1.0 puzzle_emb_weight_decay=1.0",
+    "arc-2": "data_path=data/arc-2-aug-1000",
+    "maze": "data_path=data/maze-30x30-hard-1k epochs=20000 eval_interval=2000 lr=1e-4 puzzle_emb_lr=1e-4 "
+            "weight_decay=1.0 puzzle_emb_weight_decay=1.0",
+    "eval-keys": "arch.loss.loss_type=stablemax_cross_entropy arch.loss.name=losses@ACTLossHead "
+                 "arch.halt_max_steps=16 arch.halt_exploration_prob=0.1 arch.H_cycles=2 arch.L_cycles=2 "
+                 "arch.puzzle_emb_ndim=512 arch.pos_encodings=rope lr_min_ratio=1.0 lr_warmup_steps=2000 "
+                 "beta1=0.9 beta2=0.95 seed=0 checkpoint_every_eval=true project_name=p run_name=r",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HRM_README))
+def test_hrm_readme_commands_compose_verbatim(name):
+    cfg = compose(["arch=hrm", *HRM_README[name].split()])
+    assert cfg["arch"]["family"] == "hrm"
+    assert cfg["data"]["path"] == next((o.split("=")[1] for o in HRM_README[name].split() if "data_path" in o), None)
+    if name == "sudoku-1k":
+        assert cfg["train"]["global_batch_size"] == 384 and cfg["train"]["lr"] == 7e-5
+
+
+def test_help_lists_options_without_internal_schemas():
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "_schema" not in out.stdout and "base_config" not in out.stdout
+    assert "arch: gpt2" in out.stdout and "experiment: hrm-sudoku" in out.stdout
 
 
 def test_arch_overrides_reach_the_model():
@@ -66,11 +190,10 @@ def test_the_config_tree_ships_inside_the_package():
 
     import hrlplan
 
-    root = Path(__file__).resolve().parent.parent
     packaged = Path(hrlplan.__file__).resolve().parent / "conf"
-    assert (packaged / "config.yaml").resolve() == (root / "conf" / "config.yaml").resolve()
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hrlplan"]
+    assert (packaged / "config.yaml").resolve() == (ROOT / "conf" / "config.yaml").resolve()
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hrlplan"]
     # every config file is matched by the wheel's package data (setuptools' ** spans folders)
-    for f in (root / "conf").rglob("*.yaml"):
-        rel = f"conf/{f.relative_to(root / 'conf').as_posix()}"
+    for f in (ROOT / "conf").rglob("*.yaml"):
+        rel = f"conf/{f.relative_to(ROOT / 'conf').as_posix()}"
         assert any(fnmatch(rel, g) for g in globs), rel
