@@ -206,11 +206,12 @@ def tf32_setting(train: Mapping[str, Any]) -> bool:
     return bool(train.get("tf32", True))
 
 
-def optimizer_impl(device: torch.device) -> Dict[str, bool]:
-    """AdamW's implementation flags: fused kernels on CUDA, the per-parameter loop on CPU (where
-    foreach buys nothing and costs an extra copy of the states)."""
+def optimizer_impl(device: torch.device, dtensor: bool = False) -> Dict[str, bool]:
+    """AdamW's implementation flags: fused kernels on CUDA (foreach, the multi-tensor path, for
+    DTensor parameters of FSDP2/tp), the per-parameter loop on CPU (where foreach buys nothing and
+    costs an extra copy of the states; CPU runs keep their numerics)."""
     if device.type == "cuda":
-        return {"fused": True}
+        return {"foreach": True} if dtensor else {"fused": True}
     return {"foreach": False}
 
 

@@ -23,29 +23,61 @@ SKIP_STEPS = 2   # the first steps pay for shape inference, allocation and conne
 
 
 class StepRecorder:
-    """Per-rank record of one step's operations: {stage, microbatch, kind, start_s, end_s}."""
+    """Per-rank record of one step's operations: {stage, microbatch, kind, start_s, end_s}.
+
+    On CUDA an op records two CUDA events on the current stream instead of synchronizing after it
+    (a synchronize per F/B/W stalls the launch queue and distorts the step it measures); the events
+    are read once the step has synchronized, when `events` is first looked at."""
 
     def __init__(self, device: torch.device):
-        self.sync = device.type == "cuda"   # a GPU op's time is only known after a synchronize
         self.device = device
-        self.events: List[Dict[str, Any]] = []
+        self.cuda = device.type == "cuda"
+        self._events: List[Dict[str, Any]] = []
+        self._pending: List[tuple] = []    # (stage, microbatch, kind, start event, end event)
+        self._origin_event = None
         self.origin = time.perf_counter()
 
     def begin(self) -> None:
-        self.events = []
+        self._events, self._pending = [], []
         self.origin = time.perf_counter()
+        if self.cuda:
+            self._origin_event = _cuda_event()
+
+    @property
+    def events(self) -> List[Dict[str, Any]]:
+        if self._pending:
+            self._resolve()
+        return self._events
+
+    @events.setter
+    def events(self, value: List[Dict[str, Any]]) -> None:
+        self._events, self._pending = list(value), []
 
     def add(self, stage: int, microbatch: int, kind: str, t0: float, t1: float) -> None:
-        self.events.append({"stage": stage, "microbatch": microbatch, "kind": kind,
-                            "start_s": t0 - self.origin, "end_s": t1 - self.origin})
+        self._events.append({"stage": stage, "microbatch": microbatch, "kind": kind,
+                             "start_s": t0 - self.origin, "end_s": t1 - self.origin})
 
     @contextmanager
     def op(self, stage: int, microbatch: int, kind: str):
-        t0 = time.perf_counter()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.add(stage, microbatch, kind, t0, time.perf_counter())
+            return
+        if self._origin_event is None:
+            self.begin()
+        start = _cuda_event()
         yield
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        self.add(stage, microbatch, kind, t0, time.perf_counter())
+        self._pending.append((stage, microbatch, kind, start, _cuda_event()))
+
+    def _resolve(self) -> None:
+        """Event times relative to begin()'s event; waits for the events recorded (not the device)."""
+        for stage, microbatch, kind, start, end in self._pending:
+            end.synchronize()
+            t0 = self._origin_event.elapsed_time(start) / 1e3
+            t1 = self._origin_event.elapsed_time(end) / 1e3
+            self._events.append({"stage": stage, "microbatch": microbatch, "kind": kind, "start_s": t0, "end_s": t1})
+        self._pending = []
 
     def compute_by_stage(self) -> Dict[int, float]:
         out: Dict[int, float] = {}
@@ -116,11 +148,34 @@ def analytic_bubble(schedule: str, pp: int, num_microbatches: int, stages_per_ra
     return (p - 1) / (m + p - 1)
 
 
+def _cuda_event():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """GPU: peak allocated by torch; CPU: the process's peak resident set (includes the runtime)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def memory_stats(device: torch.device) -> Dict[str, int]:
+    """This rank's peaks since reset_peak_memory: on CUDA max_memory_allocated (tensors) and
+    max_memory_reserved (what the caching allocator holds, what nvidia-smi shows); on CPU the peak RSS."""
+    if device.type == "cuda":
+        return {"max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
+                "max_memory_reserved": int(torch.cuda.max_memory_reserved(device))}
+    return {"peak_rss": peak_memory_bytes(device)}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Before training: the probe's and calibration's buffers are freed and leave no peak behind."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def median_step_time(times: List[float]) -> Optional[float]:

@@ -10,6 +10,7 @@ and, at the end, writes plan-vs-measured into plan_info.json.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -19,12 +20,12 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from hrlplan import devices
 from hrlplan.data.lm import build_lm_data
-from hrlplan.errors import UserError
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import checkpoint as ckpt
-from hrlplan.runtime import preempt, timing
+from hrlplan.runtime import distributed, preempt, timing
 from hrlplan.runtime.torch_engine import SCHEDULES, build_schedule  # noqa: F401  (re-exported)
 
 
@@ -53,17 +54,19 @@ def make_optimizer(module: torch.nn.Module, train: Dict[str, Any], owned: Option
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": float(train["weight_decay"])},
               {"params": no_decay, "weight_decay": 0.0}]
+    device = params[0].device if params else torch.device("cpu")
+    sharded = any(hasattr(p, "placements") for p in params)
     return torch.optim.AdamW(groups, lr=float(train["lr"]), betas=(float(train["beta1"]), float(train["beta2"])),
-                             foreach=False)
+                             **devices.optimizer_impl(device, dtensor=sharded))
 
 
-def pick_device(setting: str, local_rank: int) -> torch.device:
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+def pick_device(setting: str, local_rank: Optional[int] = None) -> torch.device:
+    """This rank's device (hrlplan.devices.choose_device: a valid ordinal under per-task GPU
+    binding), made current. local_rank overrides LOCAL_RANK."""
+    env = dict(os.environ)
+    if local_rank is not None:
+        env["LOCAL_RANK"] = str(local_rank)
+    return devices.activate(devices.choose_device(setting, env)).device
 
 
 def build_full_model(arch: Dict[str, Any], seed: int, materialized: bool = True):
@@ -91,6 +94,8 @@ class PipelineTrainer:
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":   # fp32 matmuls on TF32 unless train.tf32=false / HRLPLAN_TF32=0
+            devices.set_tf32(devices.tf32_setting(self.train))
         self.recorder = timing.StepRecorder(self.device)
         full = build_full_model(cfg["arch"], int(self.train["seed"]), materialized=False)
         if runs_on_torch_schedules(plan):
@@ -185,9 +190,7 @@ class PipelineTrainer:
         return {"eval/lm_loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
     def _gather(self, payload: Dict[str, Any]) -> List[Dict[str, Any]]:
-        out: List[Dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(out, payload)
-        return out
+        return distributed.all_gather_object(payload)
 
     def _profiler(self):
         """train.profile=true: a torch.profiler trace per rank (TensorBoard / chrome://tracing)."""
@@ -212,6 +215,8 @@ class PipelineTrainer:
         history, step_times = [], []
         first_step_at = None
         preempted = False
+        # peaks from here on: the probe's and calibration's buffers are freed and not counted
+        timing.reset_peak_memory(self.device)
         with self._profiler() as prof:
             while self.step < total:
                 out = self.train_step(self.step)
@@ -227,11 +232,13 @@ class PipelineTrainer:
                     metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
                 logging_now = self.step % int(self.train["log_interval"]) == 0 or self.step == total
                 if logging_now:
-                    stats = timing.stage_stats(self._gather({"compute": self.recorder.compute_by_stage()}),
-                                               out["step_time_s"])
+                    gathered = self._gather({"compute": self.recorder.compute_by_stage(),
+                                             "memory": timing.memory_stats(self.device)})
+                    stats = timing.stage_stats(gathered, out["step_time_s"])
                     for i, st in stats.items():
                         metrics[f"stage/{i}/compute_s"] = st["compute_s"]
                         metrics[f"stage/{i}/idle_s"] = st["idle_s"]
+                    metrics.update(memory_metrics([g["memory"] for g in gathered]))
                 eval_every = self.train.get("eval_interval")
                 if (eval_every and self.step % int(eval_every) == 0) or self.step == total:
                     # after the stage statistics: evaluation's forwards must not count as training
@@ -258,7 +265,8 @@ class PipelineTrainer:
         kept = self.phase_times[timing.SKIP_STEPS:] or self.phase_times
         phases = {k: statistics.median(p[k] for p in kept) for k in kept[0]} if kept else {}
         gathered = self._gather({"events": events, "compute": self.recorder.compute_by_stage(),
-                                 "memory": timing.peak_memory_bytes(self.device), "phases": phases})
+                                 "memory": timing.peak_memory_bytes(self.device),
+                                 "memory_stats": timing.memory_stats(self.device), "phases": phases})
         if self.rank != 0 or not step_times:
             return None
         step = timing.median_step_time(step_times)
@@ -269,6 +277,7 @@ class PipelineTrainer:
                                                                        self.plan.num_microbatches,
                                                                        self.plan.stages_per_rank),
                     "memory_bytes_per_rank": [g["memory"] for g in gathered],
+                    "memory_stats_per_rank": [g["memory_stats"] for g in gathered],
                     "phases_s_per_rank": [g["phases"] for g in gathered],
                     "memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
                     "stages": {str(i): st for i, st in stats.items()}}
@@ -277,6 +286,17 @@ class PipelineTrainer:
         predicted = self.plan.meta.get("predicted") or {}
         timing.write_plan_info(self.run_dir, predicted, measured, timeline)
         return measured
+
+
+def memory_metrics(per_rank: List[Dict[str, int]]) -> Dict[str, float]:
+    """memory/rank{r}/<stat>_gib for every rank on CUDA (max_memory_allocated and _reserved since
+    training started); nothing on CPU, where the peak RSS counts the whole process."""
+    out: Dict[str, float] = {}
+    for r, stats in enumerate(per_rank):
+        for key in ("max_memory_allocated", "max_memory_reserved"):
+            if key in (stats or {}):
+                out[f"memory/rank{r}/{key}_gib"] = stats[key] / 2**30
+    return out
 
 
 def full_vocab(arch: Dict[str, Any]) -> int:
