@@ -276,12 +276,14 @@ def augment(puzzle: np.ndarray, solution: np.ndarray, count: int, rng: np.random
     return apply(puzzle), apply(solution)
 
 
-def _write_split(out_dir: str, split: str, inputs: np.ndarray, labels: np.ndarray, group_sizes: Sequence[int]) -> None:
+def write_split(out_dir: str, split: str, inputs: np.ndarray, labels: np.ndarray, group_sizes: Sequence[int]) -> None:
+    """One split in HRM's files; inputs/labels are [E, 81] digits (0 = blank), stored + 1."""
     split_dir = os.path.join(out_dir, split)
     os.makedirs(split_dir, exist_ok=True)
     examples = len(inputs)
-    metadata = dict(seq_len=81, vocab_size=11, pad_id=0, ignore_label_id=0, blank_identifier_id=0,
-                    num_puzzle_identifiers=1, total_groups=len(group_sizes), mean_puzzle_examples=1, sets=["all"])
+    # HRM's PuzzleDatasetMetadata.model_dump(): its field order, mean_puzzle_examples a float.
+    metadata = dict(pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=11, seq_len=81,
+                    num_puzzle_identifiers=1, total_groups=len(group_sizes), mean_puzzle_examples=1.0, sets=["all"])
     arrays = {
         "inputs": (inputs + 1).astype(np.uint8),
         "labels": (labels + 1).astype(np.uint8),
@@ -328,8 +330,8 @@ def build_sudoku_dataset(out_dir: str, preset: SudokuPreset | str, seed: int = 0
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    _write_split(tmp, "train", np.concatenate(inputs), np.concatenate(labels), [1 + spec.num_aug] * len(train_p))
-    _write_split(tmp, "test", test_p, test_s, [1] * len(test_p))
+    write_split(tmp, "train", np.concatenate(inputs), np.concatenate(labels), [1 + spec.num_aug] * len(train_p))
+    write_split(tmp, "test", test_p, test_s, [1] * len(test_p))
     with open(os.path.join(tmp, "identifiers.json"), "w") as f:
         json.dump(["<blank>"], f)
     clues = np.count_nonzero(np.concatenate([train_p, test_p]), axis=1)
