@@ -221,14 +221,35 @@ def test_tensor_parallel_shards_the_blocks_not_the_head():
 
     meta = toy_meta(vocab=4096)
     meta.head_flops_fwd_per_token = 2.0 * 4096 * 256
-    costs = StageCostModel(meta, toy_cluster(), CostOptions())
-    one = costs.stage(0, 8, True, True, [0], tp=1, dp=1, microbatch_size=1, pp=1)
-    two = costs.stage(0, 8, True, True, [0, 1], tp=2, dp=1, microbatch_size=1, pp=1)
+    cluster = toy_cluster()
+    cluster.calibration = {"compute_efficiency": 0.5}   # the flat FLOPs model: speed proportional to FLOPs
     blocks = sum(meta.block_flops_fwd_per_token)
-    share = (blocks / 2 + meta.head_flops_fwd_per_token) / (blocks + meta.head_flops_fwd_per_token)
-    assert two.compute_fwd == pytest.approx(one.compute_fwd * share, rel=1e-9)
-    assert costs.span_params(0, 8, True, True, 1, tp=2) == pytest.approx(
-        sum(meta.block_params) / 2 + meta.embedding_params + meta.head_params)
+    for vocab_parallel, head_tp in ((False, 1), (True, 2)):
+        costs = StageCostModel(meta, cluster, CostOptions(vocab_parallel=vocab_parallel))
+        one = costs.stage(0, 8, True, True, [0], tp=1, dp=1, microbatch_size=1, pp=1)
+        two = costs.stage(0, 8, True, True, [0, 1], tp=2, dp=1, microbatch_size=1, pp=1)
+        head = meta.head_flops_fwd_per_token
+        share = (blocks / 2 + head / head_tp) / (blocks + head)
+        assert two.compute_fwd == pytest.approx(one.compute_fwd * share, rel=1e-9)
+        assert costs.span_params(0, 8, True, True, 1, tp=2) == pytest.approx(
+            sum(meta.block_params) / 2 + (meta.embedding_params + meta.head_params) / head_tp)
+
+
+def test_vocab_parallel_head_shards_the_logits_and_unloads_the_last_stage():
+    """Megatron's vocabulary-parallel embedding and column-parallel head with a loss over sharded
+    logits: the last stage's head FLOPs, weights and fp32 logits divide by tp."""
+    meta, cluster = llama7b_meta(), a100_node()
+    whole = Simulator(meta, cluster, CostOptions(bytes_per_value=2))
+    sharded = Simulator(meta, cluster, CostOptions(bytes_per_value=2, vocab_parallel=True))
+    lay = Layout(spans=((0, 16), (16, 32)), groups=((0, 1, 2, 3), (4, 5, 6, 7)), tp=4, dp=1, microbatch_size=1,
+                 num_microbatches=8, schedule="1f1b")
+    a, b = whole.evaluate(lay, detail=True), sharded.evaluate(lay, detail=True)
+    assert b.stages[1]["fwd_s"] < a.stages[1]["fwd_s"]
+    assert b.stages[0]["fwd_s"] == pytest.approx(a.stages[0]["fwd_s"])
+    logits = 2048 * 4 * meta.vocab_size          # fp32 logits per micro-batch, whole
+    assert a.stages[1]["activation_bytes_per_microbatch"] - b.stages[1]["activation_bytes_per_microbatch"] == \
+        pytest.approx(logits * 3 / 4)
+    assert b.step_time_s < a.step_time_s
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])

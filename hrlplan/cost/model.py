@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hrlplan.cost import memory as mem
+from hrlplan.cost import kernels, memory as mem
 from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
 from hrlplan.plan import stage_to_group
 
@@ -228,13 +228,28 @@ def calibrated_peak_flops(cluster, name: str) -> float:
     return statistics.median(d.peak_flops for d in cluster.devices if d.name == name)
 
 
+def _matmul_peak(device, bytes_per_value: int) -> float:
+    """A device's matmul peak in the run's dtype: its (16-bit) figure, scaled for float32 matmuls by the
+    datasheet's TF32/bf16 ratio (hrlplan.devices), half when the device is not in the table."""
+    if bytes_per_value <= 2:
+        return device.peak_flops
+    from hrlplan.devices import peak_flops
+
+    half, tf32 = peak_flops(device.name, "bf16") or peak_flops(device.name, "fp16"), peak_flops(device.name, "tf32")
+    return device.peak_flops * (tf32 / half if half and tf32 else 0.5)
+
+
 class DeviceModel:
     """Throughput, links and memory of a cluster's devices, with calibration applied."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         cal = cluster.calibration or {}
-        measured = cluster.source in ("probe", "file")
+        # measured peaks: a probe, or a probe saved to a file (it keeps its bandwidth matrix); a preset
+        # saved to a file (spec_file) keeps its nominal figures and their discount
+        measured = cluster.source == "probe" or (cluster.source == "file" and cluster.bandwidth is not None)
+        self.measured = measured
+        self.flat_compute = cal.get("compute_efficiency") is not None   # calibrated: FLOPs / fitted speed
         self.flops: List[float] = []
         self.half_tokens: List[float] = []
         self.workspace: List[float] = []
@@ -314,6 +329,12 @@ class StageCostModel:
             self._pp.append(self._pp[-1] + par)
         # numpy copies: `stage` accepts arrays of starts/ends and costs every span in one call
         self._pf_arr, self._pa_arr, self._pp_arr = (np.array(x, dtype=float) for x in (self._pf, self._pa, self._pp))
+        # shape-aware kernels for uncalibrated GPUs of a model whose blocks are alike (kernels.py)
+        uniform = len(set(meta.block_matmul_params)) <= 1 and meta.family == "hf"
+        self.kernels = [None if self.dev.flat_compute or not uniform else
+                        kernels.kernels_for(d, _matmul_peak(d, opts.bytes_per_value), self.dev.measured)
+                        for d in cluster.devices]
+        self._kernel_cache: Dict[tuple, Tuple[float, float, float]] = {}
 
     # ------------------------------------------------------------ pieces shared with the planners
     def _prefix(self, which: str, index):
@@ -376,11 +397,29 @@ class StageCostModel:
         """Forward-equivalent compute seconds (a third of forward + backward) of one micro-batch on
         the group's slowest rank: (the blocks, the head, one block's attention core), before contention."""
         meta = self.meta
+        if all(self.kernels[d] is not None for d in group):
+            per_block, head, core = max((self._kernel_parts(d, tokens, tp, last) for d in group), key=lambda x: x[0])
+            return (end - start) * meta.block_repeats * per_block, head, core
         block_flops = tokens * (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp
         head_flops = tokens * (self.span_flops(0, 0, False, True, tp) if last else 0.0)
         core = tokens * mem.attention_core_flops_per_token(meta) / tp
         slowest = min(self.dev.throughput(d, tokens) for d in group)
         return block_flops / slowest, head_flops / slowest, core / slowest
+
+    def _kernel_parts(self, dev: int, tokens: float, tp: int, last: bool) -> Tuple[float, float, float]:
+        """(one block, the head if `last`, one attention core) in forward-equivalent seconds on `dev`."""
+        k = self.kernels[dev]
+        key = (k, tokens, tp, last)
+        hit = self._kernel_cache.get(key)
+        if hit is None:
+            meta, bpv = self.meta, self.opts.bytes_per_value
+            mm = float(meta.block_matmul_params[0]) if meta.block_matmul_params else 0.0
+            f, b, core = kernels.block_times(k, meta, mm, tokens, tp, bpv, mem.attention_core_flops_per_token(meta),
+                                             self.opts.fused_attention)
+            head = sum(kernels.head_times(k, meta, tokens, tp if self.opts.vocab_parallel else 1, bpv)) if last else 0.0
+            # in the flat model's unit: a third of forward + backward (stage() splits it 1:2 again)
+            hit = self._kernel_cache[key] = ((f + b) / 3.0, head / 3.0, core)
+        return hit
 
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None,

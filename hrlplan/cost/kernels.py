@@ -1,0 +1,120 @@
+"""Shape-aware GPU compute: a transformer block's kernels costed from their shapes.
+
+A block's forward is four GEMMs -- QKV (T x h -> 3h/tp), attention output (T x h/tp -> h), MLP up
+(T x h -> W/tp) and down (T x W/tp -> h), T the tokens of a micro-batch, W the MLP's width from the
+block's matmul parameters -- plus the attention core and the elementwise work. Backward runs two
+GEMMs per forward GEMM (input and weight gradients, transposed shapes).
+
+- GEMM: a roofline, max(FLOPs / (peak x GEMM_PEAK_FRACTION x tile efficiency), bytes / HBM
+  bandwidth). Tile efficiency is the wave quantisation of 128 x 128 output tiles over the SMs and the
+  padding of M and N to whole tiles, times K / (K + GEMM_K_HALF) for the per-tile prologue/epilogue:
+  it is what makes small micro-batches, narrow tp shards and small hidden sizes slow.
+- Attention core (scaled_dot_product_attention, one fused kernel): its FLOPs at ATTENTION_FRACTION.
+- Norms, activations, residual adds, dropout: memory-bound, ELEMENTWISE_BYTES per token moved at
+  HBM bandwidth x MEMORY_FRACTION.
+Every constant is global (one GPU model for every model and cluster); bench/published.py checks
+them against Megatron-LM's measured table. A device's compute_efficiency calibration, or a CPU,
+keeps the flat FLOPs / (peak x efficiency) model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+GEMM_PEAK_FRACTION = 0.80    # of the datasheet dense peak: what cuBLAS sustains on large GEMMs
+GEMM_TILE = 128
+GEMM_K_HALF = 96             # K at which a tile's main loop is half its time
+ATTENTION_FRACTION = 0.45    # fused attention (forward and backward) as a fraction of the peak
+MEMORY_FRACTION = 0.80       # of HBM bandwidth reached by elementwise kernels
+KERNEL_LAUNCH_S = 4e-6
+# (HBM bytes/s, SMs) by a token of the device name; the first match wins.
+GPU_FACTS = (("H200", 4.8e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
+             ("A100", 2.04e12, 108), ("A800", 2.04e12, 108), ("V100", 0.9e12, 80), ("L40S", 0.86e12, 142),
+             ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("MI300X", 5.3e12, 304))
+
+
+def gpu_facts(name: str, peak: float) -> Tuple[float, int]:
+    """(HBM bandwidth, SM count) of a device name; unknown: a 150 FLOP/byte ridge and 108 SMs."""
+    upper = name.upper().replace("-", " ").split()
+    for key, bw, sms in GPU_FACTS:
+        if any(tok.startswith(key) for tok in upper):
+            return bw, sms
+    return peak / 150.0, 108
+
+
+@dataclass(frozen=True)
+class GpuKernels:
+    peak: float          # dense FLOP/s the GEMM fraction applies to
+    hbm: float           # bytes/s
+    sms: int
+    gemm_fraction: float = GEMM_PEAK_FRACTION
+
+    def gemm(self, m: float, n: float, k: float, bpv: int) -> float:
+        """Seconds of one (m x k) @ (k x n) GEMM."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        tiles_m, tiles_n = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
+        tiles = tiles_m * tiles_n
+        waves = math.ceil(tiles / self.sms)
+        eff = (tiles / (waves * self.sms)) * (m / (tiles_m * GEMM_TILE)) * (n / (tiles_n * GEMM_TILE))
+        eff *= k / (k + GEMM_K_HALF)
+        compute = 2.0 * m * n * k / (self.peak * self.gemm_fraction * eff)
+        traffic = bpv * (m * k + k * n + m * n) / (self.hbm * MEMORY_FRACTION)
+        return max(compute, traffic) + KERNEL_LAUNCH_S
+
+    def gemm_fwd_bwd(self, m: float, n: float, k: float, bpv: int) -> Tuple[float, float]:
+        """(forward, backward): backward is dX = dY W^T (m x n x k) and dW = X^T dY (k x n over m)."""
+        return self.gemm(m, n, k, bpv), self.gemm(m, k, n, bpv) + self.gemm(k, n, m, bpv)
+
+    def elementwise(self, nbytes: float) -> float:
+        return nbytes / (self.hbm * MEMORY_FRACTION)
+
+
+def block_widths(meta, matmul_params: float) -> Tuple[float, float]:
+    """(attention projection width, MLP width W) of a block: 4h^2 of attention, the rest MLP (two
+    GEMMs of h x W each -- a gated MLP's gate+up and down have the same FLOPs as that)."""
+    h = float(meta.hidden_size)
+    attn = min(4.0 * h * h, matmul_params)
+    return attn / (4.0 * h), max(matmul_params - attn, 0.0) / (2.0 * h)
+
+
+def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: int, bpv: int,
+                attention_flops_per_token: float, fused_attention: bool = True) -> Tuple[float, float, float]:
+    """(forward, backward, attention core forward) seconds of one block on one micro-batch. An
+    attention that is not fused writes its a x s scores per token and reads them back through the
+    softmax, dropout and the product with V (six 16-bit passes and a one-byte mask, Megatron's fused
+    softmax included): memory-bound work that shrinks relative to the GEMMs as h grows."""
+    h = float(meta.hidden_size)
+    a, w = block_widths(meta, matmul_params)
+    fwd = bwd = 0.0
+    for m, n, kk in ((tokens, 3 * a / tp, h), (tokens, h, a / tp), (tokens, w / tp, h), (tokens, h, w / tp)):
+        f, b = k.gemm_fwd_bwd(m, n, kk, bpv)
+        fwd, bwd = fwd + f, bwd + b
+    core = tokens * attention_flops_per_token / tp / (k.peak * ATTENTION_FRACTION)
+    if not fused_attention:
+        core += k.elementwise(tokens * meta.num_heads * meta.seq_len / tp * (6 * bpv + 1))
+    # norms, residual adds, bias + activation, dropout: ~12h replicated + 2W/tp values read or written per token
+    moved = k.elementwise(tokens * bpv * (12.0 * h + 2.0 * w / tp))
+    return fwd + core + moved, bwd + 2.0 * core + 2.0 * moved, core
+
+
+def head_times(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[float, float]:
+    """(forward, backward) of the output head on a micro-batch: its GEMM (vocabulary over `tp`
+    shards when vocabulary-parallel, else tp=1) and the cross-entropy over fp32 logits."""
+    h = float(meta.hidden_size)
+    v = meta.head_flops_fwd_per_token / (2.0 * h)   # the head's output width, as its FLOPs count it
+    if v <= 0:
+        return 0.0, 0.0
+    f, b = k.gemm_fwd_bwd(tokens, v / tp, h, bpv)
+    loss = k.elementwise(tokens * (v / tp) * (bpv + 3 * 4))
+    return f + loss, b + loss
+
+
+def kernels_for(device, peak: float, measured: bool) -> Optional[GpuKernels]:
+    """The kernel model of a CUDA device (None for a CPU). A probed peak is already a sustained GEMM
+    rate: it is used whole; a datasheet peak is discounted by GEMM_PEAK_FRACTION."""
+    if device.kind != "cuda":
+        return None
+    hbm, sms = gpu_facts(device.name, peak)
+    return GpuKernels(peak=peak, hbm=hbm, sms=sms, gemm_fraction=1.0 if measured else GEMM_PEAK_FRACTION)
