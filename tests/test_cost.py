@@ -341,3 +341,15 @@ def test_layout_stage_tp_defaults_to_the_uniform_tp():
     same = Layout(spans=lay.spans, groups=lay.groups, tp=2, dp=1, microbatch_size=1, num_microbatches=2,
                   schedule="1f1b", stage_tp=(2, 2), recompute=("none", "none"))
     assert sim.evaluate(same).step_time_s == pytest.approx(sim.evaluate(lay).step_time_s)
+
+
+def test_a_preset_saved_to_a_spec_file_is_costed_as_the_preset(tmp_path):
+    """Loading a cluster through spec_file no longer switches the nominal 0.5 efficiency to a probe's 0.7."""
+    from hrlplan.cluster import ClusterSpec
+
+    cluster = toy_cluster()
+    cluster.save(tmp_path / "cluster.json")
+    again = ClusterSpec.load(tmp_path / "cluster.json")
+    lay = pipeline([(0, 4), (4, 8)], m=4)
+    assert Simulator(toy_meta(), again).evaluate(lay).step_time_s == pytest.approx(
+        Simulator(toy_meta(), cluster).evaluate(lay).step_time_s)
