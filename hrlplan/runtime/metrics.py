@@ -6,18 +6,29 @@ resumed or requeued job continues the same W&B run. One W&B run per job: `group`
 (set by launch/job.py for a Hydra multirun), `job_type` what the job does (probe, plan, train).
 An offline run folder (<run_dir>/wandb/offline-run-*/) holds the resolved config (files/
 hrlplan_config.yaml), the files saved with `save_file` (plan.yaml, cluster.json, timeline.png),
-the media (tables, images) and run-<id>.wandb (metrics, artifacts); `wandb sync` uploads it.
+the media (tables, images) and run-<id>.wandb (metrics, artifacts); `wandb sync` uploads it; the
+logger names the folder and the command when it finishes.
+
+On the console (rank 0 only): a tqdm bar over the training steps (loss, step time, tokens/s, ETA)
+when the terminal is one, with notes and evaluation lines printed above it through tqdm's logging
+redirect; plain lines, one per logged step with the progress and ETA, when output goes to a file
+(SLURM logs). Metric names keep their prefixes (stage0/compute_s, eval/lm_loss). Everything goes
+through the `hrlplan` logger, so Hydra's job log (pretrain.log) holds the run's story too.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 import uuid
 import warnings
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
+
+log = logging.getLogger("hrlplan")
 
 
 def stable_run_id(run_dir: str | os.PathLike) -> str:
@@ -54,8 +65,12 @@ class MetricsLogger:
         self._reconnects = 0
         # Added to every log() call, e.g. the plan's predicted step time next to the measured one.
         self.constant_metrics: Dict[str, Any] = {}
+        self.run_name = (logger_cfg.get("run_name") or name) if logger_cfg else name
+        self.progress: Optional[Progress] = None
+        self.total_steps: Optional[int] = _planned_steps(config)
         if not enabled:
             return
+        setup_console_logging(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.text_log = open(self.run_dir / "train.log", "a", buffering=1)
@@ -66,7 +81,7 @@ class MetricsLogger:
         self._init_kwargs = dict(
             project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
             group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
-            name=name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
+            name=self.run_name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
             resume="allow", init_timeout=float(logger_cfg.get("init_timeout_s", 90)))
         try:
             self._start()
@@ -119,16 +134,34 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in full.items()}}
         self.file.write(json.dumps(record) + "\n")
         self._wandb(lambda run: run.log(full, step=step))
-        if self.echo:
-            shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
-            print(f"step {step:>5} | {shown}", file=sys.stderr, flush=True)
-        self.text_log.write(f"step {step:>5} | " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) + "\n")
+        line = metrics_line(step, metrics)
+        self.text_log.write(line + "\n")
+        if not self.echo:
+            return
+        training = bool(metrics) and all(k.startswith("train/") for k in metrics)
+        if training and self.progress is None and self.total_steps is not None:
+            self.progress = Progress(self.total_steps, initial=max(0, step - 1))
+        if training and self.progress is not None:
+            plain = self.progress.update(step, metrics)
+            if plain is not None:   # no terminal: the bar becomes this line
+                log.info(f"{line} | {plain}")
+        else:
+            log.info(line)
+
+    def set_total(self, total_steps: Optional[int], initial: int = 0) -> None:
+        """The run's length in steps (a trainer that counts in epochs knows it first): shows the
+        progress bar from `initial` on."""
+        self.total_steps = total_steps
+        if self.enabled and self.echo and total_steps:
+            if self.progress is not None:
+                self.progress.close()
+            self.progress = Progress(int(total_steps), initial=initial)
 
     def note(self, text: str) -> None:
         """A line for the human-readable train.log (and the console)."""
         if not self.enabled:
             return
-        print(f"[hrlplan] {text}", file=sys.stderr, flush=True)
+        log.info(text)
         self.text_log.write(text + "\n")
 
     def log_artifact(self, path: str | os.PathLike, artifact_type: str, name: Optional[str] = None) -> None:
@@ -178,6 +211,10 @@ class MetricsLogger:
         self._wandb(lambda run: run.summary.update({k: _plain(v) for k, v in values.items() if v is not None}))
 
     def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        offline = self._offline_folder()
         if self.file is not None:
             self.file.close()
             self.text_log.close()
@@ -193,9 +230,21 @@ class MetricsLogger:
             except Exception as e:  # the service died (e.g. signalled): what it wrote is kept
                 warnings.warn(f"W&B finish failed ({type(e).__name__}: {e})")
             self.wandb = None
+        if offline is not None and self.echo:
+            log.info(f"W&B offline run: {offline}; upload it with: wandb sync {offline}")
+
+    def _offline_folder(self) -> Optional[Path]:
+        if self.wandb is None or str(self._init_kwargs.get("mode")) != "offline":
+            return None
+        try:
+            return Path(self.wandb.dir).parent   # <run_dir>/wandb/offline-run-*/files -> the run folder
+        except Exception:
+            return None
 
 
 def _plain_tree(v: Any) -> Any:
+    if isinstance(v, Enum):
+        return str(v.value)
     if isinstance(v, dict):
         return {str(k): _plain_tree(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -221,3 +270,115 @@ def _fmt(v: Any) -> str:
 def read_metrics(run_dir: str | os.PathLike) -> List[Dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+# ---------------------------------------------------------------- console
+def metrics_line(step: int, metrics: Dict[str, Any]) -> str:
+    """`step 12 | train/lm_loss=3.21 stage0/compute_s=0.012`: full names, so two stages' compute_s differ."""
+    return f"step {step:>5} | " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+
+
+def _planned_steps(config: Dict[str, Any]) -> Optional[int]:
+    """train.steps for a language model; None for HRM, whose trainer knows its length (set_total)."""
+    if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
+        return None
+    if (config.get("arch") or {}).get("family") == "hrm":
+        return None
+    steps = config["train"].get("steps")
+    stop = config["train"].get("stop_after")
+    return int(min(steps, stop) if stop else steps) if steps else None
+
+
+class _Handler(logging.StreamHandler):
+    """The console handler a worker adds (Hydra configures the main process only)."""
+
+
+def setup_console_logging(run_dir: Optional[Path] = None) -> None:
+    """Give the `hrlplan` logger a console (and pretrain.log, Hydra's job log, when the run has one)
+    in a process where nobody configured logging, e.g. a worker the launcher started."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if logging.getLogger().handlers or any(isinstance(h, _Handler) for h in log.handlers):
+        return   # Hydra (or the application) already shows our records
+    console = _Handler(sys.stderr)
+    console.setFormatter(logging.Formatter("[hrlplan] %(message)s"))
+    log.addHandler(console)
+    job_log = Path(run_dir) / "pretrain.log" if run_dir is not None else None
+    if job_log is not None and job_log.exists():
+        file = logging.FileHandler(job_log)
+        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        log.addHandler(file)
+
+
+def _is_tty() -> bool:
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """Training progress on rank 0: a tqdm bar on a terminal (log lines go above it), else a
+    plain `12/50 (24%), 45.1 ms/step, 5.6k tokens/s, eta 1m02s` suffix for the step's line."""
+
+    def __init__(self, total: int, initial: int = 0, tty: Optional[bool] = None):
+        self.total, self.step, self.tty = int(total), int(initial), _is_tty() if tty is None else tty
+        self.t0, self.s0 = time.time(), int(initial)
+        self.bar = self._redirect = None
+        if self.tty:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            # only loggers that print to the console: tqdm's redirect would give the others one
+            consoles = [lg for lg in (logging.getLogger(), log) if any(
+                isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in lg.handlers)]
+            self._redirect = logging_redirect_tqdm(loggers=consoles)
+            self._redirect.__enter__()
+
+    def update(self, step: int, metrics: Dict[str, Any]) -> Optional[str]:
+        shown = _progress_fields(metrics)
+        if self.bar is not None:
+            self.bar.set_postfix_str(", ".join(shown), refresh=False)
+            self.bar.update(max(0, step - self.step))
+            self.step = step
+            return None
+        self.step = step
+        rate = (step - self.s0) / max(time.time() - self.t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        return ", ".join([f"{step}/{self.total} ({100 * step / max(self.total, 1):.0f}%)", *shown,
+                          f"eta {_duration(eta)}"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self._redirect.__exit__(None, None, None)
+            self.bar = self._redirect = None
+
+
+def _progress_fields(metrics: Dict[str, Any]) -> List[str]:
+    loss = next((k for k in ("train/lm_loss", "train/loss") if k in metrics),
+                next((k for k in metrics if "loss" in k), None))
+    out = [f"loss {_fmt(metrics[loss])}"] if loss else []
+    if "train/step_time_s" in metrics:
+        out.append(f"{1e3 * float(_plain(metrics['train/step_time_s'])):.1f} ms/step")
+    if "train/tokens_per_s" in metrics:
+        out.append(f"{_si(float(_plain(metrics['train/tokens_per_s'])))} tokens/s")
+    return out
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
