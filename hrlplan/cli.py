@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="cluster.json")
     s.add_argument("--nproc-per-node", default="auto", help="workers to probe on this node (auto: GPUs or cores)")
     s.add_argument("--preset", help="write a conf/cluster/<preset>.yaml cluster instead of probing")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="the device the workers will train on (train.device)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the training dtype the matmul peak is measured in (train.dtype)")
     s.add_argument("--wandb", default="disabled", choices=["disabled", "offline", "online"],
                    help="also log the probe as a W&B run (job_type=probe) beside --out")
     s.set_defaults(func=_probe_cluster)

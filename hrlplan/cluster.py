@@ -28,8 +28,9 @@ class DeviceInfo:
     kind: str             # cuda | cpu
     name: str             # e.g. "NVIDIA H100 80GB HBM3", "cpu"
     memory_bytes: int
-    peak_flops: float     # measured (probe) or nominal (preset) dense matmul FLOP/s
+    peak_flops: float     # measured (probe, in the training dtype) or nominal (preset) dense matmul FLOP/s
     threads: int = 1
+    physical_id: Optional[str] = None   # the CUDA_VISIBLE_DEVICES entry this rank trains on
 
 
 @dataclass
@@ -145,35 +146,43 @@ def spec_from_preset(cfg: Any) -> ClusterSpec:
 
 
 # ---------------------------------------------------------------- probing
-def default_nproc_per_node(setting: Any = "auto") -> int:
+def default_nproc_per_node(setting: Any = "auto", device: str = "auto") -> int:
+    """One worker per GPU, or per CPU core without GPUs or with train.device=cpu."""
     if setting not in (None, "auto"):
         return int(setting)
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and device != "cpu":
         return torch.cuda.device_count()
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def _measure_device(local_rank: int, matmul_n: int, repeats: int) -> Dict[str, Any]:
+GPU_MATMUL_N = 8192
+GPU_P2P_SIZES_MB = (1.0, 16.0, 64.0)    # latency + bandwidth fitted over these (NVLink: 64 MiB saturates)
+GPU_P2P_REPEATS = 10
+
+
+def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32") -> Dict[str, Any]:
+    """This rank's device: name, free memory, matmul FLOP/s in the training dtype (fp32 as the
+    trainer runs it: on TF32 unless switched off)."""
     import torch
 
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", local_rank)
-        props = torch.cuda.get_device_properties(dev)
-        n, dtype = 8192, torch.bfloat16
-        a = torch.randn(n, n, device=dev, dtype=dtype)
-        b = torch.randn(n, n, device=dev, dtype=dtype)
-        for _ in range(3):
-            a @ b
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        for _ in range(max(repeats, 10)):
-            a @ b
-        torch.cuda.synchronize(dev)
-        dt = (time.perf_counter() - t0) / max(repeats, 10)
-        return dict(kind="cuda", name=props.name, memory_bytes=int(props.total_memory),
-                    peak_flops=2 * n**3 / dt, threads=1)
+    from hrlplan import devices
+    from hrlplan.runtime.calibrate_comm import sync_device, timed
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        free, _total = torch.cuda.mem_get_info(device)   # before this probe allocates anything
+        if dtype == "float32":
+            devices.set_tf32(devices.tf32_setting({}))
+        n, tdtype = GPU_MATMUL_N, getattr(torch, dtype)
+        a = torch.randn(n, n, device=device, dtype=tdtype)
+        b = torch.randn(n, n, device=device, dtype=tdtype)
+        reps = max(repeats, 10)
+        dt = timed(lambda: [a @ b for _ in range(reps)], device, warmup=1) / reps
+        del a, b
+        torch.cuda.empty_cache()
+        return dict(kind="cuda", name=props.name, memory_bytes=int(free), peak_flops=2 * n**3 / dt, threads=1)
     n = matmul_n
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
@@ -181,11 +190,35 @@ def _measure_device(local_rank: int, matmul_n: int, repeats: int) -> Dict[str, A
     for _ in range(repeats):  # best of: the machine is shared and noisy
         t0 = time.perf_counter()
         a @ b
+        sync_device(device)
         best = min(best, time.perf_counter() - t0)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world, 1)
     return dict(kind="cpu", name="cpu", memory_bytes=int(mem), peak_flops=2 * n**3 / best,
                 threads=torch.get_num_threads())
+
+
+def p2p_sizes(device_type: str, cfg: Any) -> tuple:
+    """(message sizes in bytes, repeats) the pair probe times. GPU: 1-64 MiB, >= 10 repeats (4 MiB x 3
+    under-reported NVLink 2-3x); CPU: a small and the configured size, the configured repeats
+    (tests probe on CPU: keep it cheap)."""
+    if device_type == "cuda":
+        sizes = sorted({int(mb * 2**20) for mb in GPU_P2P_SIZES_MB} | {int(float(cfg["probe_p2p_mb"]) * 2**20)})
+        return tuple(sizes), max(int(cfg["probe_repeats"]), GPU_P2P_REPEATS)
+    big = int(float(cfg["probe_p2p_mb"]) * 2**20)
+    return (max(big // 16, 1), big), int(cfg["probe_repeats"])
+
+
+def fit_latency_bandwidth(sizes, one_way_s) -> tuple:
+    """(bandwidth bytes/s, latency s) of t = latency + bytes / bandwidth, least squares over the
+    sizes; latency is clamped at 0 and a flat or falling line falls back to the largest size's rate."""
+    from hrlplan.runtime.calibrate_comm import least_squares_line
+
+    if len(set(sizes)) >= 2:
+        slope, lat = least_squares_line([float(x) for x in sizes], [float(t) for t in one_way_s])
+        if slope > 0:
+            return 1.0 / slope, max(lat, 0.0)
+    return sizes[-1] / max(one_way_s[-1], 1e-12), 0.0
 
 
 def _round_robin(n: int) -> List[List[tuple]]:
@@ -200,12 +233,13 @@ def _round_robin(n: int) -> List[List[tuple]]:
     return rounds
 
 
-def _ping_pong(me: int, peer: int, nbytes: int, repeats: int, device) -> tuple:
+def _ping_pong(me: int, peer: int, sizes, repeats: int, device) -> tuple:
+    """(bandwidth, latency) of one pair, fitted over message sizes (one-way time = round trip / 2)."""
     import torch
     import torch.distributed as dist
 
     def exchange(t, reps):
-        t0 = time.perf_counter()
+        sync_start = time.perf_counter()
         for _ in range(reps):
             if me < peer:
                 dist.send(t, peer)
@@ -215,29 +249,56 @@ def _ping_pong(me: int, peer: int, nbytes: int, repeats: int, device) -> tuple:
                 dist.send(t, peer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / reps
+        return (time.perf_counter() - sync_start) / reps
 
-    small = torch.zeros(1, dtype=torch.uint8, device=device)
-    big = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    exchange(big, 1)  # warm-up: connection setup
-    latency = exchange(small, repeats) / 2
-    round_trip = exchange(big, repeats)
-    return 2 * nbytes / round_trip, latency
+    bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+    exchange(bufs[-1], 1)  # warm-up: connection setup
+    one_way = [exchange(b, repeats) / 2 for b in bufs]
+    return fit_latency_bandwidth(list(sizes), one_way)
 
 
-def probe_distributed(cfg: Any, name: str = "local") -> Optional[ClusterSpec]:
-    """Collective: call on every rank of an initialised process group; rank 0 gets the spec."""
-    import torch
+def check_block_placement(hostnames: List[str]) -> None:
+    """Plans number ranks node-major (ranks 0..k-1 on the first node, k..2k-1 on the next): a stage
+    the planner put on one node's NVLink must really be there. Refuse any other placement (srun
+    --distribution=cyclic, uneven tasks per node) with the ranks and hosts concerned. hostnames:
+    every rank's, in rank order."""
+    from hrlplan.errors import UserError
+
+    nodes = list(dict.fromkeys(hostnames))
+    per_node = len(hostnames) // max(len(nodes), 1)
+    for rank, host in enumerate(hostnames):
+        expected = nodes[min(rank // max(per_node, 1), len(nodes) - 1)]
+        if host != expected or len(hostnames) % len(nodes):
+            raise UserError(
+                f"rank {rank} runs on {host} but the plan puts it on {expected}: ranks are not placed node-major "
+                f"({len(hostnames)} ranks on {len(nodes)} nodes). Start the tasks in blocks: srun "
+                "--distribution=block (SLURM_DISTRIBUTION=block) with the same --ntasks-per-node on every node")
+
+
+def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "float32") -> Optional[ClusterSpec]:
+    """Collective: call on every rank of an initialised process group; rank 0 gets the spec.
+
+    device: the one this rank trains on (default: its current GPU under NCCL, else the CPU), so a
+    train.device=cpu job on a GPU node probes the CPUs it will use; dtype: train.dtype."""
     import torch.distributed as dist
 
+    from hrlplan.devices import check_unique_devices, local_rank_of
+    from hrlplan.runtime import distributed
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = dist.get_backend()
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    info = _measure_device(local_rank, int(cfg["probe_matmul_n"]), int(cfg["probe_repeats"]))
-    info.update(rank=rank, local_rank=local_rank, hostname=socket.gethostname())
-    infos: List[Dict[str, Any]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(infos, info)
+    local_rank = local_rank_of(os.environ)
+    device = device if device is not None else distributed.local_device()
+    info = _measure_device(device, int(cfg["probe_matmul_n"]), int(cfg["probe_repeats"]), dtype)
+    physical = None
+    if device.type == "cuda":
+        from hrlplan.devices import visible_devices
+
+        visible = visible_devices(os.environ)
+        physical = visible[device.index] if visible and device.index < len(visible) else str(device.index)
+    info.update(rank=rank, local_rank=local_rank, hostname=socket.gethostname(), physical_id=physical)
+    infos = distributed.all_gather_object(info)
+    check_unique_devices(infos)
+    check_block_placement([i["hostname"] for i in infos])
     hosts = list(dict.fromkeys(i["hostname"] for i in infos))
     for i in infos:
         i["node"] = hosts.index(i["hostname"])
@@ -245,17 +306,16 @@ def probe_distributed(cfg: Any, name: str = "local") -> Optional[ClusterSpec]:
     # Pairs on one node are all measured; across nodes only the nodes' first ranks, whose figure
     # then stands for every pair of those two nodes (a full matrix on 1000 GPUs would take hours).
     leaders = {i["node"]: i["rank"] for i in sorted(infos, key=lambda x: -x["rank"])}
-    nbytes = int(float(cfg["probe_p2p_mb"]) * 2**20)
+    sizes, repeats = p2p_sizes(device.type, cfg)
     measured: Dict[tuple, tuple] = {}
     for pairs in _round_robin(world):
         for a, b in pairs:
             same = infos[a]["node"] == infos[b]["node"]
             if rank in (a, b) and (same or (leaders[infos[a]["node"]] == a and leaders[infos[b]["node"]] == b)):
                 peer = b if rank == a else a
-                measured[(min(a, b), max(a, b))] = _ping_pong(rank, peer, nbytes, int(cfg["probe_repeats"]), device)
+                measured[(min(a, b), max(a, b))] = _ping_pong(rank, peer, sizes, repeats, device)
         dist.barrier()
-    gathered: List[Dict[tuple, tuple]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, measured)
+    gathered = distributed.all_gather_object(measured)
     if rank != 0:
         return None
     pair_values: Dict[tuple, tuple] = {}
@@ -282,14 +342,16 @@ def probe_distributed(cfg: Any, name: str = "local") -> Optional[ClusterSpec]:
                 if a.node == b.node == node and a.rank != b.rank]
         intra.append(min(vals) if vals else 0.0)  # 0: a one-worker node has no intra link
     inter = [v[0] for v in node_pair.values()]
+    backend = "nccl" if device.type == "cuda" else "gloo"
     return ClusterSpec(name=name, devices=devices, backend=backend, source="probe", bandwidth=bw, latency=lat,
                        intra_node_bw=intra, inter_node_bw=min(inter) if inter else 25 * GB)
 
 
-def load_or_probe_in_job(cfg: Any) -> Optional[ClusterSpec]:
-    """Inside a running job (every rank calls this): a preset, a spec file, or a collective probe."""
+def load_or_probe_in_job(cfg: Any, device=None, dtype: str = "float32") -> Optional[ClusterSpec]:
+    """Inside a running job (every rank calls this): a preset, a spec file, or a collective probe on
+    the training device in the training dtype."""
     if cfg.get("spec_file"):
         return ClusterSpec.load(cfg["spec_file"])
     if not cfg.get("probe", True):
         return spec_from_preset(cfg)
-    return probe_distributed(cfg, name=str(cfg.get("name", "local")))
+    return probe_distributed(cfg, name=str(cfg.get("name", "local")), device=device, dtype=dtype)

@@ -3,34 +3,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict
 from typing import Any, Dict, Optional
 
 from hrlplan.config import ClusterConfig
 
 
-def _probe_worker(cluster_cfg: Dict[str, Any], out: str) -> Optional[Dict[str, Any]]:
-    import torch
-    import torch.distributed as dist
-
+def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
+                  dtype: str = "float32") -> Optional[Dict[str, Any]]:
     from hrlplan.cluster import probe_distributed
+    from hrlplan.runtime.distributed import init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
 
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+    choice = init_distributed(device)   # a valid ordinal under any SLURM GPU binding
     prepare_worker()   # the threads and allocator the training workers run with: the probe measures those
     try:
-        spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")))
+        spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")), device=choice.device,
+                                 dtype=dtype)
         if spec is not None:
             spec.save(out)
             return spec.to_dict()
         return None
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def probe_cluster_cli(args: argparse.Namespace) -> None:
@@ -46,11 +41,12 @@ def probe_cluster_cli(args: argparse.Namespace) -> None:
         print(spec.summary())
         return
     cluster_cfg = asdict(ClusterConfig())
+    device, dtype = getattr(args, "device", "auto"), getattr(args, "dtype", "float32")
     if in_distributed_job():  # torchrun on every node: one file, gathered over the process group
-        result = _probe_worker(cluster_cfg, args.out)
+        result = _probe_worker(cluster_cfg, args.out, device, dtype)
     else:
-        nproc = default_nproc_per_node(args.nproc_per_node)
-        result = launch_workers(_probe_worker, (cluster_cfg, args.out), nproc, name="probe")[0]
+        nproc = default_nproc_per_node(args.nproc_per_node, device)
+        result = launch_workers(_probe_worker, (cluster_cfg, args.out, device, dtype), nproc, name="probe")[0]
     if result is not None:
         spec = ClusterSpec.from_dict(result)
         print(spec.summary())

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import statistics
 from typing import Any, Dict, List, Optional
 
@@ -63,32 +62,78 @@ def _pairs(world: int) -> List[List[int]]:
     return [[r, r + 1] for r in range(0, world - 1, 2)]
 
 
-def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any]):
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)   # hrlplan.search.config's default candidates
+
+
+def largest_microbatch(global_batch: int, microbatches: Any = "auto", wanted: Optional[List[int]] = None) -> int:
+    """The largest micro-batch the planner may pick: global / train.microbatches when that is fixed,
+    else the largest candidate (planner.microbatch_sizes) dividing the global batch (dp 1)."""
+    if microbatches not in (None, "auto"):
+        return max(1, global_batch // int(microbatches))
+    wanted = list(wanted or DEFAULT_MICROBATCH_SIZES)
+    fits = [d for d in wanted if 0 < d <= global_batch and global_batch % d == 0]
+    return max(fits) if fits else global_batch
+
+
+def memory_cap(cap: int, seq: int, block_bytes_per_token: float, free_bytes: Optional[float],
+               blocks: int = 1, fixed_bytes: float = 0.0, headroom: float = 0.5) -> int:
+    """Halve `cap` until `blocks` blocks' activations at cap x seq tokens, plus fixed_bytes (weights,
+    optimizer states), fit in headroom x free_bytes (probed free memory); 0 when nothing fits.
+    None free_bytes (CPU): cap unchanged."""
+    if free_bytes is None:
+        return cap
+    while cap >= 1 and fixed_bytes + cap * seq * block_bytes_per_token * blocks > headroom * free_bytes:
+        cap //= 2
+    return cap
+
+
+def calibration_sizes(global_batch: int, cap: int) -> tuple:
+    """(micro-batch sizes of the block fits, of the compute fit): 1, a quarter, a half and the whole
+    of the batch, none above cap (the largest micro-batch the planner may pick, or what fits)."""
+    g = max(1, min(global_batch, cap))
+    sizes = sorted({1, max(1, g // 4), g})
+    return sizes, sorted(set(sizes) | {max(1, g // 2)})
+
+
+def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any],
+                     planner: Optional[Dict[str, Any]] = None):
     """Collective: every rank of an initialised process group calls it; every rank returns the
     ClusterSpec with `calibration` filled. Every rank runs the micro-benchmarks at once (on a shared
     machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts.
-    With train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    Everything runs on the training device (the current GPU under NCCL); with
+    train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes. Sizes stop
+    at the largest micro-batch the planner (planner.microbatch_sizes) may pick and what fits."""
+    from hrlplan.runtime.distributed import local_device
+
+    device = local_device()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("dtype") == "bfloat16"):
-        spec = _calibrate_in_job(spec, arch, train, data, device)
+        spec = _calibrate_in_job(spec, arch, train, data, device, planner or {})
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return spec
 
 
-def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device):
+def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device,
+                      planner: Dict[str, Any]):
     from hrlplan.model_meta import introspect
+    from hrlplan.runtime.distributed import all_gather_object, broadcast_object
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    box = [spec]   # the probe returns the spec on rank 0 only
-    dist.broadcast_object_list(box, src=0)
-    spec = box[0]
+    spec = broadcast_object(spec)   # the probe returns the spec on rank 0 only
     seq = int(data["seq_len"])
     meta = introspect(arch, seq_len=seq)
     g = int(train["global_batch_size"])
-    sizes = sorted({1, max(1, g // 4), g})
+    free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    act = meta.block_activation_bytes_per_token[0] * (1 if train.get("dtype") == "bfloat16" else 2)
+    cap = memory_cap(largest_microbatch(g, train.get("microbatches", "auto"), planner.get("microbatch_sizes")),
+                     seq, act, free)
     # the compute fit also at half the batch: its line through three sizes put a 256-token block
     # (the micro-batch the planner then picked here) 8% below its measured time
-    block_sizes = sorted(set(sizes) | {max(1, g // 2)})
+    sizes, block_sizes = calibration_sizes(g, max(cap, 1))
+    g = max(sizes)
+    # the one-process reference step holds the whole model and its AdamW states (16 B/parameter)
+    step_batch = memory_cap(g, seq, act, free, blocks=meta.n_layer, fixed_bytes=16.0 * meta.total_params)
     samples = measure_block(arch, seq, block_sizes, device)
     zb_split = measure_zb_split(arch, seq, sizes, device)
     # groups are created collectively, in one order on every rank
@@ -151,17 +196,23 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, "data_parallel": dp,
              "pipeline_hop": hop, "tensor_parallel": tensor_parallel, "tp_optimizer": tp_optimizer,
              "contention": contention, "allreduce": allreduce}
-    gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, local)
+    gathered = all_gather_object(local)
     cal: Optional[Dict[str, Any]] = None
-    if rank == 0:
+    if rank == 0 and step_batch < 1:
+        cal = fit_calibration(spec, meta, gathered, p2p, msg)
+        cal["step_overhead_s"] = 0.0   # the whole model does not fit one device: no reference step
+        cal["measurements"] = {"model": meta.name, "seq_len": seq, "dtype": str(train.get("dtype", "float32")),
+                               "ranks": gathered, "p2p_bytes": msg, "p2p": p2p, "one_process_step_s": None}
+    elif rank == 0:
         cal = fit_calibration(spec, meta, gathered, p2p, msg)
         # The one reference step, on rank 0 alone (the others wait): what it costs beyond the fitted
         # terms is step_overhead_s. Its compute is predicted from blocks measured alone too, so the
         # contention the concurrent fit above includes does not land in the overhead.
-        config = {"arch": arch, "train": dict(train), "data": dict(data)}
+        train = dict(train, global_batch_size=step_batch)   # the reference step's batch, predicted alike
+        config = {"arch": arch, "train": train, "data": dict(data)}
         # interleaved rounds, medians: a shared machine's load drifts between two measurements
-        rounds = [(measure_step(config), measure_block(arch, seq, block_sizes, device)) for _ in range(REFERENCE_ROUNDS)]
+        rounds = [(measure_step(config, device), measure_block(arch, seq, block_sizes, device))
+                  for _ in range(REFERENCE_ROUNDS)]
         measured = statistics.median(r[0]["step_s"] for r in rounds)
         optimizer_in_step = statistics.median(r[0]["optimizer_s"] for r in rounds)
         alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
@@ -207,9 +258,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
                                "p2p": p2p, "one_process_step_s": measured, "block_alone": alone,
                                "one_process_step_predicted_without_step_overhead_s": predicted}
     dist.barrier()
-    box = [cal]
-    dist.broadcast_object_list(box, src=0)
-    spec.calibration = box[0]
+    spec.calibration = broadcast_object(cal)
     for group in singles + pair_groups + [g for _, _, groups in partitions for g in groups if g is not None]:
         dist.destroy_process_group(group)
     return spec
@@ -343,21 +392,17 @@ def predict_plan(plan, meta, spec, train: Dict[str, Any]) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------- `hrlplan calibrate`
 def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any]):
-    from datetime import timedelta
-
     from hrlplan.cluster import ClusterSpec
+    from hrlplan.runtime.distributed import init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    init_distributed(str(train.get("device", "auto")), train)
     prepare_worker()
     try:
         spec = calibrate_in_job(ClusterSpec.from_dict(spec_dict), arch, train, data)
         return spec.to_dict() if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def calibrate_cli(args) -> None:

@@ -42,16 +42,32 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def now(device: torch.device) -> float:
+    """The calibration's one clock: perf_counter after the device's queued work has finished (on
+    CUDA a bare perf_counter times kernel launches, not kernels)."""
+    sync_device(device)
+    return time.perf_counter()
+
+
+def timed(fn, device: torch.device, warmup: int = 0) -> float:
+    """Seconds one call of fn takes on device, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    t0 = now(device)
+    fn()
+    return now(device) - t0
+
+
 def timed_forward_backward(block: torch.nn.Module, x: torch.Tensor, device: torch.device) -> Tuple[float, float]:
     """(forward s, backward s) of one run of `block` on `x`, the device synchronised around each."""
     sync_device(device)
-    t0 = time.perf_counter()
+    t0 = now(device)
     y = block(x)
     sync_device(device)
-    t1 = time.perf_counter()
+    t1 = now(device)
     y.backward(torch.ones_like(y))
     sync_device(device)
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, now(device) - t1
 
 
 def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
@@ -62,8 +78,8 @@ def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optiona
     rank = dist.get_rank()
     result = None
     if rank in (0, 1) and dist.get_world_size() > 1:
-        bw, lat = _ping_pong(rank, 1 - rank, nbytes, repeats, device)
-        result = {"latency_s": lat, "message_s": nbytes / bw}
+        bw, lat = _ping_pong(rank, 1 - rank, sorted({1, nbytes}), repeats, device)
+        result = {"latency_s": lat, "message_s": lat + nbytes / bw}
     dist.barrier()
     return result
 
@@ -101,18 +117,18 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
         block.zero_grad(set_to_none=True)
         dist.barrier(group=pair_group)
         recorder.begin()
-        t0 = time.perf_counter()
+        t0 = now(device)
         if me == 0:
             sched.step(x)
         else:
             sched.step(target=target, losses=[])
-        t1 = time.perf_counter()
+        t1 = now(device)
         if tied_numel:
             dist.all_reduce(tied, group=pair_group)
-        t2 = time.perf_counter()
+        t2 = now(device)
         dist.all_reduce(small, group=pair_group)
         dist.all_reduce(small, group=pair_group)
-        t3 = time.perf_counter()
+        t3 = now(device)
         if i >= 2 and recorder.events:
             tied_t.append(t2 - t1)
             small_t.append((t3 - t2) / 2)
@@ -312,11 +328,11 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
     x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
     pf, pb = [], []
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = now(device)
         y = plain(x)
-        t1 = time.perf_counter()
+        t1 = now(device)
         y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
+        t2 = now(device)
         if i:
             pf.append(t1 - t0)
             pb.append(t2 - t1)
@@ -332,21 +348,21 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
         opt.zero_grad(set_to_none=True)
         dist.barrier(group=pair_group)
         block.set_requires_gradient_sync(False)
-        t0 = time.perf_counter()
+        t0 = now(device)
         y1 = block(x)
-        t1 = time.perf_counter()
+        t1 = now(device)
         y2 = block(x)
-        t2 = time.perf_counter()
+        t2 = now(device)
         y1.backward(torch.ones_like(y1))
-        t3 = time.perf_counter()
+        t3 = now(device)
         block.set_requires_gradient_sync(True)
         block.set_is_last_backward(True)
         y2.backward(torch.ones_like(y2))
-        t4 = time.perf_counter()
+        t4 = now(device)
         clip_grad_norm(params, 1.0, None, [])
-        t5 = time.perf_counter()
+        t5 = now(device)
         opt.step()
-        t6 = time.perf_counter()
+        t6 = now(device)
         block.reshard()
         if i:
             first_f.append(t1 - t0)
@@ -368,7 +384,7 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
         y = block(x)
         y.backward(torch.ones_like(y))
         dist.barrier(group=pair_group)
-        t0 = time.perf_counter()
+        t0 = now(device)
         block.set_is_last_backward(True)
         block.set_reshard_after_backward(True)
         block.set_requires_gradient_sync(True)
@@ -378,16 +394,16 @@ def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, A
                 group.post_backward()
         state._root_post_backward_final_callback()
         if i:
-            batched.append(time.perf_counter() - t0)
+            batched.append(now(device) - t0)
         block.reshard()
     small = torch.zeros(1, device=device)
     ar = []
     for i in range(3 * repeats + 1):
         dist.barrier(group=pair_group)
-        t0 = time.perf_counter()
+        t0 = now(device)
         dist.all_reduce(small, group=pair_group)
         if i:
-            ar.append(time.perf_counter() - t0)
+            ar.append(now(device) - t0)
     med = statistics.median
     n = float(n_blocks)
     clip_local = max(med(clip_t) - med(ar), 0.0)

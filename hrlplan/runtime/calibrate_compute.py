@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from hrlplan.runtime.calibrate_comm import (REPEATS, block_stage, least_squares_line, sync_device,
+from hrlplan.runtime.calibrate_comm import (REPEATS, block_stage, least_squares_line, now, sync_device,
                                            timed_forward_backward)
 
 
@@ -55,13 +55,13 @@ def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: f
     return {"compute_efficiency": flops_per_token / (peak * a), "half_saturation_tokens": b / a}
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, device: torch.device) -> float:
     fn()   # the first run pays for allocation
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now(device)
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now(device) - t0)
     return statistics.median(times)
 
 
@@ -82,20 +82,20 @@ def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[
             y = block(x)
             g = torch.ones_like(y)
             sync_device(device)
-            t0 = time.perf_counter()
+            t0 = now(device)
             y.backward(g)
             sync_device(device)
-            plain.append(time.perf_counter() - t0)
+            plain.append(now(device) - t0)
             block.zero_grad(set_to_none=True)
             y = block(x)
             sync_device(device)
-            t0 = time.perf_counter()
+            t0 = now(device)
             _, param_groups = stage_backward_input([y], [g], [x], block.parameters())
             sync_device(device)
-            t1 = time.perf_counter()
+            t1 = now(device)
             stage_backward_weight(block.parameters(), param_groups)
             sync_device(device)
-            t2 = time.perf_counter()
+            t2 = now(device)
             block.zero_grad(set_to_none=True)
             if i:
                 b_times.append(t1 - t0)
@@ -137,7 +137,7 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = make_optimizer(part, train)
-        out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats)
+        out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats, device)
     out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
     return out
 
@@ -172,15 +172,15 @@ def measure_tp_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: to
         step, reduce = [], []
         for i in range(repeats + 1):   # the first run pays for allocation
             dist.barrier(group=pair_group)
-            t0 = time.perf_counter()
+            t0 = now(device)
             _clip_and_step(params, opt)
             sync_device(device)
-            t1 = time.perf_counter()
+            t1 = now(device)
             dist.all_reduce(small, group=pair_group)
             sync_device(device)
             if i:
                 step.append(t1 - t0)
-                reduce.append(time.perf_counter() - t1)
+                reduce.append(now(device) - t1)
         out[name] = max(statistics.median(step) - statistics.median(reduce), 0.0)
     return out
 
@@ -223,7 +223,7 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
             block.zero_grad(set_to_none=True)
             recorder.begin()
             sched.step(x, target=target, losses=[])
-        return _median_time(step, repeats)
+        return _median_time(step, repeats, device)
 
     one = run(1)
     many = run(m)
@@ -247,12 +247,12 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
 
     def run() -> float:
         sync_device(device)
-        t0 = time.perf_counter()
+        t0 = now(device)
         for _ in range(iters):
             y = block(x)
             y.backward(torch.ones_like(y))
         sync_device(device)
-        return (time.perf_counter() - t0) / iters
+        return (now(device) - t0) / iters
 
     run()
     out: Dict[str, List[float]] = {"alone": [], "together": []}
@@ -269,7 +269,8 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
             else None}
 
 
-def measure_step(config: Dict[str, Any], steps: int = 10) -> Dict[str, float]:
+def measure_step(config: Dict[str, Any], device: torch.device = torch.device("cpu"),
+                 steps: int = 10) -> Dict[str, float]:
     """{step_s, optimizer_s}: median time of a one-process training step of the whole model as the
     runtime runs its stages (one HFStage holding every layer, its loss, our gradient clipping,
     AdamW), and of its clipping + optimizer step, without the warm-up steps that the runtime's own
@@ -283,20 +284,21 @@ def measure_step(config: Dict[str, Any], steps: int = 10) -> Dict[str, float]:
 
     train = config["train"]
     model = build_full_model(config["arch"], int(train["seed"]))
-    stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True)
+    stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True).to(device)
     data = build_lm_data(config["data"], model.config.vocab_size, int(train["seed"]))
     opt = make_optimizer(stage, train)
     params = [p for p in stage.parameters() if p.requires_grad]
     times, after = [], []
     for step in range(steps):
         inputs, targets = data.batch(step, int(train["global_batch_size"]))
+        inputs, targets = inputs.to(device), targets.to(device)
         opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = now(device)
         causal_lm_loss(stage(inputs), targets).backward()
-        t1 = time.perf_counter()
+        t1 = now(device)
         clip_grad_norm(params, float(train["grad_clip"]), None, [])
         opt.step()
-        t2 = time.perf_counter()
+        t2 = now(device)
         times.append(t2 - t0)
         after.append(t2 - t1)
     return {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}

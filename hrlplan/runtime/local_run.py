@@ -7,7 +7,6 @@ planner=manual is the user-facing way to do the same.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -15,13 +14,15 @@ from hrlplan.plan import Plan
 
 
 def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
-    import torch
     import torch.distributed as dist
 
+    from hrlplan.runtime.distributed import init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
     from hrlplan.runtime.trainer import PipelineTrainer
 
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    # CPU unless train.device=cuda: the tests and benches hand-write plans for more ranks than GPUs
+    setting = "cuda" if config["train"].get("device") == "cuda" else "cpu"
+    device = init_distributed(setting, {"collective_timeout_min": 5}).device
     prepare_worker()
     try:
         plan = Plan.from_yaml(plan_yaml)
@@ -30,13 +31,13 @@ def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
             from hrlplan.runtime.metrics import MetricsLogger
 
             logger = MetricsLogger(config["run_dir"], {}, {"mode": "disabled"}, enabled=True, echo=False)
-        trainer = PipelineTrainer(plan, config, config["run_dir"], logger=logger, device=torch.device("cpu"))
+        trainer = PipelineTrainer(plan, config, config["run_dir"], logger=logger, device=device)
         summary = trainer.fit()
         if logger is not None:
             logger.finish()
         return summary if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
