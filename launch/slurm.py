@@ -41,9 +41,23 @@ def in_srun_task() -> bool:
                                                                                 os.environ.get("SLURM_NTASKS", "1"))) > 1)
 
 
+def check_distribution(env: Optional[Dict[str, str]] = None) -> None:
+    """Refuse a non-block task distribution before anything starts: plans number ranks node-major
+    (hrlplan.cluster.check_block_placement checks the probed hostnames too)."""
+    from hrlplan.errors import UserError
+
+    env = os.environ if env is None else env
+    dist = (env.get("SLURM_DISTRIBUTION") or "").split(":")[0].split(",")[0].lower()
+    if dist and dist not in ("block", "pack", "nopack", "*"):
+        raise UserError(f"SLURM_DISTRIBUTION={env['SLURM_DISTRIBUTION']}: hrlplan places plan ranks node-major "
+                        "(rank r on node r // tasks-per-node); submit with --distribution=block")
+
+
 def setup_srun_env() -> None:
     """torch.distributed's env:// variables from SLURM's (what TorchDistributedEnvironment derives)."""
     import random
+
+    check_distribution()
 
     from submitit.slurm.slurm import _parse_node_list
 
@@ -77,6 +91,7 @@ def setup_submitit_env() -> None:
     """Export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK from the SLURM job (env:// init)."""
     from submitit.helpers import TorchDistributedEnvironment
 
+    check_distribution()
     env = TorchDistributedEnvironment()  # MASTER_PORT: the user's, else one derived from the job id
     # overwrite=True: a setup line may have exported MASTER_ADDR/MASTER_PORT already (the values
     # computed here honour MASTER_PORT); the rank variables must be this task's in any case.

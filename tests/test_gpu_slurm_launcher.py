@@ -1,0 +1,89 @@
+"""The sbatch script submitit generates for the README's GPU sweep: host memory and cores grow
+with the GPUs asked for. Built by submitit's own generator from the composed Hydra launcher config
+(as hydra-submitit-launcher passes it), no SLURM needed."""
+import re
+
+import pytest
+
+README_GPU_SWEEP = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=myproj",
+                    "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4", "hydra.launcher.tasks_per_node=4"]
+
+
+def sbatch_text(overrides, tmp_path, monkeypatch) -> str:
+    import submitit
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    from hrlplan.config import register_configs
+    from hrlplan.model_meta import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"hydra.launcher.submitit_folder={tmp_path}/%j",
+                                           "hydra.launcher.name=pretrain"], return_hydra_config=True)
+    params = dict(instantiate(cfg.hydra.launcher).params)
+    # hydra-submitit-launcher's launch(), up to the submission
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    executor = submitit.AutoExecutor(cluster="slurm", folder=params["submitit_folder"],
+                                     slurm_max_num_timeout=params["max_num_timeout"])
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()
+                                  if k not in ("submitit_folder", "max_num_timeout")})
+    return executor._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")
+
+
+def flags(text: str) -> dict:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
+
+
+def _gb(value: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)([MG])B?", value).groups()
+    return float(number) / (1024 if unit == "M" else 1)
+
+
+def test_readme_gpu_sweep_asks_for_host_resources_per_gpu(tmp_path, monkeypatch):
+    f = flags(sbatch_text(README_GPU_SWEEP, tmp_path, monkeypatch))
+    assert f["gpus-per-node"] == "4" and f["ntasks-per-node"] == "4" and f["nodes"] == "2"
+    assert "mem" not in f, "--mem is per node: it does not grow with the GPUs"
+    cpus = int(f["cpus-per-task"])
+    per_rank_gb = cpus * _gb(f["mem-per-cpu"])
+    assert cpus >= 4 and per_rank_gb >= 16          # per GPU
+    assert 4 * per_rank_gb >= 64                     # per node of 4 GPUs (was 4 GB for the node)
+
+
+def test_host_resources_stay_overridable(tmp_path, monkeypatch):
+    f = flags(sbatch_text([*README_GPU_SWEEP, "hydra.launcher.mem_per_cpu=null", "hydra.launcher.mem_gb=400",
+                           "hydra.launcher.cpus_per_task=12"], tmp_path, monkeypatch))
+    assert f["mem"] == "400GB" and "mem-per-cpu" not in f and f["cpus-per-task"] == "12"
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "slurm_site_example"])
+def test_no_conflicting_memory_flags(launcher, tmp_path, monkeypatch):
+    f = flags(sbatch_text([f"hydra/launcher={launcher}"], tmp_path, monkeypatch))
+    assert sum(k in f for k in ("mem", "mem-per-cpu", "mem-per-gpu")) == 1   # SLURM refuses two
+
+
+def test_block_placement_accepted_cyclic_refused():
+    from hrlplan.cluster import check_block_placement
+    from hrlplan.errors import UserError
+
+    check_block_placement(["a", "a", "b", "b"])
+    check_block_placement(["a"])
+    with pytest.raises(UserError, match="rank 1 runs on b but the plan puts it on a.*--distribution=block"):
+        check_block_placement(["a", "b", "a", "b"])          # srun --distribution=cyclic
+    with pytest.raises(UserError, match="node-major"):
+        check_block_placement(["a", "a", "a", "b"])          # uneven tasks per node
+
+
+def test_slurm_distribution_checked_before_start():
+    from hrlplan.errors import UserError
+    from launch.slurm import check_distribution
+
+    for ok in ({}, {"SLURM_DISTRIBUTION": "block"}, {"SLURM_DISTRIBUTION": "block:cyclic"},
+               {"SLURM_DISTRIBUTION": "pack"}):
+        check_distribution(ok)
+    for bad in ("cyclic", "cyclic:block", "plane=2", "arbitrary"):
+        with pytest.raises(UserError, match="--distribution=block"):
+            check_distribution({"SLURM_DISTRIBUTION": bad})
