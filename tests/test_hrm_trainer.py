@@ -16,9 +16,13 @@ ARCH = dict(name="hrm", family="hrm", hidden_size=16, H_layers=1, L_layers=1, nu
 class RecordingLogger:
     def __init__(self):
         self.records = []
+        self.notes = []
 
     def log(self, metrics, step):
         self.records.append((step, dict(metrics)))
+
+    def note(self, text):
+        self.notes.append(text)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +148,8 @@ def test_padded_rows_contribute_nothing(sudoku_dir, tmp_path, process_group):
 
 
 def test_iterations_checkpoint_path_and_nested_loss(sudoku_dir, tmp_path, process_group):
-    arch = dict(ARCH, loss={"name": "losses@ACTLossHead", "loss_type": "softmax_cross_entropy"})
+    arch = dict(ARCH, loss={"name": "losses@ACTLossHead", "loss_type": "softmax_cross_entropy"},
+                forward_dtype="bfloat16")
     cfg = _cfg(sudoku_dir, epochs=2, eval_interval=1, global_batch_size=3, grad_clip=None,
                checkpoint_every_eval=False, checkpoint_path=str(tmp_path / "ckpts"))
     cfg["arch"] = arch
@@ -156,3 +161,16 @@ def test_iterations_checkpoint_path_and_nested_loss(sudoku_dir, tmp_path, proces
     assert sorted(os.listdir(tmp_path / "ckpts")).count("step_4") == 1
     assert not (tmp_path / "ckpts" / "step_2").exists()   # checkpoint_every_eval=False: the last one only
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert any("forward in float32 (arch.forward_dtype=bfloat16 on cpu)" in n for n in logger.notes)
+
+
+def test_nested_loss_type_and_forward_dtype_resolve():
+    from hrlplan.models.hrm import build_hrm, resolve_forward_dtype, softmax_cross_entropy
+    from hrlplan.runtime.hrm_trainer import _forward_dtype
+
+    model = build_hrm(dict(ARCH, loss={"name": "losses@ACTLossHead", "loss_type": "softmax_cross_entropy"},
+                           loss_type="stablemax_cross_entropy"))
+    assert model.loss_fn is softmax_cross_entropy   # HRM's arch.loss.loss_type wins over the flat key
+    assert resolve_forward_dtype("auto", "cuda") == "bfloat16" and resolve_forward_dtype("auto", "cpu") == "float32"
+    assert _forward_dtype({"forward_dtype": "bfloat16"}, torch.device("cpu")) == "float32"
+    assert _forward_dtype({"forward_dtype": "bfloat16"}, torch.device("cuda", 0)) == "bfloat16"

@@ -270,7 +270,9 @@ def hrm_schedule(train: Dict[str, Any], metadata: Dict[str, Any], global_batch_s
 
 
 def _forward_dtype(arch: Dict[str, Any], device: torch.device) -> str:
-    return resolve_forward_dtype(arch.get("forward_dtype"), device.type)
+    """HRM's bfloat16 forward is a GPU setting: on the CPU (slow bfloat16 matmuls) it runs float32."""
+    wanted = resolve_forward_dtype(arch.get("forward_dtype"), device.type)
+    return "float32" if device.type == "cpu" and wanted == "bfloat16" else wanted
 
 
 def _optimizers(model, train: Dict[str, Any], world: int):
@@ -367,11 +369,15 @@ class _Run:
         n_params = sum(p.numel() for p in self.model.parameters())
         runs = f"{s.run_steps} steps" if s.run_steps is not None else "steps drawn per iteration"
         _say(self.logger, f"HRM: {n_params:,} parameters, {self.world} rank(s) on {self.device}, forward in "
-                          f"{self.arch['forward_dtype']}, {self.train.get('dp_mode', 'fsdp')}, AdamATan2, "
+                          f"{self.arch['forward_dtype']}{self._dtype_note()}, {self.train.get('dp_mode', 'fsdp')}, AdamATan2, "
                           f"{s.iterations} x {s.epochs_per_iter} epochs: {runs} (schedule over {s.total_steps})"
                           + (f", stopping at step {s.stop_at}" if s.run_steps is None or s.stop_at < s.run_steps else "")
                           + (" (compiled)" if self.compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
         self.logger.log({"num_params": n_params}, step=step)
+
+    def _dtype_note(self) -> str:
+        asked = str(self.cfg["arch"].get("forward_dtype") or "auto")
+        return f" (arch.forward_dtype={asked} on {self.device.type})" if asked != self.arch["forward_dtype"] else ""
 
     def step(self, carry, batch: Dict[str, torch.Tensor], step: int):
         """One optimizer step (step is the 1-based number of the step taken)."""
@@ -529,12 +535,13 @@ def evaluate_cli(args) -> None:
     train_split, test_split = PuzzleSplit(data_path, "train"), PuzzleSplit(data_path, "test")
     gbs = int((cfg.get("train") or {}).get("global_batch_size") or cfg.get("global_batch_size") or 64)
     meta = train_split.metadata
-    model = build_hrm(dict(cfg["arch"]), seq_len=meta["seq_len"], vocab_size=meta["vocab_size"],
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    arch = dict(cfg["arch"], forward_dtype=_forward_dtype(dict(cfg["arch"]), device))
+    model = build_hrm(arch, seq_len=meta["seq_len"], vocab_size=meta["vocab_size"],
                       num_puzzle_identifiers=meta["num_puzzle_identifiers"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model.to(device)
     metrics = evaluate(model, test_split, gbs, device)
     print(f"exact_accuracy {metrics.get('exact_accuracy', 0.0):.4f} on {len(test_split.inputs)} test puzzles ({data_path})")
