@@ -7,7 +7,7 @@
 - check_environment: what the launcher checks on this host before it starts workers: paths that
   must exist (resume, data, plan and cluster files, a model's config.json), a world size the host
   can run, a device that is there.
-- load_yaml_text: YAML parsing with a size and alias budget (an alias bomb cannot hang the loader).
+- load_yaml_text: YAML parsing with a size and expansion budget (an alias bomb cannot hang anything).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from hrlplan.errors import ConfigError, one_line
 
 MAX_YAML_BYTES = 4 * 2**20
-MAX_YAML_ALIASES = 256
+MAX_YAML_NODES = 1_000_000   # values after alias expansion
 LM_DATA = ("synthetic", "code")
 
 
@@ -236,23 +236,40 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
 
 # ---------------------------------------------------------------- YAML with a budget
 def load_yaml_text(text: str, source: str, key: str) -> Any:
-    """yaml.safe_load, refused (naming `key`) beyond MAX_YAML_BYTES or MAX_YAML_ALIASES aliases.
-
-    An alias bomb (a billion laughs) is small on disk and expands exponentially while loading:
-    counting alias tokens first, without building anything, bounds the work."""
+    """yaml.safe_load, refused (naming `key`) beyond MAX_YAML_BYTES or MAX_YAML_NODES once aliases
+    are expanded. An alias bomb (a billion laughs) is small on disk and expands exponentially in
+    whatever walks the loaded tree: the node graph is composed first (aliases share their node, so
+    this is linear) and its expanded size counted with memoization, before anything is built."""
     import yaml
 
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(key, source, message=f"{key}={source} is {len(text) / 2**20:.1f} MiB; a plan or "
                                                f"cluster file is at most {MAX_YAML_BYTES // 2**20} MiB")
     try:
-        aliases = sum(isinstance(t, yaml.AliasToken) for t in yaml.scan(text, Loader=yaml.SafeLoader))
-        if aliases > MAX_YAML_ALIASES:
-            raise ConfigError(key, source, message=f"{key}={source} uses {aliases} YAML aliases (at most "
-                                                   f"{MAX_YAML_ALIASES}); write the values out")
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        expanded = _expanded_size(node, {}) if node is not None else 0
+        if expanded > MAX_YAML_NODES:
+            raise ConfigError(key, source, message=f"{key}={source} expands to {expanded:.3g} values through its "
+                                                   f"YAML aliases (at most {MAX_YAML_NODES}); write the values out")
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(key, source, message=f"{key}={source} is not valid YAML: {one_line(err, 200)}") from None
+
+
+def _expanded_size(node: Any, seen: Dict[int, int]) -> int:
+    import yaml
+
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = MAX_YAML_NODES + 1   # a node reached again while counting it: a cycle, refuse
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(n, seen) for n in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
+    else:
+        size = 1
+    seen[id(node)] = size
+    return size
 
 
 def _read_file(key: str, path: str) -> str:
@@ -399,7 +416,12 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Transformer
 
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as e:
+        if not is_compose_error(e):
+            raise
+        raise explain_compose_error(e, overrides) from None
     base, sweeps = [], []
     for text, o in zip(overrides, parsed):
         if o.is_sweep_override():
