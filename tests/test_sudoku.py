@@ -75,7 +75,8 @@ def test_dataset_layout_matches_hrm_and_batches_cover_groups(tmp_path):
     assert again[0]["inputs"].equal(batches[1]["inputs"])
     halves = [list(train.iteration_batches(plan, r, 2)) for r in (0, 1)]
     assert halves[0][0]["inputs"].shape == (2, 81)
-    assert halves[0][0]["inputs"].equal(batches[0]["inputs"][:2]) and halves[1][0]["inputs"].equal(batches[0]["inputs"][2:])
+    assert halves[0][0]["inputs"].equal(batches[0]["inputs"][:2])
+    assert halves[1][0]["inputs"].equal(batches[0]["inputs"][2:])
     assert sum(b["labels"].ne(-100).any(1).sum().item() for b in PuzzleSplit(out, "test").test_batches(2, 0, 1)) == 3
 
 

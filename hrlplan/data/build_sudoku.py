@@ -87,7 +87,8 @@ def read_sudoku_csv(path: str, min_difficulty: Optional[int] = None) -> Tuple[Li
         next(reader, None)
         for line, row in enumerate(reader, start=2):
             if len(row) != 4:
-                raise UserError(f"{path}:{line}: expected HRM's 4 columns source,question,answer,rating; got {len(row)}")
+                raise UserError(f"{path}:{line}: expected HRM's 4 columns source,question,answer,rating; "
+                                f"got {len(row)}")
             _, question, answer, rating = row
             if min_difficulty is not None and int(rating) < min_difficulty:
                 continue

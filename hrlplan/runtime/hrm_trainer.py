@@ -368,11 +368,13 @@ class _Run:
         s = self.sched
         n_params = sum(p.numel() for p in self.model.parameters())
         runs = f"{s.run_steps} steps" if s.run_steps is not None else "steps drawn per iteration"
-        _say(self.logger, f"HRM: {n_params:,} parameters, {self.world} rank(s) on {self.device}, forward in "
-                          f"{self.arch['forward_dtype']}{self._dtype_note()}, {self.train.get('dp_mode', 'fsdp')}, AdamATan2, "
-                          f"{s.iterations} x {s.epochs_per_iter} epochs: {runs} (schedule over {s.total_steps})"
-                          + (f", stopping at step {s.stop_at}" if s.run_steps is None or s.stop_at < s.run_steps else "")
-                          + (" (compiled)" if self.compiled else "") + (f", resumed from {resume_from}" if resume_from else ""))
+        parts = [f"HRM: {n_params:,} parameters", f"{self.world} rank(s) on {self.device}",
+                 f"forward in {self.arch['forward_dtype']}{self._dtype_note()}", str(self.train.get("dp_mode", "fsdp")),
+                 "AdamATan2", f"{s.iterations} x {s.epochs_per_iter} epochs: {runs} (schedule over {s.total_steps})"]
+        if s.run_steps is None or s.stop_at < s.run_steps:
+            parts.append(f"stopping at step {s.stop_at}")
+        text = ", ".join(parts) + (" (compiled)" if self.compiled else "")
+        _say(self.logger, text + (f", resumed from {resume_from}" if resume_from else ""))
         self.logger.log({"num_params": n_params}, step=step)
 
     def _dtype_note(self) -> str:
@@ -435,7 +437,8 @@ class _Run:
         result.update(eval_metrics)
         if self.rank == 0:
             self.logger.log(eval_metrics, step=step)
-            _say(self.logger, f"step {step} (epoch {min(iteration, self.sched.iterations) * self.sched.epochs_per_iter}): "
+            epoch = min(iteration, self.sched.iterations) * self.sched.epochs_per_iter
+            _say(self.logger, f"step {step} (epoch {epoch}): "
                               f"eval exact_accuracy {eval_metrics.get('eval/exact_accuracy', float('nan')):.4f}")
         if (self.every_eval or last) and not self.saved_at(step):
             self.save(step, iteration, batch)
