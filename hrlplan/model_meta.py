@@ -151,11 +151,84 @@ def introspect(arch: Dict[str, Any], seq_len: int | None = None) -> ModelMeta:
     return _introspect_hf(arch, seq_len)
 
 
-def _linear_weight_numel(module) -> int:
-    import torch.nn as nn
-    from transformers.pytorch_utils import Conv1D
+def _config_int(config, name: str, required: bool = True) -> int | None:
+    """An int config field by its common name; the config's attribute_map finds a family's own
+    spelling (GPT-2's n_embd is hidden_size). A missing required field is an error naming it."""
+    value = getattr(config, name, None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if required:
+        own = getattr(config, "attribute_map", {}).get(name, name)
+        raise ModelResolutionError(f"{type(config).__name__} has no {own}"
+                                   + (f" ({name})" if own != name else "") + ": set it in the model's config")
+    return None
 
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Conv1D)))
+
+def _matmul_numel(module) -> int:
+    """Weights with two or more dims take part in a matmul (Linear, Conv1D, fused QKV), except
+    embedding tables, which are looked up."""
+    import torch.nn as nn
+
+    return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False) if p.dim() >= 2)
+
+
+def _numel_once(modules, seen: set) -> int:
+    """Parameters of `modules` not counted yet (a tied head's weight belongs to the embedding)."""
+    total = 0
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def _positions(config, seq_len: int | None) -> int:
+    max_positions = _config_int(config, "max_position_embeddings", required=False)
+    if max_positions is None:   # ALiBi (BLOOM): no learned or rotary table bounds the length
+        if not seq_len:
+            raise ModelResolutionError(f"{type(config).__name__} has no max_position_embeddings to default the "
+                                       "sequence length to: give it (--seq-len, or data.seq_len)")
+        return int(seq_len)
+    seq = int(seq_len or max_positions)
+    if seq > max_positions:
+        key = getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+        raise ModelResolutionError(f"data.seq_len={seq} is longer than the model's {max_positions} positions; "
+                                   f"set data.seq_len<={max_positions} or arch.{key}={seq}")
+    return seq
+
+
+def _attention_widths(config, shape, hidden: int) -> tuple[int, int, int]:
+    """(heads, q width, k/v width): heads and head_dim from the config, the K/V width from the
+    attention's own weights (q, o: hidden x q; k, v: hidden x kv each), so GQA and multi-query
+    need no family-specific field."""
+    heads = _config_int(config, "num_attention_heads")
+    head_dim = _config_int(config, "head_dim", required=False)
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelResolutionError(f"{type(config).__name__}: hidden size {hidden} is no multiple of "
+                                       f"{heads} heads and no head_dim is set")
+        head_dim = hidden // heads
+    q = heads * head_dim
+    kv2, rem = divmod(shape.attention_matmul - 2 * hidden * q, 2 * hidden)
+    if rem or not 0 < kv2 <= q:
+        raise ModelResolutionError(f"{type(config).__name__}: its attention's {shape.attention_matmul} projection "
+                                   f"weights do not fit {heads} heads of {head_dim} (q, k, v, out projections)")
+    return heads, q, kv2
+
+
+def block_activation_bytes(hidden: int, q: int, kv: int, heads: int, seq: int, shape) -> float:
+    """Korthikanti et al. (2022), 16-bit activations kept for backward per token, no recomputation,
+    in its parts so that families differ where their blocks do. Attention 11h + 5*a*s for MHA: input
+    2h, Q 2q, K and V 2kv each (GQA / multi-query keep less), context 2q, dropout mask h, scores,
+    softmax and dropout 5*a*s (ALiBi adds a bias, nothing kept). Each norm keeps its input, 2h. MLP
+    3h + 4*I (6*I gated: two up projections): its input 2h -- not kept twice where a parallel block
+    feeds attention and MLP one normed tensor (GPT-J, Phi) -- dropout mask h."""
+    attention = 2 * hidden + 2 * q + 4 * kv + 2 * q + hidden + 5 * heads * seq
+    norms = 2 * hidden * shape.norms
+    mlp = (0 if shape.shared_input else 2 * hidden) + hidden + (4 if shape.up_projections == 1 else 6) * shape.ffn_size
+    return float(attention + norms + mlp)
 
 
 def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
@@ -163,41 +236,31 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
 
     config = hf_config_from_arch(arch)
     model = build_hf_model(config, on_meta=True)
-    layout = hf_layout(model)
+    layout = hf_layout(model, scratch=True)
+    shape = layout.block
+    blocks = list(getattr(layout.base, layout.blocks_attr))
+    hidden = _config_int(config, "hidden_size")
+    heads, q, kv = _attention_widths(config, shape, hidden)
+    seq = _positions(config, seq_len)
+    vocab = _config_int(config, "vocab_size")
+
     base = layout.base
-    blocks = list(getattr(base, layout.blocks_attr))
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    max_positions = int(getattr(config, "n_positions", None) or config.max_position_embeddings)
-    seq = int(seq_len or max_positions)
-    if seq > max_positions:
-        key = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
-        raise ModelResolutionError(f"data.seq_len={seq} is longer than the model's {max_positions} positions; "
-                                   f"set data.seq_len<={max_positions} or arch.{key}={seq}")
-    vocab = config.vocab_size
-
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
-    embedding = sum(p.numel() for n in layout.embed_names for p in getattr(base, n).parameters())
-    final_norm = sum(p.numel() for n in layout.final_names for p in getattr(base, n).parameters())
+    first = [getattr(base, n) for n in layout.embed_names]
+    final = [getattr(base, n) for n in layout.final_names]
     lm_head = model.get_output_embeddings()
-    tied = lm_head.weight is getattr(base, layout.embed_names[0]).weight
-    head = final_norm + (0 if tied else sum(p.numel() for p in lm_head.parameters()))
+    tied = lm_head.weight is model.get_input_embeddings().weight
+    seen: set = set()
+    embedding = _numel_once(first, seen)
+    block_params = [_numel_once([b], seen) for b in blocks]
+    head = _numel_once(final + [lm_head], seen)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
     head_matmul = lm_head.weight.numel()
+    final_matmul = sum(_matmul_numel(m) for m in final)    # OPT's project_out back to the embedding width
 
-    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    gated = arch.get("model_type", config.model_type) != "gpt2"
-    block_params, block_matmul, block_flops, block_act = [], [], [], []
-    for block in blocks:
-        block_params.append(sum(p.numel() for p in block.parameters()))
-        mm = _linear_weight_numel(block)
-        block_matmul.append(mm)
-        # 2 FLOPs per weight per token, plus QK^T and AV: 2*2*seq*(heads*head_dim) per token.
-        block_flops.append(2.0 * mm + 4.0 * seq * heads * head_dim)
-        # Korthikanti et al. (2022), 16-bit activations, no recomputation: attention 11h + 5*a*s,
-        # layer norms 4h, MLP 3h + 4*I (6*I for gated MLPs with two up projections).
-        mlp = 3 * hidden + (6 if gated else 4) * intermediate
-        block_act.append(float(11 * hidden + 5 * heads * seq + 4 * hidden + mlp))
+    block_matmul = [_matmul_numel(b) for b in blocks]
+    # 2 FLOPs per weight per token, plus QK^T and AV: 2*2*seq*(heads*head_dim) per token.
+    block_flops = [2.0 * mm + 4.0 * seq * q for mm in block_matmul]
+    block_act = [block_activation_bytes(hidden, q, kv, heads, seq, shape)] * len(blocks)
 
     prefix = layout.prefix
     return ModelMeta(
@@ -216,12 +279,16 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
         block_matmul_params=block_matmul,
         head_matmul_params=head_matmul,
         block_flops_fwd_per_token=block_flops,
-        head_flops_fwd_per_token=2.0 * head_matmul,
+        head_flops_fwd_per_token=2.0 * (head_matmul + final_matmul),
         block_activation_bytes_per_token=block_act,
         # final norm input (2h) + logits in fp32 for the loss (4*vocab)
         head_activation_bytes_per_token=float(2 * hidden + 4 * vocab),
         tied_embeddings=bool(tied),
         first_stage_modules=[f"{prefix}.{n}" for n in layout.embed_names],
-        last_stage_modules=[f"{prefix}.{n}" for n in layout.final_names] + ["lm_head"],
+        last_stage_modules=[f"{prefix}.{n}" for n in layout.final_names] + [layout.head_name],
         block_modules=[f"{prefix}.{layout.blocks_attr}.{i}" for i in range(len(blocks))],
+        extra={"block_class": type(blocks[0]).__name__, "attention_module": shape.attention,
+               "kv_width": kv, "query_width": q, "ffn_size": shape.ffn_size, "gated_mlp": shape.up_projections > 1,
+               "norms_per_block": shape.norms, "parallel_shared_input": shape.shared_input,
+               "first_stage_matmul_params": sum(_matmul_numel(m) for m in first)},   # OPT's project_in
     )

@@ -5,6 +5,7 @@ gradients line up with a one-process run of the same model, whatever the layer s
 """
 from __future__ import annotations
 
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -12,6 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _NOT_HF_KEYS = {"name", "family", "model_type", "model_id", "pretrained"}
 
@@ -94,28 +96,201 @@ def materialize(model, keep: Iterable[nn.Module], seed: int, device: str | torch
 
 
 @dataclass
+class BlockShape:
+    """Block 0 as its forward ran on the meta device: what its activation memory depends on."""
+    attention: str           # the attention module's path inside the block
+    attention_matmul: int    # its projection weights (q, k, v, out; fused or not)
+    ffn_size: int            # the MLP's inner width: the input width of its last projection
+    up_projections: int      # MLP projections into ffn_size: 1 (fc, act, proj), 2 gated (gate and up, fused or not)
+    norms: int               # norm layers outside the attention, each keeps its input for backward
+    shared_input: bool       # attention and MLP read one tensor (a parallel block with one norm: GPT-J, Phi)
+
+
+@dataclass
 class HFLayout:
-    base: nn.Module          # model.transformer / model.model
-    prefix: str              # "transformer" / "model"
+    base: nn.Module          # the module holding the block list: model.transformer, model.model.decoder
+    prefix: str              # its path in the model: "transformer", "model", "model.decoder"
     blocks_attr: str         # "h" / "layers"
-    embed_names: List[str]   # children of base pinned to the first stage
-    final_names: List[str]   # children of base (with parameters) pinned to the last stage
+    embed_names: List[str]   # children of base run before the blocks (token/position embeddings, embedding norm)
+    final_names: List[str]   # children of base with parameters run after the blocks (final norm)
+    head_name: str = "lm_head"           # the output head's path in the model
+    block: Optional[BlockShape] = None
 
 
-def hf_layout(model) -> HFLayout:
-    prefix = model.base_model_prefix
-    base = getattr(model, prefix)
-    blocks_attr = next(n for n, m in base.named_children() if isinstance(m, nn.ModuleList))
-    embed_names, final_names = [], []
-    seen_blocks = False
-    for name, child in base.named_children():
-        if name == blocks_attr:
-            seen_blocks = True
-        elif isinstance(child, nn.Embedding):
-            embed_names.append(name)
-        elif seen_blocks and any(True for _ in child.parameters()):
-            final_names.append(name)
-    return HFLayout(base, prefix, blocks_attr, embed_names, final_names)
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, HFLayout]" = weakref.WeakKeyDictionary()
+
+
+def hf_layout(model, scratch: bool = False) -> HFLayout:
+    """Where a causal LM keeps its blocks, embeddings, final norm and head, found by structure, not
+    by family: the blocks are the largest ModuleList of one block class, the embedding and head are
+    get_input_/get_output_embeddings(), and every other module with parameters goes to the first or
+    last stage by whether the forward runs it before or after the blocks (traced on the meta device:
+    OPT registers its final norm before its blocks, BLOOM runs a norm right after its embedding).
+    The trace runs on a meta copy built from the config unless `scratch` says the model is a
+    throwaway meta model (a forward could leave cached state on the caller's model)."""
+    if model in _LAYOUTS:
+        return _LAYOUTS[model]
+    path, _ = _find_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is None or id(embedding) not in names:
+        raise _unsupported(model, "no input embedding (get_input_embeddings() gave none)")
+    if head is None or id(head) not in names:
+        raise _unsupported(model, "no output head (get_output_embeddings() gave none)")
+    if "." not in path:
+        raise _unsupported(model, f"its block list '{path}' is not inside a base model")
+    prefix, blocks_attr = path.rsplit(".", 1)
+    calls, shape = _trace(model if scratch else _meta_twin(model), path)
+    embed_names, final_names = _pin_outside_blocks(model, prefix, blocks_attr, names[id(head)], calls)
+    emb_path = names[id(embedding)]
+    if not emb_path.startswith(prefix + ".") or emb_path[len(prefix) + 1:].split(".")[0] not in embed_names:
+        raise _unsupported(model, f"its input embedding {emb_path} does not run before its blocks {path}")
+    layout = HFLayout(model.get_submodule(prefix), prefix, blocks_attr, embed_names, final_names,
+                      names[id(head)], shape)
+    _LAYOUTS[model] = layout
+    return layout
+
+
+def _find_blocks(model) -> Tuple[str, nn.ModuleList]:
+    """The largest (by parameters) ModuleList whose items share one class; the shallowest on a tie.
+    An MoE's expert list lies inside a block, so it is never the larger."""
+    best: Optional[Tuple[Tuple[int, int], str, nn.ModuleList]] = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(b) for b in module}) == 1:
+            key = (sum(p.numel() for p in module.parameters()), -name.count("."))
+            if key[0] and (best is None or key > best[0]):
+                best = (key, name, module)
+    if best is None:
+        raise _unsupported(model, "no list of decoder blocks (an nn.ModuleList of one block class)")
+    return best[1], best[2]
+
+
+def _unsupported(model, what: str) -> Exception:
+    from hrlplan.model_meta import ModelResolutionError
+
+    return ModelResolutionError(f"{type(model).__name__} is not a supported causal LM structure: {what}")
+
+
+def _meta_twin(model):
+    with torch.device("meta"):
+        return type(model)._from_config(model.config)
+
+
+class _MetaScalars(TorchDispatchMode):
+    """A scalar read from a meta tensor (HF's "is the mask all ones?" checks) answers True / 1, the
+    no-padding path: the trace needs which modules run and in what order, not values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype is torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _first_tensor(args, kwargs) -> Optional[torch.Tensor]:
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return value[0]
+    return None
+
+
+def _trace(model, blocks_path: str) -> Tuple[Dict[str, Tuple[int, int]], BlockShape]:
+    """Run a 2-token forward on the meta device: (first, last) call index of every module with
+    parameters of its own, and block 0's shape from what its matmuls read and wrote."""
+    calls: Dict[str, Tuple[int, int]] = {}
+    matmuls: List[Tuple[str, Any, int, int]] = []   # block 0: (path, input, in width, out width)
+    clock = [0]
+
+    def on_call(name):
+        def hook(module, args, kwargs):
+            clock[0] += 1
+            calls[name] = (calls.get(name, (clock[0],))[0], clock[0])
+        return hook
+
+    def on_matmul(name):
+        def hook(module, args, kwargs, out):
+            x, y = _first_tensor(args, kwargs), _first_tensor((out,), {})
+            if x is not None and y is not None:
+                matmuls.append((name, x if x._base is None else x._base, x.shape[-1], y.shape[-1]))
+        return hook
+
+    block0 = f"{blocks_path}.0."
+    hooks = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            hooks.append(module.register_forward_pre_hook(on_call(name), with_kwargs=True))
+        if name.startswith(block0) and any(p.dim() >= 2 for p in own):
+            hooks.append(module.register_forward_hook(on_matmul(name[len(block0):]), with_kwargs=True))
+    ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad(), _MetaScalars():
+            model(input_ids=ids, use_cache=False)
+    except Exception as e:
+        raise _unsupported(model, f"its forward does not run on the meta device "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls, _block_shape(model, model.get_submodule(blocks_path)[0], calls, block0, matmuls)
+
+
+def _block_shape(model, block: nn.Module, calls, block0: str, matmuls) -> BlockShape:
+    attention = next((n for n, m in block.named_modules() if n and "attention" in type(m).__name__.lower()), None)
+    if attention is None:
+        raise _unsupported(model, f"no attention module (a submodule class named *Attention) "
+                                  f"in its block {type(block).__name__}")
+    inside = attention + "."
+    attn_calls = [m for m in matmuls if m[0].startswith(inside)]
+    mlp_calls = [m for m in matmuls if not m[0].startswith(inside)]
+    if not attn_calls or not mlp_calls:
+        what = "attention projections" if not attn_calls else "MLP projections outside the attention"
+        raise _unsupported(model, f"no {what} ran in its block {type(block).__name__}")
+    hidden, ffn = mlp_calls[-1][3], mlp_calls[-1][2]   # the last projection maps ffn -> hidden
+    up = round(sum(i * o for _, _, i, o in mlp_calls[:-1]) / (hidden * ffn))
+    attention_matmul = sum(p.numel() for p in block.get_submodule(attention).parameters() if p.dim() >= 2)
+    norms = sum(1 for n, m in block.named_modules()
+                if not n.startswith(inside) and n != attention and block0 + n in calls
+                and all(p.dim() == 1 for p in m.parameters(recurse=False))
+                and any(True for _ in m.parameters(recurse=False)))
+    return BlockShape(attention=attention, attention_matmul=attention_matmul, ffn_size=int(ffn),
+                      up_projections=int(up), norms=norms, shared_input=attn_calls[0][1] is mlp_calls[0][1])
+
+
+def _pin_outside_blocks(model, prefix: str, blocks_attr: str, head_name: str, calls):
+    """Children of the base with parameters, first stage if they run before block 0, last if after
+    the last block; one that never ran goes by its place beside the block list."""
+    blocks = f"{prefix}.{blocks_attr}."
+    block_calls = [c for n, c in calls.items() if n.startswith(blocks)]
+    begin, end = min(c[0] for c in block_calls), max(c[1] for c in block_calls)
+    order = [n for n, _ in model.get_submodule(prefix).named_children()]
+    first: List[str] = []
+    last: List[str] = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)) or name.startswith(blocks):
+            continue
+        if name == head_name or name.startswith(head_name + "."):
+            continue
+        if not name.startswith(prefix + "."):
+            raise _unsupported(model, f"parameters in {name}, outside its base model {prefix} and its head")
+        child = name[len(prefix) + 1:].split(".")[0]
+        if name in calls:
+            when = calls[name]
+            if when[1] < begin:
+                side = first
+            elif when[0] > end:
+                side = last
+            else:
+                raise _unsupported(model, f"{name} runs between its blocks {blocks}*")
+        else:
+            side = first if order.index(child) < order.index(blocks_attr) else last
+        if child not in first + last:
+            side.append(child)
+        elif child not in side:
+            raise _unsupported(model, f"{prefix}.{child} runs both before and after its blocks")
+    return first, last
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

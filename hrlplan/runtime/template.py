@@ -41,21 +41,18 @@ class ModelModules:
 def model_modules(model: Union[nn.Module, str]) -> ModelModules:
     if isinstance(model, str):
         model = _meta_model(model)
+    from hrlplan.model_meta import ModelResolutionError
     from hrlplan.models.hf import hf_layout
 
     name = type(model).__name__
     try:
         layout = hf_layout(model)
-    except (AttributeError, StopIteration):
-        raise NotImplementedError(f"Auto policy for {name} is not implemented; supported are Hugging Face causal "
-                                  "LMs with a block list (GPT-2, Llama, Mistral, Qwen2)") from None
-    if model.get_output_embeddings() is None:
-        raise NotImplementedError(f"Auto policy for {name} is not implemented: it has no output head")
+    except ModelResolutionError as e:
+        raise NotImplementedError(f"Auto policy for {name} is not implemented: {e}") from None
     n_blocks = len(getattr(layout.base, layout.blocks_attr))
     first = tuple(f"{layout.prefix}.{n}" for n in layout.embed_names)
     blocks = tuple(f"{layout.prefix}.{layout.blocks_attr}.{i}" for i in range(n_blocks))
-    head_name = next(n for n, m in model.named_children() if m is model.get_output_embeddings())
-    last = tuple(f"{layout.prefix}.{n}" for n in layout.final_names) + (head_name,)
+    last = tuple(f"{layout.prefix}.{n}" for n in layout.final_names) + (layout.head_name,)
     return ModelModules(name=getattr(model.config, "name_or_path", "") or name, first=first, blocks=blocks, last=last)
 
 

@@ -1,0 +1,137 @@
+"""Introspection finds any common HF causal LM's blocks, embeddings and head by structure: each family
+built on the meta device from a tiny config (saved as a local config.json, the user's path)."""
+import pytest
+import torch
+import transformers as T
+
+from hrlplan.model_meta import ModelResolutionError, introspect, resolve_arch
+
+H, L, V, P, SEQ = 64, 2, 128, 64, 32
+GQA = dict(hidden_size=H, intermediate_size=176, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=V, max_position_embeddings=P)
+MODEL = ["model.embed_tokens"], ["model.norm", "lm_head"]
+TRANSFORMER = ["transformer.wte"], ["transformer.ln_f", "lm_head"]
+FALCON = ["transformer.word_embeddings"], ["transformer.ln_f", "lm_head"]
+
+# config, (first-stage modules, last-stage modules), block list, expected block shape:
+# K/V width, MLP width, gated MLP, norms per block, attention and MLP read one tensor
+FAMILIES = {
+    "gpt2": (T.GPT2Config(n_embd=H, n_layer=L, n_head=4, vocab_size=V, n_positions=P, bos_token_id=V - 1,
+                          eos_token_id=V - 1),
+             (["transformer.wte", "transformer.wpe"], TRANSFORMER[1]), "transformer.h", (64, 256, False, 2, False)),
+    "opt": (T.OPTConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=4, ffn_dim=192, vocab_size=V,
+                        max_position_embeddings=P),
+            (["model.decoder.embed_tokens", "model.decoder.embed_positions"],
+             ["model.decoder.final_layer_norm", "lm_head"]), "model.decoder.layers", (64, 192, False, 2, False)),
+    # opt-350m's shape: embeddings narrower than the model, post-norm, no final norm
+    "opt-proj": (T.OPTConfig(hidden_size=H, word_embed_proj_dim=32, do_layer_norm_before=False, num_hidden_layers=L,
+                             num_attention_heads=4, ffn_dim=192, vocab_size=V, max_position_embeddings=P),
+                 (["model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.project_in"],
+                  ["model.decoder.project_out", "lm_head"]), "model.decoder.layers", (64, 192, False, 2, False)),
+    "llama": (T.LlamaConfig(**GQA), MODEL, "model.layers", (32, 176, True, 2, False)),
+    "mistral": (T.MistralConfig(**GQA), MODEL, "model.layers", (32, 176, True, 2, False)),
+    "qwen2": (T.Qwen2Config(**GQA), MODEL, "model.layers", (32, 176, True, 2, False)),
+    # head_dim 32 x 4 heads is wider than hidden 64; multi-query; tied head
+    "gemma": (T.GemmaConfig(**{**GQA, "num_key_value_heads": 1}, head_dim=32), MODEL, "model.layers",
+              (32, 176, True, 2, False)),
+    "phi": (T.PhiConfig(**{**GQA, "num_key_value_heads": 4}), (MODEL[0], ["model.final_layernorm", "lm_head"]),
+            "model.layers", (64, 176, False, 1, True)),
+    # parallel residual with two norms: attention and MLP read different tensors
+    "gpt_neox": (T.GPTNeoXConfig(hidden_size=H, intermediate_size=176, num_hidden_layers=L, num_attention_heads=4,
+                                 vocab_size=V, max_position_embeddings=P),
+                 (["gpt_neox.embed_in"], ["gpt_neox.final_layer_norm", "lm_head"]), "gpt_neox.layers",
+                 (64, 176, False, 2, False)),
+    # falcon-7b: parallel attention, one norm, multi-query
+    "falcon": (T.FalconConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=4, vocab_size=V,
+                              max_position_embeddings=P), FALCON, "transformer.h", (16, 256, False, 1, True)),
+    # falcon-40b: the new decoder architecture, a norm each for attention and MLP, grouped K/V
+    "falcon-new": (T.FalconConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=4, num_kv_heads=2,
+                                  new_decoder_architecture=True, vocab_size=V, max_position_embeddings=P),
+                   FALCON, "transformer.h", (32, 256, False, 2, False)),
+    # ALiBi: no position table, so no default sequence length
+    "bloom": (T.BloomConfig(hidden_size=H, n_layer=L, n_head=4, vocab_size=V),
+              (["transformer.word_embeddings", "transformer.word_embeddings_layernorm"], TRANSFORMER[1]),
+              "transformer.h", (64, 256, False, 2, False)),
+    "gptj": (T.GPTJConfig(n_embd=H, n_layer=L, n_head=4, rotary_dim=8, vocab_size=V, n_positions=P),
+             TRANSFORMER, "transformer.h", (64, 256, False, 1, True)),
+}
+
+
+def _meta_of(name, tmp_path, seq_len=SEQ):
+    config = FAMILIES[name][0]
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    return introspect(resolve_arch(str(tmp_path)), seq_len=seq_len), model
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_parts_add_up_and_are_found(name, tmp_path):
+    meta, model = _meta_of(name, tmp_path)
+    _, (first, last), blocks_path, (kv, ffn, gated, norms, shared) = FAMILIES[name]
+    assert meta.total_params == sum(p.numel() for p in model.parameters())
+    assert meta.total_params == meta.embedding_params + sum(meta.block_params) + meta.head_params
+    blocks = model.get_submodule(blocks_path)
+    assert meta.block_modules == [f"{blocks_path}.{i}" for i in range(L)] and meta.n_layer == L
+    assert meta.block_params == [sum(p.numel() for p in b.parameters()) for b in blocks]
+    assert (meta.first_stage_modules, meta.last_stage_modules) == (first, last)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert embedding is model.get_submodule(first[0]) and head is model.get_submodule(last[-1])
+    assert meta.tied_embeddings == (head.weight is embedding.weight)
+    linear = sum(m.weight.numel() for m in blocks[0].modules() if isinstance(m, torch.nn.Linear)) or \
+        sum(p.numel() for p in blocks[0].parameters() if p.dim() == 2)   # GPT-2's Conv1D
+    assert meta.block_matmul_params == [linear] * L
+    assert meta.block_flops_fwd_per_token[0] == 2 * linear + 4 * SEQ * meta.extra["query_width"]
+    got = meta.extra
+    assert (got["kv_width"], got["ffn_size"], got["gated_mlp"], got["norms_per_block"],
+            got["parallel_shared_input"]) == (kv, ffn, gated, norms, shared)
+
+
+def test_blocks_differ_where_families_do(tmp_path):
+    """Same widths: a parallel block with one norm (GPT-J) keeps 4h less than GPT-2's (one norm
+    input fewer, the MLP's input is the attention's); GQA keeps 4*(h - kv) less than MHA."""
+    gpt2, _ = _meta_of("gpt2", tmp_path / "a")
+    gptj, _ = _meta_of("gptj", tmp_path / "b")
+    assert gpt2.block_activation_bytes_per_token[0] - gptj.block_activation_bytes_per_token[0] == 4 * H
+    assert gpt2.block_activation_bytes_per_token[0] == 34 * H + 5 * 4 * SEQ   # Korthikanti's 34sbh + 5as^2b
+    llama, _ = _meta_of("llama", tmp_path / "c")
+    FAMILIES["llama-mha"] = (T.LlamaConfig(**{**GQA, "num_key_value_heads": 4}),) + FAMILIES["llama"][1:]
+    try:
+        mha, _ = _meta_of("llama-mha", tmp_path / "d")
+    finally:
+        del FAMILIES["llama-mha"]
+    assert mha.block_activation_bytes_per_token[0] - llama.block_activation_bytes_per_token[0] == 4 * (H - 32)
+    assert mha.block_flops_fwd_per_token[0] - llama.block_flops_fwd_per_token[0] == 2 * 2 * H * (H - 32)
+
+
+def test_opt_directory_through_the_cli(tmp_path, capsys):
+    """The reported crash: `hrlplan introspect-model --model-id <dir with an OPT config.json>`."""
+    from hrlplan.cli import main
+    from hrlplan.model_meta import ModelMeta
+
+    FAMILIES["opt"][0].save_pretrained(tmp_path / "opt")
+    main(["introspect-model", "--model-id", str(tmp_path / "opt"), "--out", str(tmp_path / "meta.json")])
+    meta = ModelMeta.load(tmp_path / "meta.json")
+    assert meta.model_type == "opt" and meta.n_layer == L and meta.seq_len == P
+
+
+def test_alibi_model_needs_a_sequence_length(tmp_path):
+    with pytest.raises(ModelResolutionError, match="BloomConfig has no max_position_embeddings .*--seq-len"):
+        _meta_of("bloom", tmp_path, seq_len=None)
+
+
+def _one_line_error(model) -> str:
+    from hrlplan.models.hf import hf_layout
+
+    with pytest.raises(ModelResolutionError) as info:
+        hf_layout(model)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_unsupported_structures_name_the_class_and_what_is_missing():
+    assert "Sequential" in _one_line_error(torch.nn.Sequential(torch.nn.Linear(2, 2))) and \
+        "no list of decoder blocks" in _one_line_error(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with torch.device("meta"):
+        base = T.AutoModel.from_config(T.LlamaConfig(**GQA))   # a base model: no head
+    assert _one_line_error(base).startswith("LlamaModel is not a supported causal LM structure: no output head")
