@@ -48,7 +48,8 @@ def precheck(argv):
     return argv
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# $HRLPLAN_CONF (a copy of conf/ to edit) is honoured here as by the hrlplan commands and compose().
+@hydra.main(version_base="1.3", config_path=os.environ.get("HRLPLAN_CONF") or "conf", config_name="config")
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger("hrlplan")
+# Per-step keys the progress bar stands for on a terminal; any other key (eval/...) prints its line.
+STEP_PREFIXES = ("train/", "stage/", "stage")
 
 
 def stable_run_id(run_dir: str | os.PathLike) -> str:
@@ -138,15 +140,17 @@ class MetricsLogger:
         self.text_log.write(line + "\n")
         if not self.echo:
             return
-        training = bool(metrics) and all(k.startswith("train/") for k in metrics)
+        training = any(k.startswith("train/") for k in metrics)
         if training and self.progress is None and self.total_steps is not None:
             self.progress = Progress(self.total_steps, initial=max(0, step - 1))
-        if training and self.progress is not None:
-            plain = self.progress.update(step, metrics)
-            if plain is not None:   # no terminal: the bar becomes this line
-                log.info(f"{line} | {plain}")
-        else:
+        if not training or self.progress is None:
             log.info(line)
+            return
+        plain = self.progress.update(step, metrics)
+        if plain is not None:   # no terminal: the bar becomes this line
+            log.info(f"{line} | {plain}")
+        elif any(not k.startswith(STEP_PREFIXES) for k in metrics):
+            log.info(line)   # e.g. an evaluation: printed above the bar
 
     def set_total(self, total_steps: Optional[int], initial: int = 0) -> None:
         """The run's length in steps (a trainer that counts in epochs knows it first): shows the
