@@ -135,3 +135,19 @@ def test_unsupported_structures_name_the_class_and_what_is_missing():
     with torch.device("meta"):
         base = T.AutoModel.from_config(T.LlamaConfig(**GQA))   # a base model: no head
     assert _one_line_error(base).startswith("LlamaModel is not a supported causal LM structure: no output head")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma", "opt"])
+def test_pipeline_stages_equal_the_whole_model_or_say_they_cannot(name):
+    from hrlplan.models.hf import build_stage_modules
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(FAMILIES[name][0]).eval()
+    x = torch.randint(0, V, (2, 8))
+    if name == "opt":
+        with pytest.raises(NotImplementedError, match="pipeline stages of OPTForCausalLM are not implemented"):
+            build_stage_modules(model, [(0, 1), (1, L)])
+        return
+    first, last = build_stage_modules(model, [(0, 1), (1, L)])
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(x)), model(x).logits, rtol=0, atol=0)

@@ -304,6 +304,11 @@ class HFStage(nn.Module):
         super().__init__()
         layout = hf_layout(model)
         self.model_type = model.config.model_type
+        if self.model_type != "gpt2" and (layout.embed_names, layout.final_names) != (["embed_tokens"], ["norm"]):
+            # _forward knows GPT-2's and Llama's ways in and out; the others introspect and plan only
+            raise NotImplementedError(f"pipeline stages of {type(model).__name__} are not implemented: stages run "
+                                      "GPT-2 and Llama-style models (embed_tokens, blocks, norm: Llama, Mistral, "
+                                      "Qwen2, Gemma); this model introspects and plans but does not train here")
         self.prefix, self.blocks_attr = layout.prefix, layout.blocks_attr
         self.first, self.last = first, last
         self.layer_range = (start, end)
