@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hrlplan.errors import ConfigError, one_line
 

@@ -130,8 +130,9 @@ CASES = [
     ("sweep-bad-point", "override", ["-m", "train.steps=2,-3"], ["train.steps", "-3"]),
     ("cli-command", "cli", ["nosuch"], ["nosuch", "show-plan"]),
     ("cli-show-plan-missing", "cli", ["show-plan", "{tmp}/nowhere.yaml"], ["nowhere.yaml"]),
-    pytest.param("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["tp"], marks=pytest.mark.xfail(
-        reason="hrlplan/plan.py compares a stage's tp/dp before checking they are integers (TypeError)")),
+    pytest.param("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["tp"],
+                 marks=pytest.mark.xfail(reason="hrlplan/plan.py compares a stage's tp/dp before checking "
+                                                "they are integers (TypeError)")),
     ("cli-build-sudoku-preset", "cli", ["build-sudoku", "sudoku-nonexistent", "--out-dir", "{tmp}/s"],
      ["sudoku-nonexistent"]),
     # ---- plan files (planner=manual)

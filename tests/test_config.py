@@ -114,9 +114,15 @@ def test_the_users_explicit_value_beats_the_hrm_recipe(override, key, value):
     assert {k: train[k] for k in others} == others   # the rest of the recipe still applies
 
 
-def test_an_experiment_file_beats_the_hrm_recipe():
-    train = compose(["experiment=hrm-sudoku"])["train"]
-    assert train["grad_clip"] == 0.0 and train["warmup_steps"] == 2000 and train["seed"] == 0
+def test_a_config_files_value_beats_the_hrm_recipe():
+    from hrlplan.config import apply_hrm_recipe
+
+    # an experiment file moved warmup_steps off the language-model default: it stays
+    cfg = {"arch": {"family": "hrm"}, "train": {"warmup_steps": 100, "min_lr_ratio": 0.1, "seed": 1234,
+                                                "grad_clip": 1.0}}
+    train = apply_hrm_recipe(cfg, explicit=[])["train"]
+    assert train == {"warmup_steps": 100, "min_lr_ratio": 1.0, "seed": 0, "grad_clip": None}
+    assert compose(["experiment=hrm-sudoku"])["train"]["warmup_steps"] == 2000
 
 
 def test_grad_clip_accepts_null():
