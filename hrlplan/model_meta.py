@@ -235,7 +235,11 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 
     config = hf_config_from_arch(arch)
-    model = build_hf_model(config, on_meta=True)
+    try:
+        model = build_hf_model(config, on_meta=True)
+    except ValueError as e:   # transformers lists every causal LM class it knows, over many lines
+        raise ModelResolutionError(f"{type(config).__name__}: no causal LM to build from it "
+                                   f"({str(e).splitlines()[0][:200]})") from None
     layout = hf_layout(model, scratch=True)
     shape = layout.block
     blocks = list(getattr(layout.base, layout.blocks_attr))

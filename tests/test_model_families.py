@@ -1,5 +1,7 @@
 """Introspection finds any common HF causal LM's blocks, embeddings and head by structure: each family
 built on the meta device from a tiny config (saved as a local config.json, the user's path)."""
+import re
+
 import pytest
 import torch
 import transformers as T
@@ -54,6 +56,16 @@ FAMILIES = {
               "transformer.h", (64, 256, False, 2, False)),
     "gptj": (T.GPTJConfig(n_embd=H, n_layer=L, n_head=4, rotary_dim=8, vocab_size=V, n_positions=P),
              TRANSFORMER, "transformer.h", (64, 256, False, 1, True)),
+    # beyond the list: fused qkv and gate_up (Phi-3), q/k norms (Qwen3), four norms a block (Gemma 2),
+    # norms without weights (OLMo), one norm feeding attention and MLP (Cohere), multi-query (StarCoder)
+    "phi3": (T.Phi3Config(**GQA, pad_token_id=0), MODEL, "model.layers", (32, 176, True, 2, False)),
+    "qwen3": (T.Qwen3Config(**GQA, head_dim=16), MODEL, "model.layers", (32, 176, True, 2, False)),
+    "gemma2": (T.Gemma2Config(**GQA, head_dim=16), MODEL, "model.layers", (32, 176, True, 4, False)),
+    "olmo": (T.OlmoConfig(**GQA), (MODEL[0], ["lm_head"]), "model.layers", (32, 176, True, 2, False)),
+    "cohere": (T.CohereConfig(**GQA), MODEL, "model.layers", (32, 176, True, 1, True)),
+    "gpt_bigcode": (T.GPTBigCodeConfig(n_embd=H, n_layer=L, n_head=4, vocab_size=V, n_positions=P),
+                    (["transformer.wte", "transformer.wpe"], TRANSFORMER[1]), "transformer.h",
+                    (16, 256, False, 2, False)),
 }
 
 
@@ -127,6 +139,24 @@ def _one_line_error(model) -> str:
         hf_layout(model)
     assert "\n" not in str(info.value)
     return str(info.value)
+
+
+@pytest.mark.parametrize("config,error", [
+    (T.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=V),
+     "MambaForCausalLM is not a supported causal LM structure: no attention module"),
+    (T.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2),
+     r"MixtralForCausalLM is not a supported causal LM structure: .* mixture of experts \(mlp.experts\)"),
+    (T.T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=V), "T5Config: no causal LM to build"),
+])
+def test_other_structures_are_one_line_errors_through_the_cli(config, error, tmp_path, capsys):
+    from hrlplan.cli import main
+
+    config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="2"):
+        main(["introspect-model", "--model-id", str(tmp_path), "--out", str(tmp_path / "meta.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hrlplan: error: ") and re.search(error, err[0]), err
+    assert not (tmp_path / "meta.json").exists()
 
 
 def test_unsupported_structures_name_the_class_and_what_is_missing():

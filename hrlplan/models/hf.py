@@ -225,6 +225,7 @@ def _trace(model, blocks_path: str) -> Tuple[Dict[str, Tuple[int, int]], BlockSh
         if name.startswith(block0) and any(p.dim() >= 2 for p in own):
             hooks.append(module.register_forward_hook(on_matmul(name[len(block0):]), with_kwargs=True))
     ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+    model.to(torch.bfloat16)   # MoE grouped-matmul kernels take only the dtype training runs in; meta: free
     try:
         with torch.no_grad(), _MetaScalars():
             model(input_ids=ids, use_cache=False)
@@ -234,14 +235,19 @@ def _trace(model, blocks_path: str) -> Tuple[Dict[str, Tuple[int, int]], BlockSh
     finally:
         for h in hooks:
             h.remove()
-    return calls, _block_shape(model, model.get_submodule(blocks_path)[0], calls, block0, matmuls)
+    return calls, _block_shape(model, model.get_submodule(blocks_path)[0], matmuls)
 
 
-def _block_shape(model, block: nn.Module, calls, block0: str, matmuls) -> BlockShape:
+def _block_shape(model, block: nn.Module, matmuls) -> BlockShape:
     attention = next((n for n, m in block.named_modules() if n and "attention" in type(m).__name__.lower()), None)
     if attention is None:
         raise _unsupported(model, f"no attention module (a submodule class named *Attention) "
                                   f"in its block {type(block).__name__}")
+    experts = next((n for n, m in block.named_modules() if any(p.dim() >= 3 for p in m.parameters(recurse=False))
+                    or (isinstance(m, nn.ModuleList) and len(m) > 1 and any(True for _ in m.parameters()))), None)
+    if experts is not None:   # every expert's weights would count as per-token FLOPs, num_experts/top_k too many
+        raise _unsupported(model, f"its block {type(block).__name__} is a mixture of experts "
+                                  f"({experts}): routed FLOPs per token are not modelled")
     inside = attention + "."
     attn_calls = [m for m in matmuls if m[0].startswith(inside)]
     mlp_calls = [m for m in matmuls if not m[0].startswith(inside)]
@@ -251,12 +257,25 @@ def _block_shape(model, block: nn.Module, calls, block0: str, matmuls) -> BlockS
     hidden, ffn = mlp_calls[-1][3], mlp_calls[-1][2]   # the last projection maps ffn -> hidden
     up = round(sum(i * o for _, _, i, o in mlp_calls[:-1]) / (hidden * ffn))
     attention_matmul = sum(p.numel() for p in block.get_submodule(attention).parameters() if p.dim() >= 2)
-    norms = sum(1 for n, m in block.named_modules()
-                if not n.startswith(inside) and n != attention and block0 + n in calls
-                and all(p.dim() == 1 for p in m.parameters(recurse=False))
-                and any(True for _ in m.parameters(recurse=False)))
+    norms = _count_norms(block, attention)
     return BlockShape(attention=attention, attention_matmul=attention_matmul, ffn_size=int(ffn),
                       up_projections=int(up), norms=norms, shared_input=attn_calls[0][1] is mlp_calls[0][1])
+
+
+def _count_norms(block: nn.Module, attention: str) -> int:
+    """Norm layers outside the attention: modules holding only 1-D parameters (LayerNorm, RMSNorm),
+    or none at all under a *Norm class name (OLMo's LayerNorm without affine weights)."""
+    found: List[str] = []
+    for name, module in block.named_modules():
+        if not name or name == attention or name.startswith(attention + ".") or \
+                any(name.startswith(f + ".") for f in found):
+            continue
+        own = list(module.parameters(recurse=False))
+        children = any(True for _ in module.children())
+        if (own and all(p.dim() == 1 for p in own) and not children) or \
+                (not own and not children and "norm" in type(module).__name__.lower()):
+            found.append(name)
+    return len(found)
 
 
 def _pin_outside_blocks(model, prefix: str, blocks_attr: str, head_name: str, calls):
