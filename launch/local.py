@@ -31,6 +31,13 @@ _CASCADE = re.compile(r"connection (closed|reset)|broken pipe|peer|DistBackendEr
 _ERROR_LINE = re.compile(r"^(hrlplan: error: .*|[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:.*)$")
 
 
+def is_peer_loss(error: BaseException | str) -> bool:
+    """An error that only says another rank went away (gloo/NCCL "connection closed", a collective
+    timeout): under the local launcher, which names the rank that failed first, a worker need not
+    print its traceback for it."""
+    return bool(_CASCADE.search(str(error).splitlines()[0] if str(error) else ""))
+
+
 def in_distributed_job() -> bool:
     """True under torchrun (or any launcher that set the torch.distributed env variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
