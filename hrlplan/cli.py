@@ -1,4 +1,4 @@
-"""`hrlplan` command line: probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | ...
+"""`hrlplan` command line: doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | ...
 
 Each subcommand is a thin shell over a library function; errors a user can fix print one line
 (`hrlplan: error: ...`) and exit 2, without a traceback.
@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--source", default=None, help="a directory of .py / CodeSearchNet .jsonl(.gz) / .parquet files")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_delegate("hrlplan.data.code_corpus", "build_cli"))
+
+    s = sub.add_parser("doctor", help="first-day checks of this node (GPU or CPU): pass/fail/skip with figures")
+    s.add_argument("--out", default=None, help="also write the results as a TSV file")
+    s.set_defaults(func=_delegate("hrlplan.doctor", "doctor_cli"))
 
     s = sub.add_parser("evaluate", help="load an HRM checkpoint; report exact accuracy on the test split")
     s.add_argument("checkpoint")
