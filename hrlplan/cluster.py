@@ -31,6 +31,7 @@ class DeviceInfo:
     peak_flops: float     # measured (probe, in the training dtype) or nominal (preset) dense matmul FLOP/s
     threads: int = 1
     physical_id: Optional[str] = None   # the CUDA_VISIBLE_DEVICES entry this rank trains on
+    peak_dtype: str = "bf16"            # the matmul dtype peak_flops is in (hrlplan.devices.dtype_key)
 
 
 @dataclass
@@ -173,8 +174,9 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         free, _total = torch.cuda.mem_get_info(device)   # before this probe allocates anything
+        key = devices.matmul_dtype(dtype, devices.tf32_setting({}))
         if dtype == "float32":
-            devices.set_tf32(devices.tf32_setting({}))
+            devices.set_tf32(key == "tf32")
         n, tdtype = GPU_MATMUL_N, getattr(torch, dtype)
         a = torch.randn(n, n, device=device, dtype=tdtype)
         b = torch.randn(n, n, device=device, dtype=tdtype)
@@ -182,7 +184,8 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
         dt = timed(lambda: [a @ b for _ in range(reps)], device, warmup=1) / reps
         del a, b
         torch.cuda.empty_cache()
-        return dict(kind="cuda", name=props.name, memory_bytes=int(free), peak_flops=2 * n**3 / dt, threads=1)
+        return dict(kind="cuda", name=props.name, memory_bytes=int(free), peak_flops=2 * n**3 / dt, threads=1,
+                    peak_dtype=key)
     n = matmul_n
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
@@ -195,7 +198,7 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world, 1)
     return dict(kind="cpu", name="cpu", memory_bytes=int(mem), peak_flops=2 * n**3 / best,
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), peak_dtype="fp32")
 
 
 def p2p_sizes(device_type: str, cfg: Any) -> tuple:

@@ -68,7 +68,7 @@ def test_probe_reports_free_memory(monkeypatch):
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.ones(8, 8, dtype=k.get("dtype")))
     monkeypatch.setattr(calibrate_comm, "sync_device", lambda d: None)
     info = cluster._measure_device(torch.device("cuda", 0), 8, 1, "bfloat16")
-    assert info["kind"] == "cuda" and info["memory_bytes"] == 60 << 30
+    assert info["kind"] == "cuda" and info["memory_bytes"] == 60 << 30 and info["peak_dtype"] == "bf16"
 
 
 def test_latency_and_bandwidth_fit():
