@@ -194,6 +194,9 @@ class TrainConfig:
     dtype: DType = DType["float32"]   # bfloat16: FSDP mixed precision where it shards, autocast elsewhere
     log_interval: int = 1
     profile: bool = False
+    tf32: bool = True                 # CUDA: float32 matmuls in TF32 (costed at the TF32 peak); false: full fp32
+    plan_timeout_min: float = 60.0    # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans
+    collective_timeout_min: float = 10.0  # training collectives (NCCL/gloo): a dead rank ends the job this fast
     # Evaluation on the validation split: every eval_interval steps (language models; always at the
     # end) or epochs (HRM, which also counts its run in epochs).
     eval_interval: Optional[int] = None
@@ -281,7 +284,7 @@ TOP_LEVEL_ALIASES = {
 
 # HRM's cfg_pretrain.yaml where it differs from our language-model defaults; applied when the
 # arch is HRM and neither the user nor a config file changed the key (see apply_hrm_recipe).
-HRM_RECIPE = {"grad_clip": None, "warmup_steps": 2000, "min_lr_ratio": 1.0, "seed": 0}
+HRM_RECIPE = {"grad_clip": None, "warmup_steps": 2000, "min_lr_ratio": 1.0, "seed": 0, "checkpoint_every_eval": True}
 
 
 def apply_top_level_aliases(cfg: Any) -> Any:
