@@ -316,6 +316,19 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def sharded_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) -> torch.Tensor:
+    """causal_lm_loss over logits sharded on the vocabulary: `logits` are this rank's vocab/tp
+    columns (a vocabulary-parallel head, tensor_parallel.shard_vocabulary), `targets` the whole
+    (replicated) token ids. Under torch's loss_parallel() -- which the caller enters around forward
+    and backward -- the cross entropy reduces per-token maxima and sums over `mesh` instead of
+    gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = logits.reshape(-1, logits.size(-1)).float()
+    sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+    return F.cross_entropy(sharded, targets.reshape(-1)).to_local()
+
+
 class HFStage(nn.Module):
     """Embedding (first stage), a contiguous span of blocks, final norm + head (last stage)."""
 

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hrlplan.models.hf import build_stage_modules, causal_lm_loss, materialize
+from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import PipelinePlan, Plan
-from hrlplan.runtime.tensor_parallel import parallelize_stage
+from hrlplan.runtime.recompute import apply_recompute
+from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder
 
 Holder = Tuple[int, int]   # (pipeline, stage)
@@ -258,8 +259,10 @@ class HeteroPipelineEngine:
         if train.get("dtype") == "bfloat16":   # weights, gradients (reduced in fp32) and messages stay fp32
             part.autocast_dtype = torch.bfloat16
         if self.stage.tp > 1:
-            parallelize_stage(part, tp_mesh)
+            parallelize_stage(part, tp_mesh, vocab_parallel=bool(train.get("vocab_parallel", True)))
+        apply_recompute(part, self.stage.recompute)   # after tp, as the torch engine does
         self.parts[self.gid] = part
+        self.loss_fn = stage_loss([part])
         self.first, self.last = s == 0, s == len(self.pipe.stages) - 1
         self.units = _param_units(part, embed_units, self.tied_unit)
         (self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from,
@@ -292,13 +295,21 @@ class HeteroPipelineEngine:
         loss_share = torch.zeros(1, device=self.device)
         if self.me is None:
             return loss_share
+        part = self.parts[self.gid]
+        losses: List[torch.Tensor] = []
+        with loss_context([part]):   # a vocabulary-parallel head's loss, forward and backward
+            self._run_program(inputs, targets, losses)
+        if self.loss_reporter:
+            loss_share[0] = torch.stack(losses).float().mean() * self.reducer.weights[self.me[0]]
+        return loss_share
+
+    def _run_program(self, inputs: torch.Tensor, targets: torch.Tensor, losses: List[torch.Tensor]) -> None:
         part, m = self.parts[self.gid], self.pipe.num_microbatches
         mbs = self.pipe.microbatch_size
         shape = (mbs, targets.shape[1], self.hidden)
         outbox: Dict[Tuple[str, int], torch.Tensor] = {}   # what this rank's sends carry
         inbox: Dict[Tuple[str, int], torch.Tensor] = {}
         stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        losses: List[torch.Tensor] = []
         for step in self.program():
             self._exchange(step.batch, shape, outbox, inbox)
             kind, j = step.kind, step.microbatch
@@ -308,7 +319,7 @@ class HeteroPipelineEngine:
                 with self.recorder.op(self.gid, j, "F"):
                     out = part(x)
                     if self.last:   # 1/m: the pipeline's loss is the mean over its micro-batches
-                        out = causal_lm_loss(out, targets[rows]) / m
+                        out = self.loss_fn(out, targets[rows]) / m
                 if self.last:
                     losses.append(out.detach() * m)
                 else:
@@ -325,9 +336,6 @@ class HeteroPipelineEngine:
                         torch.autograd.backward(out, grad.to(out.dtype))
                 if not self.first:
                     outbox[("grad", j)] = x.grad
-        if self.loss_reporter:
-            loss_share[0] = torch.stack(losses).float().mean() * self.reducer.weights[self.me[0]]
-        return loss_share
 
     def _exchange(self, batch: Sequence[P2P], shape, outbox: Dict, inbox: Dict) -> None:
         """One batch_isend_irecv of a step's messages, waited for before the step computes."""
@@ -385,11 +393,13 @@ class HeteroPipelineEngine:
 
 def _param_units(part: nn.Module, embed_units: List[str], tied_unit: Optional[str]) -> Dict[str, Tuple[str, str]]:
     """Parameter name -> (unit, canonical name); a tied head's weight is the embedding's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
     units: Dict[str, Tuple[str, str]] = {}
     blocks = f"{part.prefix}.{part.blocks_attr}."
     for name, _ in part.named_parameters(remove_duplicate=False):
-        if name.startswith(blocks):
-            units[name] = ("block" + name[len(blocks):].split(".")[0], name)
+        if name.startswith(blocks):   # a recomputed block's names lose the wrapper's prefix: replicas may differ
+            units[name] = ("block" + name[len(blocks):].split(".")[0], name.replace(_CHECKPOINT_PREFIX, ""))
         elif name in embed_units:
             units[name] = (name, name)
         elif name == "lm_head.weight" and tied_unit is not None:

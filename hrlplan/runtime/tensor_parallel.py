@@ -5,18 +5,26 @@ block needs one all-reduce per half in forward and one in backward, and its inpu
 replicated (full) tensors on every tp rank. That is what lets a stage boundary connect stages of
 different tp degrees: every rank of a stage holds the whole activation (see hetero.py).
 
-Embeddings, norms and the output head stay replicated: on the small models this runtime trains
-they are cheap, and keeping them whole keeps the loss computation identical to one process.
+The token embedding and the output head are vocabulary-parallel by default (Megatron's split, as
+torchtitan applies it): the embedding row-wise (each rank holds vocab/tp rows; the looked-up rows of
+the other ranks come in one all-reduce) and the head column-wise, so each rank computes vocab/tp
+logits and the cross entropy runs over the sharded logits (torch's loss_parallel: two small
+all-reduces of per-token max and sum instead of gathering b*s*vocab logits). A weight the head
+ties to the embedding is sharded once and serves both. Norms and position embeddings stay whole.
 """
 from __future__ import annotations
 
-from typing import Dict
+import logging
+from contextlib import nullcontext
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 LLAMA_STYLE = {"llama", "mistral", "qwen2", "qwen3"}
+log = logging.getLogger(__name__)
+_said_whole: set = set()   # (vocab, tp) already reported as kept whole, so a process says it once
 
 
 def _llama_plan() -> Dict[str, object]:
@@ -68,10 +76,12 @@ def _prepare_gpt2_block(block: nn.Module, tp: int) -> None:
     attn.num_heads //= tp
 
 
-def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard every block of an HFStage over `tp_mesh` (in place); returns the part."""
+def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> nn.Module:
+    """Shard every block of an HFStage over `tp_mesh` (in place), and its embedding and head unless
+    vocab_parallel is False (see shard_vocabulary); returns the part."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    part.loss_mesh = None
     tp = tp_mesh.size()
     if tp == 1:
         return part
@@ -92,4 +102,77 @@ def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     else:
         raise NotImplementedError(f"tensor parallel for {part.model_type} is not implemented; "
                                   f"supported: gpt2, {', '.join(sorted(LLAMA_STYLE))}")
+    if vocab_parallel:
+        shard_vocabulary(part, tp_mesh)
     return part
+
+
+def _token_embedding(part: nn.Module) -> Optional[nn.Module]:
+    if not part.first:
+        return None
+    return part.base.wte if part.model_type == "gpt2" else part.base.embed_tokens
+
+
+def vocabulary_divides(vocab: int, tp: int) -> bool:
+    """Whether the runtime shards the embedding and head over tp: the vocabulary splits evenly (the
+    tied weight and both loss all-reduces then have equal shards on every rank, and a heterogeneous
+    plan's gradient reduction cuts whole copies into the same pieces DTensor holds)."""
+    return tp > 1 and vocab % tp == 0
+
+
+def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh) -> bool:
+    """Vocabulary-parallel token embedding (RowwiseParallel: rows sharded, replicated ids in, the
+    all-reduced embedding out) and column-parallel head whose logits stay sharded on the vocabulary
+    (ColwiseParallel, output Shard(-1), handed on as the local vocab/tp columns); part.loss_mesh is
+    then the mesh the loss runs over (stage_loss). A head tied to the embedding in this part stays
+    one Parameter. False (and the part left whole, said once) when the vocabulary does not split
+    evenly over tp; a part with neither is left alone."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    embedding = _token_embedding(part)
+    head = part.lm_head if part.last else None
+    if embedding is None and head is None:
+        return False
+    tp = tp_mesh.size()
+    vocab = embedding.num_embeddings if embedding is not None else head.out_features
+    if not vocabulary_divides(vocab, tp):
+        if (vocab, tp) not in _said_whole and tp_mesh.get_local_rank() == 0:
+            log.warning("vocabulary %d is not divisible by tp=%d: the token embedding and output head stay "
+                        "whole on every tp rank (pad the vocabulary to a multiple of tp to shard them)", vocab, tp)
+        _said_whole.add((vocab, tp))
+        return False
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    plan = {}
+    if embedding is not None:
+        name = [n for n, m in part.named_modules() if m is embedding][0]
+        plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+    parallelize_module(part, tp_mesh, plan)
+    if tied:   # each style distributed its own copy; the head takes the embedding's sharded Parameter
+        head.weight = embedding.weight
+    if head is not None:
+        part.loss_mesh = tp_mesh
+    return True
+
+
+def loss_context(parts) -> object:
+    """torch's loss_parallel() where one of `parts` ends in a vocabulary-sharded head: the cross
+    entropy's forward and its backward must both run inside it (whole steps are wrapped: it is not
+    reentrant), else a nullcontext."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    sharded = any(getattr(p, "loss_mesh", None) is not None for p in parts)
+    return loss_parallel() if sharded else nullcontext()
+
+
+def stage_loss(parts):
+    """The loss function for the stage that ends in the head: causal_lm_loss, or its sharded-logits
+    form over the head's tp mesh."""
+    from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
+
+    mesh = next((p.loss_mesh for p in parts if getattr(p, "loss_mesh", None) is not None), None)
+    if mesh is None:
+        return causal_lm_loss
+    return lambda logits, targets: sharded_causal_lm_loss(logits, targets, mesh)

@@ -14,11 +14,11 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble)
 
-from hrlplan.models.hf import build_stage_modules, causal_lm_loss, materialize
+from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
 from hrlplan.runtime.recompute import apply_recompute
-from hrlplan.runtime.tensor_parallel import parallelize_stage
+from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -55,7 +55,7 @@ class TorchPipelineEngine:
         for i in self.stage_ids:
             part = all_parts[i].to(self.device)
             if tp > 1:
-                parallelize_stage(part, self.mesh["tp"])
+                parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.get("vocab_parallel", True)))
             apply_recompute(part, plan.stages[i].recompute)   # after tp, before FSDP (torchtitan's order)
             blocks = getattr(part.base, part.blocks_attr)
             if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train["dp_mode"] != "fsdp"):
@@ -67,7 +67,7 @@ class TorchPipelineEngine:
                        for i in self.stage_ids]
         for i, stage in zip(self.stage_ids, self.stages):
             instrument_pipeline_stage(stage, recorder, i)
-        self.schedule = build_schedule(plan, self.stages, causal_lm_loss)
+        self.schedule = build_schedule(plan, self.stages, stage_loss(self.parts.values()))
         self.has_first = 0 in self.parts
         self.has_last = (plan.num_stages - 1) in self.parts
         self.loss_reporter = self.has_last and self.coords["tp"] == 0
@@ -91,10 +91,11 @@ class TorchPipelineEngine:
         """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it)."""
         losses: List[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        if self.has_first:
-            run(inputs, target=targets, losses=losses)
-        else:
-            run(target=targets, losses=losses)
+        with loss_context(self.parts.values()):   # a vocabulary-parallel head's loss, forward and backward
+            if self.has_first:
+                run(inputs, target=targets, losses=losses)
+            else:
+                run(target=targets, losses=losses)
         loss = torch.zeros(1, device=self.device)
         if self.loss_reporter:
             loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / self.plan.dp
