@@ -14,7 +14,7 @@ models (model_meta.py); other families (HRM) are taken as they are, all sharded 
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, List, Tuple
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Mixed-precision AdamW keeps fp32 parameters, fp32 gradients and two fp32 moments per parameter.
@@ -60,6 +60,18 @@ def attention_core_flops_per_token(meta) -> float:
     return 4.0 * meta.seq_len * meta.hidden_size if meta.family == "hf" else 0.0
 
 
+def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int) -> Dict[str, Any]:
+    """static_state_bytes by kind: weights (fp32 master, plus FSDP2's unsharded compute copy),
+    gradients (fp32, sharded under FSDP, plus its unsharded accumulation) and optimizer (two fp32
+    moments)."""
+    p = params_per_rank
+    if dp_mode == "fsdp" and dp > 1:
+        unsharded_grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 0.0
+        return {"weights": p * (4.0 / dp + bytes_per_value), "gradients": p * (4.0 / dp + unsharded_grads),
+                "optimizer": p * 8.0 / dp}
+    return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
+
+
 def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int):
     """Weights, gradients and AdamW state per rank (params_per_rank: what a rank computes with,
     before dp sharding; may be an array). FSDP2 as the runtime applies it under torch pipelining:
@@ -72,3 +84,46 @@ def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: 
         unsharded_grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 0.0
         return params_per_rank * (STATE_BYTES_PER_PARAM / dp + bytes_per_value + unsharded_grads)
     return params_per_rank * STATE_BYTES_PER_PARAM
+
+
+MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "workspace")
+
+
+def _stage_lists(plan):
+    """(stages, ranks of each stage, dp, micro-batches, micro-batch size) per pipeline the cost model sees:
+    the plan's one template (all its replicas' ranks per stage), or each heterogeneous replica."""
+    if not plan.heterogeneous:
+        yield (plan.stages, [plan.device_groups[plan.stage_group(k)] for k in range(plan.num_stages)],
+               plan.dp, plan.num_microbatches, plan.microbatch_size)
+        return
+    for pipe in plan.as_pipelines():
+        yield pipe.stages, [s.ranks for s in pipe.stages], 1, pipe.num_microbatches, pipe.microbatch_size
+
+
+def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
+    """Per rank of a plan: the simulator's peak (`total`, what plan.meta.predicted.memory_bytes_per_rank
+    holds), its split (MEMORY_KEYS; activations are the schedule's worst moment) and `tensors`, the
+    total less the workspace reserve: what torch allocates, comparable with a measured peak
+    (torch.cuda.max_memory_allocated, or live tensor storages on the CPU)."""
+    from hrlplan.cost.model import CostOptions
+    from hrlplan.cost.plans import predict_any_plan, rank_devices
+    from hrlplan.cost.simulator import Simulator
+
+    sim = Simulator(meta, cluster, opts or CostOptions())
+    totals = predict_any_plan(plan, meta, cluster, sim=sim)["memory_bytes_per_rank"]
+    devices = rank_devices(plan)
+    out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(plan.world_size)]
+    for stages, ranks, dp, m, mbs in _stage_lists(plan):
+        n = len(stages)
+        for k, (stage, group) in enumerate(zip(stages, ranks)):
+            c = sim.costs.stage(stage.layers[0], stage.layers[1], k == 0, k == n - 1, [devices[r] for r in group],
+                                stage.tp, dp, mbs, len(set(map(tuple, ranks))), recompute=stage.recompute,
+                                microbatches=m)
+            for r in group:
+                for key, value in c.memory.items():
+                    out[r][key] += float(value)
+    for r, row in enumerate(out):
+        row["total"] = float(totals[r])
+        row["activations"] = max(row["total"] - sum(row[k] for k in MEMORY_KEYS if k != "activations"), 0.0)
+        row["tensors"] = row["total"] - row["workspace"]
+    return out

@@ -310,6 +310,8 @@ class StageCost:
     last_bwd_extra: float = 0.0    # calibrated: FSDP/replicate reduces in the step's last backward
     optimizer: float = 0.0         # calibrated: clipping + optimizer step for the stage's parameters
     tp_comm_bwd: float = 0.0       # backward TP all-reduces alone
+    # static_memory by kind (weights, gradients, optimizer, workspace, transient: memory.state_split)
+    memory: Optional[Dict[str, float]] = None
 
 
 class StageCostModel:
@@ -469,11 +471,12 @@ class StageCostModel:
         activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
-        static = mem.static_state_bytes(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches)
+        state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches)
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
         workspace = max(self.dev.workspace[d] for d in group)
-        static = static + workspace + transient
+        memory = dict(state, workspace=workspace, transient=transient)
+        static = sum(memory.values())
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
@@ -494,7 +497,7 @@ class StageCostModel:
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
-                         tp_comm_bwd=tp_comm_bwd)
+                         tp_comm_bwd=tp_comm_bwd, memory=memory)
 
     def _activation(self, start, end, last: bool, tp: int, tokens: float, recompute: str, n_blocks):
         """(bytes one micro-batch keeps on each rank until its backward, the transient of a block being

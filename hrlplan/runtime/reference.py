@@ -11,7 +11,7 @@ import torch
 
 from hrlplan.data.lm import build_lm_data
 from hrlplan.models.hf import causal_lm_loss
-from hrlplan.runtime.trainer import build_full_model, lr_lambda, make_optimizer
+from hrlplan.runtime.trainer import build_full_model, grad_clip, lr_lambda, make_optimizer
 
 
 def train_single_process(cfg: Dict[str, Any], steps: int) -> List[Dict[str, float]]:
@@ -28,7 +28,8 @@ def train_single_process(cfg: Dict[str, Any], steps: int) -> List[Dict[str, floa
         logits = model(input_ids=inputs).logits
         loss = causal_lm_loss(logits, targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(train["grad_clip"]))
+        if grad_clip(train) > 0:   # null or 0: no clipping (clip_grad_norm_ with 0 would zero every gradient)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip(train))
         opt.step()
         sched.step()
         out.append({"step": step + 1, "loss": loss.item(), "step_time_s": time.perf_counter() - t0})

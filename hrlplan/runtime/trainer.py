@@ -26,6 +26,8 @@ from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import checkpoint as ckpt
 from hrlplan.runtime import distributed, preempt, timing
+from hrlplan.runtime import memory as mem
+from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.torch_engine import SCHEDULES, build_schedule  # noqa: F401  (re-exported)
 
 
@@ -38,6 +40,12 @@ def lr_lambda(train: Dict[str, Any], total_steps: int):
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
+
+
+def grad_clip(train: Dict[str, Any]) -> float:
+    """train.grad_clip as a float; null or 0 means no clipping (0.0: the engines then only measure the norm)."""
+    value = train.get("grad_clip")
+    return float(value) if value else 0.0
 
 
 def make_optimizer(module: torch.nn.Module, train: Dict[str, Any], owned: Optional[set] = None) -> torch.optim.Optimizer:
@@ -116,6 +124,16 @@ class PipelineTrainer:
         self.step = 0
         self.phase_times: List[Dict[str, float]] = []
         self.ckpt_root = self.run_dir / "checkpoints"
+        # peak memory and its split: the live-tensor tracker runs on the first steps only (see runtime/memory.py)
+        self.meter = MemoryMeter(self.device, lambda: (list(self.parts.values()), list(self.optimizers.values())),
+                                 enabled=bool(self.train.get("measure_memory", True)))
+        self._memory_prediction: Optional[List[Dict[str, float]]] = None
+
+    def _predicted_memory(self) -> Optional[List[float]]:
+        """Rank 0: the predicted tensor bytes per rank (computed once); None elsewhere or unknown."""
+        if self._memory_prediction is None:
+            self._memory_prediction = predicted_memory(self.plan, self.cfg, self.run_dir) if self.rank == 0 else []
+        return [row["tensors"] for row in self._memory_prediction] or None
 
     # ------------------------------------------------------------ state
     def maybe_resume(self) -> None:
@@ -147,12 +165,13 @@ class PipelineTrainer:
         dist.barrier()   # a common start, so every rank's timeline shares one origin
         self.recorder.begin()
         t0 = time.perf_counter()
-        loss = self.engine.forward_backward(inputs, targets)
-        t1 = self._now()
-        grad_norm = self.engine.sync_and_clip(float(self.train["grad_clip"]))
-        t2 = self._now()
-        for opt in self.optimizers.values():
-            opt.step()
+        with self.meter.step():
+            loss = self.engine.forward_backward(inputs, targets)
+            t1 = self._now()
+            grad_norm = self.engine.sync_and_clip(grad_clip(self.train))
+            t2 = self._now()
+            for opt in self.optimizers.values():
+                opt.step()
         lr = float(self.train["lr"]) * self.lr_factor(step)
         for sched in self.schedulers.values():
             sched.step()
@@ -233,12 +252,12 @@ class PipelineTrainer:
                 logging_now = self.step % int(self.train["log_interval"]) == 0 or self.step == total
                 if logging_now:
                     gathered = self._gather({"compute": self.recorder.compute_by_stage(),
-                                             "memory": timing.memory_stats(self.device)})
+                                             "memory": {**timing.memory_stats(self.device), **self.meter.result()}})
                     stats = timing.stage_stats(gathered, out["step_time_s"])
                     for i, st in stats.items():
                         metrics[f"stage/{i}/compute_s"] = st["compute_s"]
                         metrics[f"stage/{i}/idle_s"] = st["idle_s"]
-                    metrics.update(memory_metrics([g["memory"] for g in gathered]))
+                    metrics.update(memory_metrics([g["memory"] for g in gathered], self._predicted_memory()))
                 eval_every = self.train.get("eval_interval")
                 if (eval_every and self.step % int(eval_every) == 0) or self.step == total:
                     # after the stage statistics: evaluation's forwards must not count as training
@@ -264,9 +283,11 @@ class PipelineTrainer:
         events = [{**e, "rank": self.rank} for e in self.recorder.events]
         kept = self.phase_times[timing.SKIP_STEPS:] or self.phase_times
         phases = {k: statistics.median(p[k] for p in kept) for k in kept[0]} if kept else {}
+        peak = self.meter.result()
         gathered = self._gather({"events": events, "compute": self.recorder.compute_by_stage(),
-                                 "memory": timing.peak_memory_bytes(self.device),
-                                 "memory_stats": timing.memory_stats(self.device), "phases": phases})
+                                 "memory": peak.get("peak", timing.peak_memory_bytes(self.device)),
+                                 "memory_split": peak, "memory_stats": timing.memory_stats(self.device),
+                                 "phases": phases})
         if self.rank != 0 or not step_times:
             return None
         step = timing.median_step_time(step_times)
@@ -277,26 +298,55 @@ class PipelineTrainer:
                                                                        self.plan.num_microbatches,
                                                                        self.plan.stages_per_rank),
                     "memory_bytes_per_rank": [g["memory"] for g in gathered],
+                    "memory_split_per_rank": [g["memory_split"] for g in gathered],
                     "memory_stats_per_rank": [g["memory_stats"] for g in gathered],
                     "phases_s_per_rank": [g["phases"] for g in gathered],
-                    "memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
+                    "memory_kind": memory_kind(self.device, bool(peak)),
                     "stages": {str(i): st for i, st in stats.items()}}
         timeline = sorted((e for g in gathered for e in g["events"]), key=lambda e: (e["start_s"], e["stage"]))
         measured["events"] = timeline   # the form hrlplan.runtime.timeline_plot draws
-        predicted = self.plan.meta.get("predicted") or {}
+        predicted = dict(self.plan.meta.get("predicted") or {})
+        self._predicted_memory()
+        split = self._memory_prediction or []
+        if split:   # like with like: what torch allocates, without the plan's workspace reserve
+            predicted["memory_bytes_per_rank"] = [row["tensors"] for row in split]
         timing.write_plan_info(self.run_dir, predicted, measured, timeline)
+        rows = mem.compare([g["memory_split"] for g in gathered], predicted.get("memory_bytes_per_rank") if split else None)
+        mem.add_to_plan_info(self.run_dir, rows, split, measured["memory_kind"])
+        if self.logger is not None and any(r["measured_bytes"] for r in rows):
+            reserve = f"; the plan adds {split[0]['workspace'] / 2**30:.2g} GiB workspace per rank" if split else ""
+            self.logger.note(f"peak memory ({measured['memory_kind']}): {mem.describe(rows)}{reserve}")
         return measured
 
 
-def memory_metrics(per_rank: List[Dict[str, int]]) -> Dict[str, float]:
-    """memory/rank{r}/<stat>_gib for every rank on CUDA (max_memory_allocated and _reserved since
-    training started); nothing on CPU, where the peak RSS counts the whole process."""
-    out: Dict[str, float] = {}
-    for r, stats in enumerate(per_rank):
-        for key in ("max_memory_allocated", "max_memory_reserved"):
-            if key in (stats or {}):
-                out[f"memory/rank{r}/{key}_gib"] = stats[key] / 2**30
-    return out
+def memory_kind(device: torch.device, tracked: bool) -> str:
+    if device.type == "cuda":
+        return "cuda max_memory_allocated"
+    return "live tensor storages" if tracked else "process peak RSS"
+
+
+def predicted_memory(plan: Plan, cfg: Dict[str, Any], run_dir: Path) -> List[Dict[str, float]]:
+    """The plan's predicted memory per rank and its split (hrlplan.cost.memory.plan_memory), from
+    the model and cluster the job saved in the run directory; [] where they are missing."""
+    meta_path, cluster_path = run_dir / "model_meta.json", run_dir / "cluster.json"
+    if not (meta_path.exists() and cluster_path.exists()):
+        return []
+    from hrlplan.cluster import ClusterSpec
+    from hrlplan.cost.memory import plan_memory
+    from hrlplan.cost.plans import options_for_train
+    from hrlplan.model_meta import ModelMeta
+
+    return plan_memory(plan, ModelMeta.load(meta_path), ClusterSpec.load(cluster_path),
+                       options_for_train(cfg["train"], cfg.get("planner")))
+
+
+def memory_metrics(per_rank: List[Dict[str, int]], predicted: Optional[List[float]] = None) -> Dict[str, float]:
+    """memory/peak_gib (largest rank), memory/rank{r}/peak_gib with its split (weights_gib, gradients_gib,
+    optimizer_gib, activations_gib, other_gib) and predicted_gib (the plan's tensor bytes), and on CUDA
+    memory/rank{r}/max_memory_allocated_gib and _reserved_gib; the CPU's peak RSS is left out (it
+    counts the whole process)."""
+    keep = ("peak", *mem.CATEGORIES, "max_memory_allocated", "max_memory_reserved")
+    return mem.memory_metrics([{k: v for k, v in (s or {}).items() if k in keep} for s in per_rank], predicted)
 
 
 def full_vocab(arch: Dict[str, Any]) -> int:

@@ -1,0 +1,298 @@
+"""Measured peak memory per rank, split as the cost model splits it.
+
+CPU has no allocator statistics, so the peak is measured as the bytes of live tensor storages: a
+TorchDispatchMode sees every storage an operator creates, a weak reference tells when it is freed,
+and `UntypedStorage.resize_` (how FSDP2 allocates and frees its unsharded parameters) is followed
+too. That is what torch.cuda.max_memory_allocated counts on a GPU, where the allocator's own
+figure is the total and the tracker only splits it.
+
+At the peak (a snapshot whenever the live bytes pass the last snapshot by SNAPSHOT_STEP), every
+live storage is put in the first category that claims it:
+  weights      parameters and buffers of the rank's stage modules, FSDP2's sharded and unsharded
+               copies of them;
+  gradients    their .grad and FSDP2's unsharded accumulated gradients;
+  optimizer    the optimizers' state (AdamW's moments and step counts);
+  activations  anything else created by a forward pass (grad enabled, outside backward) and still
+               alive: what the schedule holds for its backward;
+  other        the rest: backward's and the optimizer's temporaries, recomputation, messages.
+The tracker runs for the first MEASURED_STEPS steps only (the ones step-time statistics skip):
+shapes are fixed, so every later step repeats their peak.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GiB = 2 ** 30
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
+MEASURED_STEPS = 2
+SNAPSHOT_STEP = 0.005   # a new split when the live bytes grow by 0.5% over the last one
+
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The real storages behind a tensor or a wrapper subclass (DTensor's local shard)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        yield t.untyped_storage()
+        return
+    inner = getattr(t, "_local_tensor", None)
+    if isinstance(inner, torch.Tensor):
+        yield from _storages(inner)
+        return
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        for attr in flatten()[0]:
+            sub = getattr(t, attr, None)
+            if isinstance(sub, torch.Tensor):
+                yield from _storages(sub)
+        return
+    try:
+        yield t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+
+
+def _phase() -> str:
+    if torch._C._current_graph_task_id() != -1:
+        return "backward"
+    return "forward" if torch.is_grad_enabled() else "other"
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live tensor bytes on one device type, their peak and its split (see the module's doc).
+
+    `owners()` returns (modules, optimizers) whose parameters, gradients and states name the
+    categories; it is called at each snapshot, since FSDP2 swaps parameters as it unshards."""
+
+    def __init__(self, device_type: str, owners: Callable[[], Tuple[Sequence[torch.nn.Module], Sequence]]):
+        super().__init__()
+        self.device_type = device_type
+        self.owners = owners
+        self.live: Dict[int, List] = {}        # id(storage) -> [weakref, bytes, phase]
+        self.current = 0
+        self.peak = 0
+        self.split: Dict[str, int] = {c: 0 for c in CATEGORIES}
+        self._snapshot_at = 0
+        self._orig_resize = None
+
+    # ------------------------------------------------------------ bookkeeping
+    def _track(self, st: torch.UntypedStorage, phase: str) -> None:
+        key = id(st)
+        if key in self.live or st.device.type != self.device_type:
+            return
+        size = st.nbytes()
+        self.live[key] = [weakref.ref(st, self._make_free(key)), size, phase]
+        self._grow(size)
+
+    def _make_free(self, key: int):
+        def free(_ref) -> None:
+            entry = self.live.pop(key, None)
+            if entry is not None:
+                self.current -= entry[1]
+        return free
+
+    def _grow(self, size: int) -> None:
+        self.current += size
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.current > self._snapshot_at * (1.0 + SNAPSHOT_STEP):
+                self._snapshot()
+
+    def track_tensors(self, tensors: Iterable[torch.Tensor], phase: str = "other") -> None:
+        """Storages that exist before tracking starts (parameters, optimizer state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._track(st, phase)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        phase = None
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    if id(st) not in self.live:
+                        phase = phase or _phase()
+                        self._track(st, phase)
+        return out
+
+    def __enter__(self):
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            result = orig(st, size)
+            entry = tracker.live.get(id(st))
+            if entry is not None and entry[1] != st.nbytes():
+                delta = st.nbytes() - entry[1]
+                entry[1] = st.nbytes()
+                if delta > 0:
+                    tracker._grow(delta)
+                else:
+                    tracker.current += delta
+            return result
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    # ------------------------------------------------------------ the split at the peak
+    def _claimed(self) -> Dict[int, str]:
+        claims: Dict[int, str] = {}
+
+        def claim(tensors: Iterable, category: str) -> None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    for st in _storages(t):
+                        claims.setdefault(id(st), category)
+        modules, optimizers = self.owners()
+        params = [p for m in modules for p in m.parameters()]
+        fsdp = [fp for m in modules for fp in _fsdp_params(m)]
+        claim(params, "weights")
+        claim((b for m in modules for b in m.buffers()), "weights")
+        for fp in fsdp:
+            claim([fp.sharded_param, getattr(fp, "_unsharded_param", None)]
+                  + list(getattr(fp, "all_gather_outputs", None) or []), "weights")
+        claim((p.grad for p in params), "gradients")
+        for fp in fsdp:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            claim([fp.sharded_param.grad, getattr(fp, "unsharded_accumulated_grad", None),
+                   unsharded.grad if unsharded is not None else None], "gradients")
+        for opt in optimizers:
+            claim((v for state in opt.state.values() for v in state.values()), "optimizer")
+        return claims
+
+    def _snapshot(self) -> None:
+        self._snapshot_at = self.current
+        claims = self._claimed()
+        split = {c: 0 for c in CATEGORIES}
+        for key, (_, size, phase) in self.live.items():
+            category = claims.get(key) or ("activations" if phase == "forward" else "other")
+            split[category] += size
+        self.split = split
+
+    def result(self) -> Dict[str, int]:
+        """{peak, weights, gradients, optimizer, activations, other} in bytes; the split is the
+        snapshot nearest the peak, its shortfall (< SNAPSHOT_STEP) counted as other."""
+        out = dict(self.split)
+        out["other"] += max(self.peak - sum(self.split.values()), 0)
+        out["peak"] = self.peak
+        return out
+
+
+def _fsdp_params(module: torch.nn.Module) -> List:
+    out = []
+    for m in module.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out
+
+
+class MemoryMeter:
+    """A trainer's memory measurement: wrap each of the first MEASURED_STEPS steps in `step()`.
+
+    On CUDA the peak is torch.cuda.max_memory_allocated (since the trainer's reset) and the
+    tracker splits it; on CPU the tracker's peak is the figure. enabled=False: CUDA's figure only."""
+
+    def __init__(self, device: torch.device, owners, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled
+        self.tracker = LiveStorageTracker(device.type, owners) if enabled else None
+        self.steps = 0
+        self._started = False
+
+    def step(self):
+        if self.tracker is None or self.steps >= MEASURED_STEPS:
+            return _Nothing()
+        self.steps += 1
+        if not self._started:
+            self._started = True
+            modules, optimizers = self.tracker.owners()
+            self.tracker.track_tensors((t for m in modules for t in (*m.parameters(), *m.buffers())))
+            self.tracker.track_tensors(v for o in optimizers for s in o.state.values() for v in s.values())
+        return self.tracker
+
+    def result(self) -> Dict[str, int]:
+        """Bytes: peak and (when tracked) its split; {} when nothing was measured."""
+        out: Dict[str, int] = dict(self.tracker.result()) if self.tracker is not None and self.steps else {}
+        if self.device.type == "cuda":
+            out["peak"] = int(torch.cuda.max_memory_allocated(self.device))
+        return out
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def memory_metrics(per_rank: Sequence[Dict[str, int]], predicted: Optional[Sequence[float]] = None) -> Dict[str, float]:
+    """memory/peak_gib (the largest rank's), memory/rank{r}/peak_gib and its split, and the
+    prediction beside it when the plan has one."""
+    out: Dict[str, float] = {}
+    peaks = [m.get("peak") for m in per_rank if m and m.get("peak")]
+    if peaks:
+        out["memory/peak_gib"] = max(peaks) / GiB
+    for r, m in enumerate(per_rank):
+        for key, value in (m or {}).items():
+            out[f"memory/rank{r}/{key}_gib"] = value / GiB
+        if predicted is not None and r < len(predicted) and predicted[r]:
+            out[f"memory/rank{r}/predicted_gib"] = float(predicted[r]) / GiB
+    return out
+
+
+def compare(measured: Sequence[Dict[str, int]], predicted: Optional[Sequence[float]]) -> List[Dict[str, float]]:
+    """Per rank: measured peak, predicted, and (measured - predicted) / predicted."""
+    out = []
+    for r, m in enumerate(measured):
+        p = float(predicted[r]) if predicted and r < len(predicted) and predicted[r] else None
+        peak = (m or {}).get("peak")
+        out.append({"rank": r, "measured_bytes": peak, "predicted_bytes": p,
+                    "relative_error": (peak - p) / p if peak is not None and p else None,
+                    "measured_split": {k: (m or {}).get(k) for k in CATEGORIES}})
+    return out
+
+
+def describe(rows: Sequence[Dict[str, float]]) -> str:
+    """`rank 0 12.3 MiB (predicted 11.9 MiB, +3%), rank 1 ...` for the end-of-run line."""
+    parts = []
+    for row in rows:
+        if row["measured_bytes"] is None:
+            continue
+        text = f"rank {row['rank']} {_mib(row['measured_bytes'])}"
+        if row["predicted_bytes"]:
+            text += f" (predicted {_mib(row['predicted_bytes'])}, {100 * row['relative_error']:+.0f}%)"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2 ** 20:.1f} MiB"
+
+
+def add_to_plan_info(run_dir, rows: Sequence[Dict[str, float]], predicted_split: Sequence[Dict[str, float]],
+                     kind: str) -> None:
+    """plan_info.json["memory"]: per rank the measured peak and split beside the predicted ones."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(run_dir) / "plan_info.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    info["memory"] = {
+        "measured_kind": kind,
+        "compared": "measured peak vs predicted tensor bytes (the predicted total less its workspace reserve)",
+        "per_rank": [dict(row, predicted_split=predicted_split[row["rank"]] if row["rank"] < len(predicted_split)
+                          else None) for row in rows]}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info, indent=1, default=float))
+    os.replace(tmp, path)
