@@ -48,6 +48,10 @@ def check_distribution(env: Optional[Dict[str, str]] = None) -> None:
 
     env = os.environ if env is None else env
     dist = (env.get("SLURM_DISTRIBUTION") or "").split(":")[0].split(",")[0].lower()
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if tasks and tasks == nodes:
+        return  # one task per node: SLURM says cyclic (its default then), which is the same placement
     if dist and dist not in ("block", "pack", "nopack", "*"):
         raise UserError(f"SLURM_DISTRIBUTION={env['SLURM_DISTRIBUTION']}: hrlplan places plan ranks node-major "
                         "(rank r on node r // tasks-per-node); submit with --distribution=block")

@@ -183,7 +183,8 @@ def test_multirun_two_points_through_hydra_submitit(slurm, tmp_path):
     env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, str(ROOT / "pretrain.py"), "-m", "hydra/launcher=submitit_slurm",
            f"hydra.sweep.dir={sweep}", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=1",
-           "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=60", "train.steps=5",
+           "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_per_cpu=null", "hydra.launcher.mem_gb=2",
+           "hydra.launcher.timeout_min=60", "train.steps=5",
            "train.schedule=gpipe,1f1b"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -3,14 +3,20 @@
 Layout: <root>/step_000010/ (DCP shards + per-rank `extra_rank<r>.pt` with RNG, scheduler and data
 position) and <root>/latest (the name of the newest complete checkpoint). Every rank writes into
 step_N.tmp/; only after all ranks are done does rank 0 rename it to step_N and then repoint
-`latest`, so a job killed mid-write leaves the previous checkpoint intact. Model keys are the full
-model's parameter names, so the model part loads under a different layer split too.
+`latest`, so a job killed mid-write leaves the previous checkpoint intact. Keys are the full model's
+parameter names for the weights and, flattened, for the optimizer state (`state.<fqn>.exp_avg`,
+`param_groups.<fqn>.lr`): a checkpoint written by one layout (stage split, dp degree, number of
+ranks) loads under another, torch.distributed.checkpoint resharding it (elastic re-plan on a
+requeue onto fewer nodes, or `train.resume=auto` with another cluster.nproc_per_node).
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -18,9 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
 
 KEEP_LAST = 3
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+LAYOUT_FILE = "layout.json"       # who wrote the checkpoint: every rank's host and stages
+REPLAN_LOG = "replans.jsonl"      # beside the checkpoints: one line per resume under another layout
+# A tied output head and input embedding: one Parameter in a one-stage model (its optimizer state
+# under one of the names), two equal copies on different stages. Either name stands for the other.
+TIED_NAMES = (("lm_head.weight", "transformer.wte.weight"), ("lm_head.weight", "model.embed_tokens.weight"))
+log = logging.getLogger("hrlplan")
 
 
 def _rank() -> int:
@@ -46,12 +60,49 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state(parts: Dict[int, torch.nn.Module], optimizers: Dict[int, torch.optim.Optimizer]) -> Dict[str, Any]:
+def _model_state(parts: Dict[int, torch.nn.Module]) -> Dict[str, Any]:
     model: Dict[str, Any] = {}
     for part in parts.values():
         model.update(get_model_state_dict(part))
-    optim = {f"stage{i}": get_optimizer_state_dict(parts[i], optimizers[i]) for i in parts}
-    return {"model": model, "optim": optim}
+    return model
+
+
+def _optim_state(part: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    # Flattened: `state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`, keyed by the model's parameter
+    # names, so a checkpoint written under one stage split / dp degree loads under another.
+    return get_optimizer_state_dict(part, optimizer, options=FLAT)
+
+
+def _state(parts: Dict[int, torch.nn.Module], optimizers: Dict[int, torch.optim.Optimizer]) -> Dict[str, Any]:
+    """One flat, layout-independent dict: model.<fqn> and optim.state.<fqn>.* / optim.param_groups.<fqn>.*"""
+    state = {f"model.{k}": v for k, v in _model_state(parts).items()}
+    for i, part in parts.items():
+        state.update({f"optim.{k}": v for k, v in _optim_state(part, optimizers[i]).items()})
+    return state
+
+
+def _layout(parts: Dict[int, torch.nn.Module]) -> List[Dict[str, Any]]:
+    """Collective: every rank's host and stages (with their block ranges), in rank order."""
+    mine = {"host": socket.gethostname(),
+            "stages": {str(i): list(getattr(p, "layer_range", ())) for i, p in sorted(parts.items())}}
+    if not dist.is_initialized():
+        return [mine]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def describe_layout(layout: List[Dict[str, Any]]) -> str:
+    """'2 ranks on 1 node(s) (login): stage 0 blocks [0, 4) on rank 0, stage 1 blocks [4, 6) on rank 1'"""
+    hosts = list(dict.fromkeys(r["host"] for r in layout))
+    stages: Dict[str, Any] = {}
+    for rank, r in enumerate(layout):
+        for i, span in r["stages"].items():
+            entry = stages.setdefault(i, {"span": span, "ranks": []})
+            entry["ranks"].append(rank)
+    parts = [f"stage {i} blocks {tuple(v['span'])} on rank(s) {v['ranks']}" for i, v in
+             sorted(stages.items(), key=lambda kv: int(kv[0]))]
+    return f"{len(layout)} rank(s) on {len(hosts)} node(s) ({', '.join(hosts)}): " + "; ".join(parts)
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.nn.Module],
@@ -60,12 +111,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.n
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
+    layout = _layout(parts)
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a write that was killed
     _barrier()
     dcp.save(_state(parts, optimizers), checkpoint_id=str(tmp))
     torch.save({**extra, "rng": rng_state(), "step": step}, tmp / f"extra_rank{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / LAYOUT_FILE).write_text(json.dumps(layout))
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -91,22 +145,110 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: str | os.PathLike, parts: Dict[int, torch.nn.Module],
-                    optimizers: Dict[int, torch.optim.Optimizer]) -> Dict[str, Any]:
-    """Collective. Loads model and optimizer in place; returns this rank's extra dict (RNG restored)."""
-    path = Path(path)
-    state = _state(parts, optimizers)
+def _alias(key: str, stored: set) -> Optional[str]:
+    """The stored key holding `key`'s value when the writer kept it under a tied twin's name."""
+    for a, b in TIED_NAMES:
+        for x, y in ((a, b), (b, a)):
+            if x in key and key.replace(x, y) in stored:
+                return key.replace(x, y)
+    return None
+
+
+def _load_flat(path: Path, parts, optimizers) -> None:
+    """Load the layout-independent state into this rank's parts and optimizers (DCP reshards)."""
+    target = _state(parts, optimizers)
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    request: Dict[str, Any] = {}
+    source: Dict[str, str] = {}
+    for key, value in target.items():
+        name = key if key in stored else _alias(key, stored)
+        if name is None:
+            raise ValueError(f"checkpoint {path} has no '{key}': it was written for another model or optimizer; "
+                             "start fresh with train.resume=none (or resume it with its own arch/train settings)")
+        if name in request:   # a tied twin asked for the same entry: load once, copy after
+            source[key] = name
+            continue
+        request[name] = value
+        source[key] = name
+    dcp.load(request, checkpoint_id=str(path))
+    loaded = {key: request[name] for key, name in source.items()}
+    for i, part in parts.items():
+        keys = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: loaded[f"model.{k}"] for k in keys})
+        flat = {k: loaded[f"optim.{k}"] for k in _optim_state(part, optimizers[i])}
+        set_optimizer_state_dict(part, optimizers[i], flat, options=FLAT)
+
+
+def _load_legacy(path: Path, parts, optimizers) -> None:
+    """Checkpoints written before the flat layout (optimizer state per stage index): same layout only."""
+    model: Dict[str, Any] = {}
+    for part in parts.values():
+        model.update(get_model_state_dict(part))
+    state = {"model": model, "optim": {f"stage{i}": get_optimizer_state_dict(parts[i], optimizers[i]) for i in parts}}
     dcp.load(state, checkpoint_id=str(path))
     for i, part in parts.items():
         keys = get_model_state_dict(part).keys()
         set_model_state_dict(part, {k: state["model"][k] for k in keys})
         set_optimizer_state_dict(part, optimizers[i], state["optim"][f"stage{i}"])
+
+
+def _replan_note(path: Path, parts) -> Optional[Dict[str, str]]:
+    """Collective. The old and new layout and why they differ, when the checkpoint was written by another."""
+    now = _layout(parts)
+    file = path / LAYOUT_FILE
+    if not file.exists():
+        return None
+    old = json.loads(file.read_text())
+    if old == now:
+        return None
+    old_hosts, new_hosts = list(dict.fromkeys(r["host"] for r in old)), list(dict.fromkeys(r["host"] for r in now))
+    if old_hosts != new_hosts:
+        reason = f"the job now runs on {len(new_hosts)} node(s) {new_hosts} (was {len(old_hosts)}: {old_hosts})"
+    elif len(old) != len(now):
+        reason = f"the job now has {len(now)} worker(s) (was {len(old)}: cluster.nproc_per_node or the allocation changed)"
+    else:
+        reason = "the planner chose another layout for the same workers (probe or settings changed)"
+    return {"old": describe_layout(old), "new": describe_layout(now), "reason": reason}
+
+
+def load_checkpoint(path: str | os.PathLike, parts: Dict[int, torch.nn.Module],
+                    optimizers: Dict[int, torch.optim.Optimizer]) -> Dict[str, Any]:
+    """Collective. Loads model and optimizer in place, resharded onto this job's layout when it
+    differs from the writer's; returns this rank's extra dict (RNG restored). extra["replan"]
+    holds the old and new layout and the reason when the layout changed (rank 0 also logs it)."""
+    path = Path(path)
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    replan = _replan_note(path, parts)
+    if any(k.startswith("optim.stage") for k in stored):
+        if replan:
+            raise ValueError(f"checkpoint {path} predates layout-independent checkpoints and was written by another "
+                             f"layout ({replan['old']}); resume it with its own plan, or start fresh")
+        _load_legacy(path, parts, optimizers)
+    else:
+        _load_flat(path, parts, optimizers)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.exists():
-        raise FileNotFoundError(f"{extra_file} is missing: the checkpoint was written by a job with a different "
-                                "number of ranks; resume with the same plan (or start fresh with train.resume=none)")
+        # A job with more ranks than the writer: rank 0's RNG, step and schedule stand for all.
+        extra_file = path / "extra_rank0.pt"
     extra = torch.load(extra_file, weights_only=True)
     set_rng_state(extra["rng"])
+    schedulers = extra.get("schedulers")
+    if schedulers:
+        # Every stage's LR schedule is the same function of the step: a stage this rank holds
+        # now but whose writer was another rank takes any stage's state.
+        any_state = next(iter(schedulers.values()))
+        for i in parts:
+            schedulers.setdefault(f"stage{i}", any_state)
+    if replan:
+        extra["replan"] = replan
+        if _rank() == 0:
+            line = (f"re-plan on resume from {path.name}: {replan['reason']}; checkpoint layout: {replan['old']}; "
+                    f"new layout: {replan['new']}; weights and optimizer state resharded by "
+                    "torch.distributed.checkpoint")
+            log.warning(line)
+            print(f"[hrlplan] {line}", flush=True)
+            with open(path.parent / REPLAN_LOG, "a") as f:
+                f.write(json.dumps({"step": int(extra.get("step", 0)), "checkpoint": path.name, **replan}) + "\n")
     return extra
 
 

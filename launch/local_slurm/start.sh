@@ -41,15 +41,7 @@ die() { say "ERROR: $*"; exit 1; }
 T0=$(date +%s)
 
 # ------------------------------------------------------------------ packages
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-   || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
-  say "installing slurmctld slurmd slurm-client munge (apt)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null || die "apt-get update failed"
-  # No init system here: the packages' postinst cannot start services; they are started below.
-  apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
-    || die "apt-get install slurm failed"
-fi
+install_slurm || die "could not install SLURM"
 mkdir -p "$DIR/etc" "$STATE/slurmctld" "$STATE/slurmd" "$LOG" "$RUN"
 
 # ------------------------------------------------------------------ munge
