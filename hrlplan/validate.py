@@ -318,7 +318,7 @@ def check_environment(config: Dict[str, Any], launching: bool = True) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
                                                               "use train.device=auto or cpu")
-    local = config.get("mode") != "plan" and cluster.get("probe", True) and not cluster.get("spec_file")
+    local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
     if launching and local:
         check_world_size(cluster, str(train.get("device", "auto")))
 

@@ -19,9 +19,8 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hrlplan.errors import UserError
 from hrlplan.runtime import preempt
@@ -38,15 +37,17 @@ HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was c
 def run_from_hydra(cfg) -> Optional[Dict[str, Any]]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import OmegaConf
 
-    from hrlplan.config import apply_top_level_aliases
+    from hrlplan.config import to_plain
     from launch.slurm import in_submitit_task
 
-    cfg = apply_top_level_aliases(cfg)
     hc = HydraConfig.get()
     run_dir = cfg.run_dir or hc.runtime.output_dir
-    config = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        config = to_plain(cfg, list(hc.overrides.task))
+    except UserError as e:
+        print(f"hrlplan: error: {e}", file=sys.stderr)
+        sys.exit(2)
     config["run_dir"] = str(Path(run_dir).resolve())
     config["_t0"] = time.time()
     if hc.mode == RunMode.MULTIRUN:
@@ -95,11 +96,14 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if in_distributed_job():
         return worker_main(config, raise_errors=situation == "submitit")
     cluster = config["cluster"]
-    if config["mode"] == "plan" or not cluster.get("probe", True) and not cluster.get("spec_file"):
-        return plan_only(config)
+    if not probes_here(cluster):
+        return plan_only(config)   # a preset or a cluster.json: planned here, nothing to train on
+    # A probed cluster, mode=plan included: the workers probe (and calibrate) the real devices.
     from hrlplan.cluster import default_nproc_per_node
+    from hrlplan.validate import check_environment
 
-    nproc = default_nproc_per_node(cluster.get("nproc_per_node", "auto"))
+    check_environment(config)   # what a user can get wrong, before any worker starts
+    nproc = default_nproc_per_node(cluster.get("nproc_per_node", "auto"), config["train"]["device"])
     warn_hrm_memory(config, local_device_memory(nproc), nproc)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
@@ -110,6 +114,23 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             raise UserError(err.read_text().strip()) from None
         raise
     return results.get(0)
+
+
+def probes_here(cluster: Dict[str, Any]) -> bool:
+    """The job measures its own devices (cluster=local, in-job on SLURM) rather than planning for a
+    preset or a cluster.json."""
+    return bool(cluster.get("probe", True)) and not cluster.get("spec_file")
+
+
+def wants_calibration(config: Dict[str, Any]) -> bool:
+    """planner.calibrate: auto calibrates where a planner searches over real devices (a manual plan
+    is only predicted, so it keeps peak figures unless asked); HRM plans data parallel only."""
+    from hrlplan.search.config import calibration_mode
+
+    mode = calibration_mode(config["planner"])
+    if mode == "false" or config["arch"].get("family") == "hrm":
+        return False
+    return mode != "auto" or str(config["planner"].get("name")) != "manual"
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
@@ -123,7 +144,7 @@ def local_device_memory(nproc: int) -> float:
     import torch
 
     if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory)
+        return float(torch.cuda.mem_get_info()[0])
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
 
 
@@ -247,36 +268,84 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
         raise SystemExit(2)
     except SystemExit:
         raise
-    except Exception:
+    except Exception as e:
+        from launch.local import is_peer_loss
+
         rank = int(os.environ.get("RANK", 0))
-        print(f"[hrlplan] rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if os.environ.get(LOCAL_AGENT_ENV) and is_peer_loss(e):
+            # only another rank's death: the local launcher names that rank and its first error
+            print(f"[hrlplan] rank {rank} stopped: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        else:
+            print(f"[hrlplan] rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from hrlplan.runtime.distributed import shutdown
+
+        shutdown()
 
 
 def _init_distributed(config: Dict[str, Any]):
-    import torch.distributed as dist
-
+    """This rank's device (the helper that reads LOCAL_RANK, CUDA_VISIBLE_DEVICES and the GPUs
+    visible), set before the process group; object collectives go on a long-timeout gloo group."""
+    from hrlplan.runtime.distributed import init_distributed
     from hrlplan.runtime.host import prepare_worker
-    from hrlplan.runtime.trainer import pick_device
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(config["train"]["device"], local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    device = init_distributed(config["train"]["device"], config["train"]).device
     prepare_worker()
     return device
 
 
-def _broadcast(obj: Any) -> Any:
+def _peak_flops(spec, ranks: List[int], train: Dict[str, Any]) -> float:
+    """MFU's denominator: the datasheet dense peak in the dtype the matmuls run in (TF32 for
+    float32 when on), the probed figure where the device is not in the table (CPUs)."""
+    from hrlplan.devices import matmul_dtype, peak_flops, tf32_setting
+
+    dtype = matmul_dtype(train["dtype"], tf32_setting(train))
+    return sum((peak_flops(spec.devices[r].name, dtype) if spec.devices[r].kind == "cuda" else None)
+               or spec.devices[r].peak_flops for r in ranks)
+
+
+def train_ranks(plan) -> List[int]:
+    """The job ranks that train the plan (all but its unused_ranks)."""
+    idle = set(plan.unused_ranks)
+    return [r for r in range(plan.world_size) if r not in idle]
+
+
+def leave_idle_ranks(plan, setting: str = "auto", train: Optional[Dict[str, Any]] = None):
+    """Ranks a plan leaves idle drop out of the job: the used ones form a process group of their
+    own over the job's store (rank 0 serves it and always trains) and train the plan renumbered
+    0..k-1; an idle rank returns None. Hetero plans keep their idle ranks (their executor skips them)."""
     import torch.distributed as dist
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    from hrlplan.search.placement import compact
+
+    trained, used = compact(plan)
+    if len(used) == plan.world_size:
+        return plan
+    if 0 not in used:
+        raise UserError(f"the plan leaves rank 0 idle (unused_ranks {plan.unused_ranks}); rank 0 hosts the job's "
+                        "rendezvous, so list the highest ranks as unused instead")
+    from hrlplan.devices import choose_device
+    from hrlplan.runtime import distributed
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()   # no public accessor; kept alive by this reference
+    distributed.shutdown()
+    if rank not in used:
+        return None
+    new_rank = used.index(rank)
+    choice = choose_device(setting)
+    dist.init_process_group(**distributed.init_kwargs(choice, distributed.timeouts(train)),
+                            store=dist.PrefixStore("hrlplan-used-ranks", store), rank=new_rank, world_size=len(used))
+    os.environ.update(RANK=str(new_rank), WORLD_SIZE=str(len(used)))
+    distributed.init_distributed(setting, train)   # the object-collective group of the new world
+    return trained
+
+
+def _broadcast(obj: Any) -> Any:
+    from hrlplan.runtime.distributed import broadcast_object
+
+    return broadcast_object(obj)
 
 
 def _calibrated(config: Dict[str, Any], spec):
@@ -288,17 +357,27 @@ def _calibrated(config: Dict[str, Any], spec):
     from hrlplan.runtime.calibrate import calibrate_in_job
     from launch import plan_cache
 
+    from hrlplan.search.config import calibration_mode
+
     rank = dist.get_rank()
+    refresh = calibration_mode(config["planner"]) == "refresh"
     key = plan_cache.calibration_key(config, spec) if rank == 0 else None
-    cached = plan_cache.load_calibration(config, key) if rank == 0 else None
+    cached = plan_cache.load_calibration(config, key) if rank == 0 and not refresh else None
     if _broadcast(cached is not None):
         if rank == 0:   # only rank 0 plans; the others hold no spec, as without calibration
             spec.calibration = cached
-            print(f"[hrlplan] calibration reused from {plan_cache.cache_dir(config) / key}", flush=True)
+            print(f"[hrlplan] planning from the cached calibration {plan_cache.calibration_dir(config) / key} "
+                  "(planner.calibrate=refresh measures again, false plans from peak figures)", flush=True)
         return spec
-    spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"])
     if rank == 0:
-        plan_cache.store_calibration(config, key, spec.calibration)
+        print(f"[hrlplan] calibrating: timing blocks, pipeline hops and collectives on the {spec.world_size} "
+              "workers (~10-30 s, once per cluster shape and model; cached)", flush=True)
+    t0 = time.time()
+    spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"], planner=config["planner"])
+    if rank == 0:
+        plan_cache.store_calibration(config, key, spec.calibration, replace=refresh)
+        print(f"[hrlplan] calibrated in {time.time() - t0:.1f} s; cached in "
+              f"{plan_cache.calibration_dir(config) / key}", flush=True)
     return spec
 
 
@@ -312,11 +391,11 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(config["run_dir"])
     t_probe = time.time()
-    spec = load_or_probe_in_job(config["cluster"])
-    if config["planner"].get("calibrate") and config["arch"].get("family") != "hrm":
+    spec = load_or_probe_in_job(config["cluster"], device=device, dtype=config["train"]["dtype"])
+    probe_s = time.time() - t_probe
+    if wants_calibration(config):
         # measured block/p2p times replace peak-FLOP estimates in the cost model
         spec = _calibrated(config, spec)
-    probe_s = time.time() - t_probe
 
     # Rank 0 plans; every rank learns the plan or the one error message.
     result: Dict[str, Any] = {}
@@ -339,9 +418,23 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if "internal_error" in result:
         raise RuntimeError(f"planning failed on rank 0:\n{result['internal_error']}")
     plan = Plan.from_yaml(result["plan"])
-    peak = sum(d.peak_flops for d in spec.devices) if spec is not None else None
+    if config["mode"] == "plan":
+        if rank == 0:
+            print(f"[hrlplan] mode=plan: wrote {run_dir / 'plan.yaml'} ({plan.layout()}, predicted step "
+                  f"{(_predicted_step(plan) or float('nan')) * 1e3:.4g} ms); train it with planner=manual "
+                  f"planner.plan_file={run_dir / 'plan.yaml'}", flush=True)
+        return {"plan": plan.to_dict()} if rank == 0 else None
+    used = train_ranks(plan)
+    peak = _peak_flops(spec, used, config["train"]) if spec is not None else None
     config["_flops_per_token"] = result["flops_per_token"]
     config["_peak_flops"] = _broadcast(peak)
+    if rank == 0 and plan.unused_ranks and not plan.heterogeneous:
+        print(f"[hrlplan] the plan trains on {len(used)} of {world} workers (faster than all of them here); "
+              f"idle: ranks {plan.unused_ranks}", flush=True)
+    plan = leave_idle_ranks(plan, config["train"]["device"], config["train"])
+    if plan is None:
+        return None   # an idle worker: out of every collective, it exits cleanly
+    rank = dist.get_rank()
 
     logger = _make_logger(config, rank, spec, plan)
     if rank == 0:

@@ -9,10 +9,12 @@ Where: $HRLPLAN_PLAN_CACHE when set (share it between runs and sweeps), else <ru
 (a requeued or resumed run reuses its own plan). Entries are written atomically (a directory
 renamed into place), so concurrent jobs of a sweep never read half an entry.
 
-Calibrations (planner.calibrate=true) are cached the same way, under calibration-<key>: their key
-is the cluster's shape, the model, the sequence length and the training settings calibration reads,
-so a requeued job and the jobs of a sweep over other settings (lr, steps, the planner) measure the
-devices once. Delete the entry (or use another cache) to measure afresh.
+Calibrations (planner.calibrate, on by default for probed clusters) are cached per user, not per
+run, under calibration-<key> in $HRLPLAN_CALIBRATION_CACHE, else $HRLPLAN_PLAN_CACHE, else
+$XDG_CACHE_HOME/hrlplan (~/.cache/hrlplan): their key is the cluster's shape, the model, the
+sequence length and the training settings calibration reads, so the README's command, a requeued
+job and the jobs of a sweep over other settings (lr, steps, the planner) measure the devices once.
+planner.calibrate=refresh measures afresh and replaces the entry.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Dict, Optional, Tuple
 # The training settings make_plan reads (see hrlplan.search.make_plan).
 PLAN_TRAIN_KEYS = ("global_batch_size", "schedule", "stages_per_rank", "microbatches", "dtype", "dp_mode")
 CACHE_ENV = "HRLPLAN_PLAN_CACHE"
+CALIBRATION_CACHE_ENV = "HRLPLAN_CALIBRATION_CACHE"
 
 
 def cacheable(config: Dict[str, Any]) -> bool:
@@ -36,6 +39,13 @@ def cacheable(config: Dict[str, Any]) -> bool:
 
 def cache_dir(config: Dict[str, Any]) -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path(config["run_dir"]) / "plan_cache")
+
+
+def calibration_dir(config: Dict[str, Any]) -> Path:
+    explicit = os.environ.get(CALIBRATION_CACHE_ENV) or os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hrlplan"
 
 
 def _key(config: Dict[str, Any], spec, **parts: Any) -> str:
@@ -79,12 +89,18 @@ def load(config: Dict[str, Any], key: str) -> Optional[Tuple[Any, Dict[str, Any]
     return plan, info
 
 
-def _store_entry(config: Dict[str, Any], key: str, write) -> None:
+def _store_entry(root: Path, key: str, write, replace: bool = False) -> None:
     """write(tmp_dir) fills a fresh directory, which is then renamed into place as the entry."""
-    root = cache_dir(config)
     final = root / key
     if final.exists():
-        return
+        if not replace:
+            return
+        old = root / f".{key}.{uuid.uuid4().hex[:8]}.old"
+        try:
+            os.replace(final, old)
+        except OSError:
+            return
+        shutil.rmtree(old, ignore_errors=True)
     tmp = root / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir(parents=True)
@@ -101,16 +117,17 @@ def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
         plan.save(tmp / "plan.yaml")
         (tmp / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
 
-    _store_entry(config, key, write)
+    _store_entry(cache_dir(config), key, write)
 
 
 def load_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
     try:
-        cal = json.loads((cache_dir(config) / key / "calibration.json").read_text())
+        cal = json.loads((calibration_dir(config) / key / "calibration.json").read_text())
     except (OSError, ValueError):
         return None   # missing or unreadable: calibrate again
     return cal if isinstance(cal, dict) else None
 
 
-def store_calibration(config: Dict[str, Any], key: str, calibration: Dict[str, Any]) -> None:
-    _store_entry(config, key, lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)))
+def store_calibration(config: Dict[str, Any], key: str, calibration: Dict[str, Any], replace: bool = False) -> None:
+    _store_entry(calibration_dir(config), key,
+                 lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)), replace)

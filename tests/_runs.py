@@ -25,7 +25,7 @@ def run_plan(tmp_path: Path, spans, dp: int, schedule: str, steps: int = 5, micr
     config = compose([f"arch={arch}", "planner=manual", f"planner.plan_file={plan_file}",
                       f"cluster.nproc_per_node={plan.world_size}", "logger.mode=disabled", f"train.steps={steps}",
                       f"train.schedule={schedule}", f"train.global_batch_size={global_batch}",
-                      "train.checkpoint_interval=0", *extra])
+                      "train.checkpoint_interval=0", "cluster.oversubscribe=true", *extra])
     config["run_dir"] = str(tmp_path / "run")
     summary = run(config)
     return [h["train/lm_loss"] for h in summary["history"]]

@@ -13,3 +13,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Calibration (on by default for probed clusters) is cached per user; the tests share one cache of
+# their own, so the first job of a cluster shape and model measures and the rest reuse it.
+if "HRLPLAN_CALIBRATION_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["HRLPLAN_CALIBRATION_CACHE"] = tempfile.mkdtemp(prefix="hrlplan-test-calibration-")

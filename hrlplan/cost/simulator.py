@@ -137,7 +137,8 @@ class Simulator:
             tl = simulate_shared_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
                                           fwd, bwd, wgt, sends, sends, [c.activation for c in stage_costs],
                                           [c.first_fwd_extra for c in stage_costs], handshake,
-                                          ranks=[len(g) for g in layout.groups], contention=ov.contention)
+                                          ranks=[len(g) for g in layout.groups], contention=ov.contention,
+                                          all_ranks=max(self.cluster.world_size, sum(len(g) for g in layout.groups)))
         else:
             tl = timeline(stage_costs, (fwd, bwd, wgt))
 

@@ -360,6 +360,7 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
                              first_fwd_extra: Optional[Sequence[float]] = None,
                              recv_handshake: Optional[Sequence[float]] = None,
                              ranks: Optional[Sequence[int]] = None, contention: float = 1.0,
+                             all_ranks: Optional[int] = None,
                              trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None) -> TimelineResult:
     """simulate_timeline for positions that share too few cores: the durations are each operation's
     time with one rank alone on the cores, and while operations run their work progresses at
@@ -375,7 +376,9 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     n = pp * stages_per_rank
     last = n - 1
     ranks = list(ranks) if ranks is not None else [1] * pp
-    total = float(sum(ranks))
+    # `contention` was measured with `all_ranks` busy (the whole job): a plan that leaves ranks
+    # idle never reaches it
+    total = float(all_ranks if all_ranks is not None else sum(ranks))
     book = _Ledger(pp, n, m, schedule, activation, None, trace)
     f_end, b_end, free = book.f_end, book.b_end, book.free
     seen_f = [False] * n

@@ -7,6 +7,7 @@ global_batch_size, schedule, stages_per_rank, microbatches ("auto" or an int), d
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, Tuple
 
@@ -46,6 +47,11 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, A
         out = search_hrl(sim, space, cfg)
     tracker = out.pop("tracker")
     if tracker.best is None:
+        over_memory = least_memory_need(sim, space)
+        if over_memory:
+            raise UserError(f"no plan fits {meta.name} on {cluster.summary()}: {over_memory}. Try more devices, "
+                            "train.dtype=bfloat16, a smaller global_batch_size, a larger planner.max_pp, or "
+                            "planner.memory_margin closer to 1")
         why = tracker.first_reason or "no configuration satisfies the batch/micro-batch constraints"
         raise UserError(f"no feasible plan for {meta.name} on {cluster.summary()}: {why}. Try a smaller "
                         "global_batch_size or microbatch sizes, bfloat16, more devices, or a larger planner.max_pp")
@@ -59,6 +65,30 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, A
         raise AssertionError(f"planner used {plan.world_size} of {cluster.world_size} probed workers")
     info = _info(meta, cluster, sim, best, detail, tracker.runner_up, planner_meta, out.get("history"))
     return plan, info
+
+
+def least_memory_need(sim, space) -> str:
+    """When nothing fits: over every configuration (at its even layer split), the one whose worst
+    device is least over its memory, as "smallest need X GiB on device Y, capacity Z"; "" when
+    some configuration fits or none exists."""
+    L = sim.meta.n_layer
+    best = None
+    for c in space.configs():
+        bounds = [round(i * L / c.n_stages) for i in range(c.n_stages + 1)]
+        result = sim.evaluate(space.layout(c, list(zip(bounds[:-1], bounds[1:]))))
+        if result.feasible:
+            return ""
+        worst = max(((need / sim.devices.memory_limit(d, sim.opts.memory_margin), d, need)
+                     for d, need in result.memory_bytes.items()), default=None)
+        if worst is not None and (best is None or worst[0] < best[0]):
+            best = worst
+    if best is None:
+        return ""
+    _, d, need = best
+    dev = sim.cluster.devices[d]
+    limit = sim.devices.memory_limit(d, sim.opts.memory_margin)
+    return (f"smallest need {need / 2**30:.2f} GiB on device {d} ({dev.name}), capacity {limit / 2**30:.2f} GiB "
+            f"({sim.opts.memory_margin:g} x {dev.memory_bytes / 2**30:.2f} GiB)")
 
 
 def _info(meta, cluster, sim, best: Scored, detail, runner_up, planner_meta, history=None) -> Dict[str, Any]:
@@ -88,6 +118,9 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
     if not cfg.get("plan_file"):
         raise UserError("planner=manual needs planner.plan_file=<plan.yaml>")
     plan = Plan.load(cfg["plan_file"])
+    if plan.n_layer != meta.n_layer:
+        raise UserError(f"{cfg['plan_file']}: n_layer is {plan.n_layer} but the model {meta.name} has "
+                        f"{meta.n_layer} blocks; re-plan for this model (or set the arch's depth to {plan.n_layer})")
     if plan.heterogeneous or not plan.uniform_tp:
         # Layouts cannot express it: the cost model's per-pipeline prediction (cross-replica reduce included)
         from hrlplan.cost.plans import predict_any_plan
@@ -102,6 +135,18 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
                            stages=any_plan["stages"])
     else:
         result = sim.evaluate(layout_of(plan), detail=True)
+    over_memory = not result.feasible and result.reason.startswith("out of memory")
+    if over_memory:
+        if not cfg.get("allow_over_memory"):
+            raise UserError(f"{cfg['plan_file']} does not fit: {result.reason}. Use more pipeline stages, a smaller "
+                            "microbatch_size, recomputation or bfloat16 -- or planner.allow_over_memory=true to "
+                            "run it anyway")
+        # a time-only prediction: the same plan with memory left unchecked
+        unchecked = Simulator(meta, cluster, dataclasses.replace(sim.opts, memory_margin=float("inf")))
+        memory = result.memory_bytes
+        result = unchecked.evaluate(layout_of(plan), detail=True) if plan.uniform_tp and not plan.heterogeneous \
+            else result
+        result.memory_bytes = memory or result.memory_bytes
     if result.feasible:
         predicted = plan.meta.setdefault("predicted", {})
         predicted.update({"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
@@ -111,7 +156,8 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
     plan.meta["planner"] = {"name": "manual", "evaluations": 1, "time_s": time.perf_counter() - t0,
                             "plan_file": str(cfg["plan_file"]),
                             "simulator": "fits" if result.feasible else result.reason}
-    check_fits(plan, cluster, source=str(cfg["plan_file"]))
+    if not over_memory:
+        check_fits(plan, cluster, source=str(cfg["plan_file"]))
     info = {"model": meta.name, "cluster": cluster.summary(), "planner": plan.meta["planner"],
             "chosen": {"summary": describe(layout_of(plan)), "step_time_s": result.step_time_s,
                        "breakdown": result.breakdown, "stages": result.stages},

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -15,13 +15,34 @@ class PlannerConfigBase:
     memory_margin: float = 0.9       # plan against this fraction of device memory
     dp_overlap: bool = True          # DP gradient all-reduce overlapped with backward
     schedules: List[str] = field(default_factory=list)  # empty: the train.schedule only
-    calibrate: bool = False          # measure blocks/p2p on the devices before planning
+    # Plan from measured block, communication and optimizer times on devices that are really there
+    # (probed clusters): auto = a searching planner reuses the cached calibration of this cluster
+    # shape and model or measures once; true = also for a manual plan; refresh = measure again and
+    # replace the cached one; false = plan from peak FLOP/s and probed links. Presets never calibrate.
+    calibrate: Any = "auto"
+    allow_idle_ranks: bool = True    # a probed job's plan may leave workers idle when that is faster
+    allow_over_memory: bool = False  # accept a plan predicted over a device's memory (manual plans)
+
+
+CALIBRATE_CHOICES = ("auto", "true", "false", "refresh")
+
+
+def calibration_mode(planner_cfg) -> str:
+    """planner.calibrate as one of CALIBRATE_CHOICES (YAML's true/false arrive as booleans)."""
+    value = planner_cfg.get("calibrate", "auto")
+    mode = str(value).lower() if not isinstance(value, bool) else ("true" if value else "false")
+    if mode not in CALIBRATE_CHOICES:
+        from hrlplan.errors import UserError
+
+        raise UserError(f"planner.calibrate={value!r} is not one of {', '.join(CALIBRATE_CHOICES)}")
+    return mode
 
 
 @dataclass
 class ExactPlannerConfig(PlannerConfigBase):
     name: str = "exact"
     max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
+    max_simulations: int = 200_000     # simulator calls of the layer-split branch-and-bound; likewise
 
 
 @dataclass

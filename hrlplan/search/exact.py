@@ -1,12 +1,15 @@
-"""Exact planner: enumerate every high-level Config; for each, the min-max DP finds the least
-achievable bottleneck over all layer splits, a second DP the least total time among splits within
-a small slack of it, and the simulator scores those few splits.
+"""Exact planner: the simulator's best plan over every high-level Config and every layer split.
 
-The DP is exact for its objective (the bottleneck stage's busy time per micro-batch, with the
-fill/drain total as tie-break); the final choice is the simulator's. tests/test_planner.py checks
-the result against brute force over every split. When the DP would touch more than
-max_evaluations (stage, span) cells the planner gives up on exactness, says so, and searches
-configurations in order of a cheap lower bound until the budget is spent.
+For each Config (pool, device-group order, pp/tp/dp, micro-batching, schedule) the min-max DP
+over `SplitTables` proposes a few good splits (least bottleneck, then least fill/drain), which
+set an incumbent; then a branch-and-bound simulates every split whose lower bound on the step
+time beats the incumbent (see SplitTables.splits_below). The bounds are built from the
+simulator's own base durations, so a split or Config left unsimulated is provably no faster:
+the result is the simulator's optimum, not the DP's. tests/test_planner.py checks it against
+brute force over every split, and against HRL and random search on generated instances.
+
+Budgets: max_evaluations caps DP cells, max_simulations the simulator calls of the
+branch-and-bound. Beyond either the planner says it gave up and does not claim optimality.
 """
 from __future__ import annotations
 
@@ -14,55 +17,89 @@ import time
 from typing import Any, Dict
 
 from hrlplan.search.common import Scored, Tracker
+from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.search.splits import SplitTables
+
+DEFAULTS = ExactPlannerConfig()
+
+
+def zb_floor(sim, config) -> float:
+    """Zero bubble's calibrated B + W may cost less than one plain backward: bounds shrink with it."""
+    if config.schedule != "zero_bubble":
+        return 1.0
+    factors = sim.devices.overheads.zb_backward_factors(config.microbatch_size * sim.meta.seq_len)
+    return 1.0 if factors is None else min(1.0, factors[0] + factors[1])
 
 
 def lower_bound(sim, space, config) -> float:
-    """No plan of this config is faster than its whole work spread perfectly over its devices."""
+    """Its whole work spread perfectly over its devices at their nominal rate: an estimate to try
+    promising configurations first. Not a proof (the cost model's GEMM efficiency depends on
+    shapes and may beat the nominal rate); pruning uses the split tables' bounds only."""
     meta = sim.meta
     tokens = space.global_batch * meta.seq_len
     flops = tokens * meta.training_flops_per_token()
     devs = [d for g in space.groups(config) for d in g]
     rate = sum(sim.devices.throughput(d, config.microbatch_size * meta.seq_len) for d in devs)
-    return flops / rate * sim.devices.time_scale
+    return flops / rate * sim.devices.time_scale * zb_floor(sim, config)
 
 
 def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
     t0 = time.perf_counter()
-    budget = int(planner_cfg.get("max_evaluations", 2_000_000))
+    budget = int(planner_cfg.get("max_evaluations", DEFAULTS.max_evaluations))
+    sim_budget = int(planner_cfg.get("max_simulations", DEFAULTS.max_simulations))
     configs = list(space.configs())
     L = sim.meta.n_layer
     planned_cells = sum(c.n_stages * L * (L + 1) // 2 for c in configs)
     bounds = {c: lower_bound(sim, space, c) for c in configs}
-    # Promising configurations first (bound x the equal-stage bubble factor), so that a good
+    # Promising configurations first (estimate x the equal-stage bubble factor), so that a good
     # incumbent prunes the rest early; the pruning itself only uses the rigorous bounds.
     configs.sort(key=lambda c: bounds[c] * (c.num_microbatches + c.pp - 1) / c.num_microbatches)
+    scale = sim.devices.time_scale
+    # the simulator's step = (pipeline end + collectives + optimizer + step constant) x scale;
+    # everything but a negative calibrated constant only adds to the makespan the bounds cover
+    step_floor = min(0.0, sim.devices.overheads.step)
     tracker = Tracker()
-    cells = 0
-    skipped = 0
-    gave_up = False
+    cells = simulations = skipped = 0
+    least_need = float("inf")
+    gave_up = ""
+
+    def incumbent_in_table_units() -> float:
+        return float("inf") if tracker.best is None else tracker.best.time / scale - step_floor
+
+    def offer(c, spans) -> None:
+        nonlocal simulations
+        simulations += 1
+        layout = space.layout(c, spans)
+        tracker.offer(Scored(layout, sim.evaluate(layout), c))
+
     for c in configs:
-        if tracker.best is not None and bounds[c] >= tracker.best.time:
-            skipped += 1  # provably no better: its whole work spread perfectly already loses
-            continue
         if cells >= budget:
-            gave_up = True
+            gave_up = f"max_evaluations={budget:,} DP cells (all configurations need up to {planned_cells:,})"
             break
         tables = SplitTables(sim, space, c)
         cells += tables.cells
         bottleneck = tables.minmax()
+        if bottleneck == float("inf"):
+            least_need = min(least_need, tables.least_memory_need())
+            continue
         # Every split keeps some stage busy >= bottleneck for each of the m micro-batches.
-        if tracker.best is not None and c.num_microbatches * bottleneck * sim.devices.time_scale >= tracker.best.time:
+        if c.num_microbatches * bottleneck >= incumbent_in_table_units():
             skipped += 1
             continue
         for spans in tables.candidates():
-            layout = space.layout(c, spans)
-            tracker.offer(Scored(layout, sim.evaluate(layout), c))
-    searched = not gave_up
-    note = ("optimal over every configuration and layer split (min-max DP; pruned configurations are provably "
-            "slower)" if searched else
-            f"gave up after {cells:,} DP cells (max_evaluations={budget:,}; all configurations need up to "
-            f"{planned_cells:,}); the result is the best of the most promising configurations, not proven optimal")
+            offer(c, spans)
+        for spans in tables.splits_below(incumbent_in_table_units):
+            if simulations >= sim_budget:
+                gave_up = f"max_simulations={sim_budget:,} simulator calls in the layer-split search"
+                break
+            offer(c, spans)
+        if gave_up:
+            break
+    proven = not gave_up
+    note = ("optimal under the simulator over every configuration and layer split (branch and bound: "
+            "every configuration or split left out is provably slower)" if proven else
+            f"gave up after {gave_up}; the result is the best of what was searched, not proven optimal "
+            "(raise the budget to search on)")
     return {"tracker": tracker, "evaluations": sim.evaluations, "dp_cells": cells, "configs": len(configs),
-            "configs_pruned_by_bound": skipped, "proven_optimal": searched, "note": note,
-            "time_s": time.perf_counter() - t0}
+            "split_simulations": simulations, "configs_pruned_by_bound": skipped, "proven_optimal": proven,
+            "note": note, "least_memory_need": least_need, "time_s": time.perf_counter() - t0}

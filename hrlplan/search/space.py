@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
 from hrlplan.plan import Plan, homogeneous_plan
+from hrlplan.search.placement import place_on_ranks
 
 MAX_TYPE_ORDERS = 24
 
@@ -65,17 +66,25 @@ class SearchSpace:
     def _pools(self) -> List[Pool]:
         sizes = {len(v) for v in self.node_devices.values()}
         nodes = tuple(sorted(self.node_devices))
-        must_use_all = self.cluster.source in ("probe", "file")
-        if len(sizes) != 1 and must_use_all:
+        must_launch_all = self.cluster.source in ("probe", "file")
+        if len(sizes) != 1 and must_launch_all:
             raise ValueError(f"cluster '{self.cluster.name}' has nodes with {sorted(sizes)} workers; a probed "
                              "job launches the same nproc-per-node everywhere, so every node must have the same count")
         nproc = min(sizes)
         pools = [Pool(nodes, nproc, "all")]
         types = sorted(set(self.node_type.values()))
-        if not must_use_all and len(types) > 1:  # presets: leaving a slow type out may win
+        if not must_launch_all and len(types) > 1:  # presets: leaving a slow type out may win
             for t in types:
                 sub = tuple(n for n in nodes if self.node_type[n] == t)
                 pools.append(Pool(sub, nproc, f"only {t}"))
+        if must_launch_all and self.cfg.get("allow_idle_ranks", True):
+            # A probed job launches every worker, but fewer may train faster (shared cores, slow
+            # links): the first k workers of every node, or every worker of the first j nodes;
+            # the rest stay idle (the plan's unused_ranks).
+            for k in _divisors(nproc)[:-1]:
+                pools.append(Pool(nodes, k, f"{k} of {nproc} per node"))
+            for j in _divisors(len(nodes))[:-1]:
+                pools.append(Pool(nodes[:j], nproc, f"{j} of {len(nodes)} nodes"))
         return pools
 
     def type_orders(self, pool: Pool) -> List[Tuple[str, ...]]:
@@ -148,6 +157,10 @@ class SearchSpace:
                       schedule=c.schedule, stages_per_rank=c.stages_per_rank)
 
 
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 # ---------------------------------------------------------------- Layout -> Plan
 def launch_for(cluster, layout: Layout) -> Tuple[Dict[str, Any], Dict[int, int]]:
     """meta.launch (uniform nproc-per-node) and the map cluster device -> plan rank.
@@ -155,7 +168,10 @@ def launch_for(cluster, layout: Layout) -> Tuple[Dict[str, Any], Dict[int, int]]
     Plan ranks follow torchrun's order: node_rank-major, then local rank over the node's visible
     devices. Nodes the plan leaves out are not launched at all.
     """
-    used = sorted({d for g in layout.groups for d in g})
+    return launch_of_devices(cluster, sorted({d for g in layout.groups for d in g}))
+
+
+def launch_of_devices(cluster, used: Sequence[int]) -> Tuple[Dict[str, Any], Dict[int, int]]:
     by_node: Dict[int, List[int]] = {}
     for d in used:
         by_node.setdefault(cluster.devices[d].node, []).append(d)
@@ -177,6 +193,17 @@ def launch_for(cluster, layout: Layout) -> Tuple[Dict[str, Any], Dict[int, int]]
 
 
 def to_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str, Any]) -> Plan:
+    """The plan of a layout. On a probed cluster the job launches every worker: a layout on fewer
+    devices becomes a plan on the job's ranks with the others in unused_ranks."""
+    plan, rank_of = _compact_plan(meta, cluster, layout, result, planner_meta)
+    if cluster.source not in ("probe", "file") or len(rank_of) == cluster.world_size:
+        return plan
+    job_launch, job_rank = launch_of_devices(cluster, range(len(cluster.devices)))
+    used = sorted(rank_of, key=rank_of.get)       # devices in compact-rank order
+    return place_on_ranks(plan, [job_rank[d] for d in used], cluster.world_size, job_launch)
+
+
+def _compact_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str, Any]):
     launch, rank_of = launch_for(cluster, layout)
     rank_order = [rank_of[d] for g in layout.groups for d in g]
     memory = [0.0] * len(rank_of)
@@ -190,7 +217,7 @@ def to_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str, Any])
     return homogeneous_plan(meta.name, meta.n_layer, list(layout.spans), dp=layout.dp, tp=layout.tp,
                             microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
                             schedule=layout.schedule, stages_per_rank=layout.stages_per_rank, meta=plan_meta,
-                            rank_order=rank_order)
+                            rank_order=rank_order), rank_of
 
 
 def _plain(x: Any) -> Any:

@@ -1,13 +1,16 @@
-"""Layer-split tables and the min-max dynamic programme over uneven layer spans.
+"""Layer-split tables, the min-max dynamic programme over uneven layer spans, and the
+branch-and-bound that makes the exact planner exact under the simulator.
 
 For one high-level Config, `SplitTables` costs every (stage, [start, end)) at once with numpy: the
 time one micro-batch keeps the stage busy (forward + backward, TP included) and whether the
 stage's memory fits its devices given how many micro-batches the schedule keeps in flight there.
+The busy times are the simulator's own base durations (alone on shared cores: the shared-cores
+timeline only slows them), so a bound built from them never exceeds what the simulator charges.
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -49,23 +52,47 @@ class SplitTables:
         layout_probe = space.layout(config, [(0, 0)] * n)
         self.stage_group = [layout_probe.stage_group(k) for k in range(n)]
         self.time = np.full((n, L + 1, L + 1), INF)
+        # What a stage adds to the path of the first micro-batch down the pipeline and of the last
+        # one back up: forward + backward, or (zero bubble, whose weight gradients may come later)
+        # the forward alone.
+        self.chain = np.full((n, L + 1, L + 1), INF)
         self.static = np.zeros(n)
+        self.memory_need = np.full((n, L + 1, L + 1), INF)   # need / limit, for "no plan fits"
+        ov = sim.devices.overheads
+        # the simulator's base durations: alone where ranks share cores (its timeline only slows
+        # them), else at the calibrated contention
+        base = {"contention": 1.0, "shared_cores": True} if ov.contention > 1.0 else {}
+        bwd_floor = 1.0
+        if config.schedule == "zero_bubble":
+            factors = ov.zb_backward_factors(config.microbatch_size * sim.meta.seq_len)
+            if factors is not None:
+                bwd_floor = min(1.0, factors[0] + factors[1])
+        self.groups_of_stage = []
         for k in range(n):
             g = self.groups[layout_probe.stage_group(k)]
+            self.groups_of_stage.append(g)
             c = sim.costs.stage(starts, ends, k == 0, k == n - 1, g, config.tp, config.dp,
-                                config.microbatch_size, config.pp, links=sim.links(g, config.tp, config.dp))
-            busy = c.fwd + c.bwd
+                                config.microbatch_size, config.pp, links=sim.links(g, config.tp, config.dp), **base)
+            busy = c.fwd + c.bwd * bwd_floor
             limit = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in g)
-            fits = c.static_memory + flight[k] * c.activation <= limit
+            need = c.static_memory + flight[k] * c.activation
+            fits = need <= limit
+            self.memory_need[k] = np.where(valid, need / limit, INF)
             self.time[k] = np.where(valid & fits, busy, INF)
+            chain = c.fwd if config.schedule == "zero_bubble" else busy
+            self.chain[k] = np.where(valid & fits, chain, INF)
         # A stage needs at least one block: stage k starts at >= k and ends at <= L - (n - 1 - k).
-        for k in range(n):
-            self.time[k, :k, :] = INF
-            self.time[k, :, L - (n - 1 - k) + 1:] = INF
-            if k == 0:
-                self.time[k, 1:, :] = INF
-            if k == n - 1:
-                self.time[k, :, :L] = INF
+        for table in (self.time, self.chain, self.memory_need):
+            for k in range(n):
+                table[k, :k, :] = INF
+                table[k, :, L - (n - 1 - k) + 1:] = INF
+                if k == 0:
+                    table[k, 1:, :] = INF
+                if k == n - 1:
+                    table[k, :, :L] = INF
+        self.m = config.num_microbatches
+        self.interleaved = config.stages_per_rank > 1
+        self.positions = [layout_probe.stage_group(k) for k in range(n)]
         self.cells = n * L * (L + 1) // 2
 
     def minmax(self) -> float:
@@ -103,6 +130,55 @@ class SplitTables:
             if split is not None and split not in out:
                 out.append(split)
         return out
+
+    def least_memory_need(self) -> float:
+        """The smallest (need / limit) any split can reach on its worst stage (> 1: nothing fits)."""
+        best = self.memory_need[0, 0, :].copy()
+        for k in range(1, self.n):
+            best = np.min(np.maximum(best[:, None], self.memory_need[k]), axis=0)
+        return float(best[self.L])
+
+    def splits_below(self, threshold: Callable[[], float]) -> Iterator[List[Tuple[int, int]]]:
+        """Every split whose lower bound on the pipeline's makespan is below `threshold()` (table
+        units, read again as the caller's incumbent improves), cheapest-looking first.
+
+        The bound: a stage (non-interleaved) cannot start before the first micro-batch has passed
+        every stage before it, then runs its m forwards and backwards one after another, and after
+        its last backward the gradient still travels back through the earlier stages:
+            makespan >= sum_{k<j} chain_k + m * busy_j.
+        Interleaved ranks run all their virtual stages' work: makespan >= m * sum of their busy.
+        Partial splits carry the max over their stages so far, which only grows."""
+        n, L, m = self.n, self.L, self.m
+        load = [0.0] * (max(self.positions) + 1)
+
+        def extend(k: int, start: int, prefix: float, bound: float, spans: List[Tuple[int, int]]):
+            if k == n:
+                yield list(spans)
+                return
+            ends = range(start + 1, L - (n - 1 - k) + 1) if k < n - 1 else (L,)
+            options = []
+            for e in ends:
+                busy = self.time[k, start, e]
+                if not np.isfinite(busy):
+                    continue
+                if self.interleaved:
+                    pos = self.positions[k]
+                    b = max(bound, m * (load[pos] + busy))
+                else:
+                    b = max(bound, prefix + m * busy)
+                options.append((b, e, busy))
+            options.sort()
+            for b, e, busy in options:
+                if b >= threshold():
+                    break
+                pos = self.positions[k]
+                load[pos] += busy
+                spans.append((start, e))
+                yield from extend(k + 1, e, prefix + float(self.chain[k, start, e]), b, spans)
+                spans.pop()
+                load[pos] -= busy
+
+        yield from extend(0, 0, 0.0, 0.0, [])
 
     def even_split(self) -> List[Tuple[int, int]]:
         b = [round(i * self.L / self.n) for i in range(self.n + 1)]
