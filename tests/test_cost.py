@@ -82,7 +82,8 @@ def test_gpipe_memory_grows_with_microbatches_1f1b_does_not():
     g = [sim.evaluate(pipeline(spans, m=m, schedule="gpipe")).memory_bytes[0] for m in (4, 8, 16)]
     o = [sim.evaluate(pipeline(spans, m=m, schedule="1f1b")).memory_bytes[0] for m in (4, 8, 16)]
     assert g[0] < g[1] < g[2]
-    assert o[0] == o[1] == o[2]
+    # m=4 on pp=4: every forward of position 0 runs before its first backward, when no gradient exists yet
+    assert o[0] < o[1] == o[2]
     # 1F1B keeps p - i micro-batches on stage i (the last also holds the head's weights)
     mems = sim.evaluate(pipeline(spans, m=16)).memory_bytes
     assert mems[0] > mems[1] > mems[2] and mems[1] > mems[3]

@@ -62,28 +62,32 @@ def attention_core_flops_per_token(meta) -> float:
 
 def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int) -> Dict[str, Any]:
     """static_state_bytes by kind: weights (fp32 master, plus FSDP2's unsharded compute copy),
-    gradients (fp32, sharded under FSDP, plus its unsharded accumulation) and optimizer (two fp32
-    moments)."""
+    gradients (the most that exist at once) and optimizer (two fp32 moments). FSDP2 with more
+    than one micro-batch accumulates unsharded fp32 gradients until the step's last backward and
+    frees them as it reduce-scatters them into 4/dp-byte shards; with one micro-batch each block's
+    gradient is reduce-scattered as it is made: only the shards accumulate."""
     p = params_per_rank
     if dp_mode == "fsdp" and dp > 1:
-        unsharded_grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 0.0
-        return {"weights": p * (4.0 / dp + bytes_per_value), "gradients": p * (4.0 / dp + unsharded_grads),
-                "optimizer": p * 8.0 / dp}
+        grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 4.0 / dp
+        return {"weights": p * (4.0 / dp + bytes_per_value), "gradients": p * grads, "optimizer": p * 8.0 / dp}
     return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
+
+
+def peak_bytes(static, gradients, activations_before_grads, activations_with_grads):
+    """A rank's peak: its static memory (`gradients` included) less the gradients, plus the larger of
+    the activations held before its first backward (the step's zero_grad(set_to_none) left no
+    gradient: GPipe's and warm-up's peak) and the gradients beside what is held after it (1F1B's
+    steady state, or the step's end)."""
+    return static - gradients + max(activations_before_grads, gradients + activations_with_grads)
 
 
 def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int):
     """Weights, gradients and AdamW state per rank (params_per_rank: what a rank computes with,
-    before dp sharding; may be an array). FSDP2 as the runtime applies it under torch pipelining:
-    16 bytes/param sharded over dp, the unsharded compute weights held all step
-    (reshard_after_forward=False: pipelining runs many forwards), and -- with more than one
-    micro-batch -- unsharded gradients accumulated in float32 until the step's last backward
-    (the pipeline stage turns gradient sync off for the earlier ones); one micro-batch reduces each
-    block's gradient as it is made. Replicate / no dp: 16 bytes/param whole."""
-    if dp_mode == "fsdp" and dp > 1:
-        unsharded_grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 0.0
-        return params_per_rank * (STATE_BYTES_PER_PARAM / dp + bytes_per_value + unsharded_grads)
-    return params_per_rank * STATE_BYTES_PER_PARAM
+    before dp sharding; may be an array): the sum of state_split. FSDP2 as the runtime applies it
+    under torch pipelining: weights and moments sharded over dp, the unsharded compute weights held
+    all step (reshard_after_forward=False: pipelining runs many forwards), gradients as
+    state_split says. Replicate / no dp: 16 bytes/param whole."""
+    return sum(state_split(params_per_rank, dp, dp_mode, bytes_per_value, microbatches).values())
 
 
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "workspace")

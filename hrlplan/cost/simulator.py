@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hrlplan.cost import memory as mem
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
@@ -151,11 +152,13 @@ class Simulator:
             pos_reduce[layout.stage_group(k)] += c.last_bwd_extra
         pos_sync = [0.0] * layout.pp
         pos_static = [0.0] * layout.pp
+        pos_grads = [0.0] * layout.pp
         pos_opt = [0.0] * layout.pp
         for k, c in enumerate(stage_costs):
             pos = layout.stage_group(k)
             pos_sync[pos] += c.dp_sync
             pos_static[pos] += c.static_memory
+            pos_grads[pos] += c.memory["gradients"] if c.memory else 0.0
             pos_opt[pos] += c.optimizer
         # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
         fixed = ov.optimizer_fixed(layout.dp, layout.tp)
@@ -172,11 +175,14 @@ class Simulator:
         scale = self.devices.time_scale
         step = (max(f + collectives + opt for f, opt in zip(finish, pos_opt)) + ov.step) * scale
 
-        # Memory: static + activations the schedule holds + the largest transient (one block's forward).
+        # Memory: static + activations the schedule holds + the largest transient (one block's forward);
+        # gradients only from a position's first backward on (cost.memory.peak_bytes)
+        pos_need = [mem.peak_bytes(pos_static[p], pos_grads[p], tl.peak_before_grads[p], tl.peak_with_grads[p])
+                    for p in range(layout.pp)]
         memory: Dict[int, float] = {}
         worst: Optional[tuple] = None
         for pos, group in enumerate(layout.groups):
-            need = pos_static[pos] + tl.peak_activation[pos]
+            need = pos_need[pos]
             for d in group:
                 memory[d] = need
                 limit = self.devices.memory_limit(d, o.memory_margin)
@@ -233,7 +239,7 @@ class Simulator:
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,
                     # > 0: the durations above are alone, slowed by the ranks busy (simulate_shared_timeline)
                     "shared_cores_contention": ov.contention if shared_cores else 0.0,
-                    "peak_memory_bytes": pos_static[layout.stage_group(k)] + tl.peak_activation[layout.stage_group(k)],
+                    "peak_memory_bytes": pos_need[layout.stage_group(k)],
                 })
         return res
 

@@ -10,7 +10,7 @@ operation; simulating a plan is then one pass over that order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
@@ -259,6 +259,10 @@ class TimelineResult:
     busy: List[float]               # per position: compute time
     peak_activation: List[float]    # per position: activation bytes held at the worst moment
     last_backward: List[float]      # per position: duration of its final B (+W) (overlap window)
+    # per position: the activation peak before its first backward (gradients do not exist yet: the
+    # step began with zero_grad(set_to_none)) and after it (gradients held beside the activations)
+    peak_before_grads: List[float] = field(default_factory=list)
+    peak_with_grads: List[float] = field(default_factory=list)
 
 
 class _Ledger:
@@ -270,6 +274,7 @@ class _Ledger:
         self.f_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
         self.b_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
         self.free, self.busy, self.held, self.peak, self.last_b = ([0.0] * pp for _ in range(5))
+        self.peak_pre, self.peak_post, self.backed = [0.0] * pp, [0.0] * pp, [False] * pp
         self.keep = ZB_W_ACTIVATION_SHARE if schedule == "zero_bubble" else 0.0
         self.activation, self.trace = activation, trace
 
@@ -277,6 +282,8 @@ class _Ledger:
         self.held[pos] += self.activation[k]
         if self.held[pos] > self.peak[pos]:
             self.peak[pos] = self.held[pos]
+        side = self.peak_post if self.backed[pos] else self.peak_pre
+        side[pos] = max(side[pos], self.held[pos])
 
     def finish(self, pos: int, kind: int, k: int, j: int, start: float, end: float) -> None:
         dur = end - start
@@ -290,13 +297,15 @@ class _Ledger:
             self.b_end[k][j] = end
             self.held[pos] -= self.activation[k] * (1.0 - self.keep)
             self.last_b[pos] = dur
+            self.backed[pos] = True
         else:
             self.held[pos] -= self.activation[k] * self.keep
             self.last_b[pos] += dur
 
     def result(self) -> TimelineResult:
         return TimelineResult(makespan=max(self.free), end=self.free, busy=self.busy, peak_activation=self.peak,
-                              last_backward=self.last_b)
+                              last_backward=self.last_b, peak_before_grads=self.peak_pre,
+                              peak_with_grads=self.peak_post)
 
 
 def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,

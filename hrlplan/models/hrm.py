@@ -333,7 +333,8 @@ def introspect_hrm(arch: Dict[str, Any], seq_len: Optional[int] = None):
     step; H blocks run L_cycles times less often, so their per-token FLOPs are divided by
     L_cycles: block_repeats * sum(block FLOPs) is then exactly one ACT step's forward.
     Activation bytes are per block for the one pass whose activations backward keeps (one-step
-    gradient), including SDPA's attention matrix as the CPU math kernel stores it (an upper bound).
+    gradient), as measured with autograd's saved-tensor hooks (tests/test_memory_guide.py): SDPA's
+    fused kernels (CPU and GPU) keep their output and a log-sum-exp per head, never the scores.
     extra['train_flops_per_token'] counts a training step exactly: two forwards (the ACT target-Q
     pass repeats the inner model) and a backward through one cycle only."""
     from hrlplan.model_meta import ModelMeta
@@ -353,9 +354,10 @@ def introspect_hrm(arch: Dict[str, Any], seq_len: Optional[int] = None):
     repeats = max(1, config.H_cycles * config.L_cycles)
     matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, CastedLinear)) for _, _, b in blocks]
     single_pass = [2.0 * mm + 4.0 * S * hidden for mm in matmul]      # weights + QK^T and AV
-    # Per token per block kept for backward: qkv in/out, rotated q/k, attention out, 2 norms
-    # (in+out), MLP in, gate/up, silu, product: 12h + 4I elements, plus heads*S attention probs.
-    block_act = float((12 * hidden + 4 * inter + heads * S) * act_bytes)
+    # Per token per block kept for backward: the qkv projection's input and output, rotated q/k,
+    # SDPA's output (+ a float32 log-sum-exp per head), o_proj's input, the two norms' inputs, the
+    # MLP's input, gate/up, silu and product: 10h + 4I elements (measured, see the docstring).
+    block_act = float((10 * hidden + 4 * inter) * act_bytes + 4 * heads)
 
     puzzle_table = inner.puzzle_emb.weights.numel() if config.puzzle_emb_ndim > 0 else 0
     embedding = sum(p.numel() for n, p in inner.named_parameters() if n.startswith(("embed_tokens", "embed_pos")))
@@ -405,19 +407,33 @@ FULL_SIZE_BATCHES = (768, 512, 384, 256, 128, 64, 32, 16, 8)   # 768: HRM's cfg_
 
 
 def estimate_hrm_memory(arch: Dict[str, Any], global_batch_size: int, world_size: int = 1,
-                        seq_len: Optional[int] = None) -> Dict[str, float]:
-    """Peak bytes per device for training: fp32 weights, grads, AdamW moments (the puzzle table
-    has no grad or moments), kept activations of the gradient cycle, one no-grad block's working
-    set, allocator slack and the CUDA context."""
+                        seq_len: Optional[int] = None, dp_mode: str = "fsdp", cuda: bool = True) -> Dict[str, float]:
+    """Peak bytes per device while training, by kind, and `tensors` (what torch allocates: compare it
+    with torch.cuda.max_memory_allocated, or runtime.memory's live tensors on the CPU).
+
+    The peak is the larger of the forward's end -- weights, AdamATan2's two fp32 moments, the gradient
+    cycle's kept activations and the no-grad target-Q forward's working set (one block's worth);
+    zero_grad(set_to_none) freed the gradients -- and the optimizer step (weights, moments,
+    gradients). FSDP (one unit for the whole model) shards weights, gradients and moments over the
+    ranks and keeps one unsharded copy of the weights through forward and backward; the puzzle
+    table is a buffer, whole on every rank, without gradients or moments. `total` adds the
+    allocator's slack (ALLOCATOR_SLACK) and, on CUDA, the context (CUDA_CONTEXT_BYTES)."""
     meta = introspect_hrm(arch, seq_len)
     puzzle = meta.extra["puzzle_emb_params"]
     dense = meta.total_params - puzzle
-    states = 4.0 * meta.total_params + 12.0 * dense
+    shards = max(1, world_size) if dp_mode == "fsdp" else 1
+    unsharded = 4.0 * dense if shards > 1 else 0.0
+    weights = 4.0 * puzzle + 4.0 * dense / shards + unsharded
+    moments = 8.0 * dense / shards
+    grads = 4.0 * dense / shards + unsharded
     tokens = -(-int(global_batch_size) // max(1, world_size)) * meta.seq_len
     kept = tokens * (sum(meta.block_activation_bytes_per_token) + meta.head_activation_bytes_per_token)
     transient = tokens * max(meta.block_activation_bytes_per_token)
-    total = ALLOCATOR_SLACK * (states + kept + transient) + CUDA_CONTEXT_BYTES
-    return {"states": states, "activations": kept + transient, "context": float(CUDA_CONTEXT_BYTES), "total": total}
+    tensors = weights + moments + max(kept + transient, grads)
+    context = float(CUDA_CONTEXT_BYTES) if cuda else 0.0
+    return {"weights": weights, "gradients": grads, "optimizer": moments, "activations": kept + transient,
+            "states": weights + moments + grads, "tensors": tensors, "context": context,
+            "total": ALLOCATOR_SLACK * tensors + context}
 
 
 def recommend_hrm_size(device_memory_bytes: float) -> Dict[str, Any]:

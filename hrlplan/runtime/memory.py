@@ -296,3 +296,20 @@ def add_to_plan_info(run_dir, rows: Sequence[Dict[str, float]], predicted_split:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(info, indent=1, default=float))
     os.replace(tmp, path)
+
+
+def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn() runs, tensors in
+    `exclude` (parameters) left out: what a forward really keeps, kernel by kernel (e.g. a
+    composite GELU keeps four tensors where a fused one keeps its input)."""
+    skip = {id(st) for t in exclude for st in _storages(t)}
+    kept: Dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for st in _storages(t):
+            if id(st) not in skip:
+                kept.setdefault(id(st), st)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(st.nbytes() for st in kept.values())
