@@ -321,12 +321,14 @@ def sharded_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) ->
     columns (a vocabulary-parallel head, tensor_parallel.shard_vocabulary), `targets` the whole
     (replicated) token ids. Under torch's loss_parallel() -- which the caller enters around forward
     and backward -- the cross entropy reduces per-token maxima and sums over `mesh` instead of
-    gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`."""
+    gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`; not a
+    view of the DTensor's local tensor (to_local's output is one), because zero-bubble schedules
+    detach the loss in place after its input-gradient pass, which a view refuses."""
     from torch.distributed.tensor import DTensor, Shard
 
     local = logits.reshape(-1, logits.size(-1)).float()
     sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
-    return F.cross_entropy(sharded, targets.reshape(-1)).to_local()
+    return F.cross_entropy(sharded, targets.reshape(-1)).to_local().clone()
 
 
 class HFStage(nn.Module):

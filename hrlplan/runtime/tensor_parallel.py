@@ -152,9 +152,24 @@ def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh) -> bool:
     parallelize_module(part, tp_mesh, plan)
     if tied:   # each style distributed its own copy; the head takes the embedding's sharded Parameter
         head.weight = embedding.weight
+    if embedding is not None:
+        embedding.weight.register_hook(_as_sharded_grad)
     if head is not None:
         part.loss_mesh = tp_mesh
     return True
+
+
+def _as_sharded_grad(grad: torch.Tensor) -> torch.Tensor:
+    """DTensor has no row-sharded embedding backward (torch 2.13): it computes the whole vocab x
+    hidden gradient, replicated, on every tp rank. Keep this rank's rows (a local slice, no
+    communication), so the gradient is laid out as the weight is: the tied-weight all-reduce across
+    stages and the optimizer then see vocab/tp rows. FSDP2 does the same slicing for its own
+    parameters, so this hook matters where no FSDP wraps the stage."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(grad, DTensor) and grad.placements != (Shard(0),):
+        return grad.redistribute(placements=[Shard(0)])
+    return grad
 
 
 def loss_context(parts) -> object:
