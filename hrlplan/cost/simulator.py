@@ -236,10 +236,14 @@ class Simulator:
                     "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
                     "dp_sync_s": c.dp_sync * scale, "params": c.params,
                     "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
+                    "static_split_bytes": {key: float(v) for key, v in (c.memory or {}).items()},
                     "busy_s": tl.busy[layout.stage_group(k)] * scale,
                     # > 0: the durations above are alone, slowed by the ranks busy (simulate_shared_timeline)
                     "shared_cores_contention": ov.contention if shared_cores else 0.0,
                     "peak_memory_bytes": pos_need[layout.stage_group(k)],
+                    # the position's activations held before its first backward and after it (beside gradients)
+                    "activation_peak_before_grads": tl.peak_before_grads[layout.stage_group(k)],
+                    "activation_peak_with_grads": tl.peak_with_grads[layout.stage_group(k)],
                 })
         return res
 
