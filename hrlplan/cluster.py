@@ -121,6 +121,49 @@ class ClusterSpec:
         return f"{self.name}: {self.world_size} workers on {self.nnodes} node(s) ({types}), backend {self.backend}"
 
 
+# ---------------------------------------------------------------- node-level links
+def node_bandwidth(spec: ClusterSpec) -> List[List[float]]:
+    """nodes x nodes: the slowest measured (or preset) link between any two of their devices,
+    bytes/s; the diagonal is the node's own slowest intra-node link (inf for one device)."""
+    n = spec.nnodes
+    out = [[float("inf")] * n for _ in range(n)]
+    for a in spec.devices:
+        for b in spec.devices:
+            if a.rank != b.rank:
+                out[a.node][b.node] = min(out[a.node][b.node], spec.bw(a.rank, b.rank))
+    return out
+
+
+def node_orders(spec: ClusterSpec, limit: int = 4) -> List[List[int]]:
+    """Up to `limit` orders of the nodes for a pipeline chain, best first: the slowest link between
+    neighbours as high as possible, then the sum of the neighbours' bandwidths. The node order comes
+    first among equals, so a cluster with uniform links keeps it. A planner that lays stages out
+    in node order crosses a slow link (a shaped or oversubscribed uplink) needlessly when another
+    order avoids it. Exhaustive up to 8 nodes; beyond, a greedy chain along the fastest links."""
+    import itertools
+
+    n = spec.nnodes
+    bw = node_bandwidth(spec)
+    if n <= 2:
+        return [list(range(n))]
+
+    def score(order):
+        links = [bw[a][b] for a, b in zip(order, order[1:])]
+        return (-min(links), -sum(links))
+
+    if n <= 8:
+        # the reversed chain is the same pipeline run backwards: keep the first of each pair
+        orders = [list(p) for p in itertools.permutations(range(n)) if p[0] < p[-1]]
+        orders.sort(key=score)      # stable: node order wins ties
+        return orders[:limit]
+    order, left = [0], set(range(1, n))
+    while left:
+        nxt = max(sorted(left), key=lambda b: bw[order[-1]][b])
+        order.append(nxt)
+        left.remove(nxt)
+    return [order, list(range(n))][:limit] if order != list(range(n)) else [order]
+
+
 # ---------------------------------------------------------------- presets
 def spec_from_preset(cfg: Any) -> ClusterSpec:
     """A ClusterSpec from cluster.node_groups (conf/cluster/*.yaml presets)."""
