@@ -1,4 +1,4 @@
-"""`hrlplan` command line: doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | ...
+"""`hrlplan` command line: doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | memory-guide | ...
 
 Each subcommand is a thin shell over a library function; errors a user can fix print one line
 (`hrlplan: error: ...`) and exit 2, without a traceback.
@@ -25,6 +25,12 @@ def _introspect_model(args: argparse.Namespace) -> None:
     meta.save(args.out)
     print(json.dumps({"name": meta.name, "total_params": meta.total_params, "n_layer": meta.n_layer,
                       "training_flops_per_token": meta.training_flops_per_token(), "out": args.out}, indent=1))
+
+
+def _memory_guide(args: argparse.Namespace) -> None:
+    from hrlplan.memory_guide import main
+
+    main([a for a in args.rest if a != "--"])
 
 
 def _delegate(module: str, func: str):
@@ -103,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="also write the results as a TSV file")
     s.set_defaults(func=_delegate("hrlplan.doctor", "doctor_cli"))
 
+    s = sub.add_parser("memory-guide", help="what fits each memory size: HRM shapes and batch, or an LM plan's "
+                                            "micro-batch and recompute per stage", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER, help="arch=hrm ... (see hrlplan memory-guide --help)")
+    s.set_defaults(func=_memory_guide)
+
     s = sub.add_parser("evaluate", help="load an HRM checkpoint; report exact accuracy on the test split")
     s.add_argument("checkpoint")
     s.add_argument("--data-path", default=None)
@@ -111,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["memory-guide"]:   # its own parser: options (--help too) may come first
+        argv = ["memory-guide", "--", *argv[1:]] if len(argv) > 1 else argv
     args = build_parser().parse_args(argv)
     from hrlplan.errors import UserError
 

@@ -106,7 +106,8 @@ def _stage_lists(plan):
 
 def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
     """Per rank of a plan: the simulator's peak (`total`, what plan.meta.predicted.memory_bytes_per_rank
-    holds), its split (MEMORY_KEYS; activations are the schedule's worst moment) and `tensors`, the
+    holds), its split at that moment (MEMORY_KEYS: gradients 0 when the peak comes before the first
+    backward; activations what the schedule holds then) and `tensors`, the
     total less the workspace reserve: what torch allocates, comparable with a measured peak
     (torch.cuda.max_memory_allocated, or live tensor storages on the CPU)."""
     from hrlplan.cost.model import CostOptions
@@ -114,8 +115,11 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
     from hrlplan.cost.simulator import Simulator
 
     sim = Simulator(meta, cluster, opts or CostOptions())
-    totals = predict_any_plan(plan, meta, cluster, sim=sim)["memory_bytes_per_rank"]
+    predicted = predict_any_plan(plan, meta, cluster, sim=sim)
+    totals = predicted["memory_bytes_per_rank"]
     devices = rank_devices(plan)
+    held = {d: (st.get("activation_peak_before_grads", 0.0), st.get("activation_peak_with_grads", 0.0))
+            for st in predicted.get("stages") or [] for d in st["devices"]}
     out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(plan.world_size)]
     for stages, ranks, dp, m, mbs in _stage_lists(plan):
         n = len(stages)
@@ -128,6 +132,10 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
                     out[r][key] += float(value)
     for r, row in enumerate(out):
         row["total"] = float(totals[r])
-        row["activations"] = max(row["total"] - sum(row[k] for k in MEMORY_KEYS if k != "activations"), 0.0)
+        before, after = held.get(devices[r], (0.0, 0.0))
+        if before >= row["gradients"] + after:
+            row["gradients"] = 0.0   # the peak comes before the first backward: no gradient exists yet
+        rest = sum(row[k] for k in MEMORY_KEYS if k != "activations")
+        row["activations"] = max(row["total"] - rest, 0.0)
         row["tensors"] = row["total"] - row["workspace"]
     return out

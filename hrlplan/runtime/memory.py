@@ -313,3 +313,4 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(st.nbytes() for st in kept.values())
+

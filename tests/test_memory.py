@@ -1,0 +1,196 @@
+"""Measured memory (runtime/memory.py) against torch's own accounting, and each term of the cost
+model's memory against the measurement on the CPU (issue 19.3, 25.4)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hrlplan.cluster import ClusterSpec, DeviceInfo
+from hrlplan.cost import memory as cm
+from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.simulator import Simulator
+from hrlplan.plan import homogeneous_plan
+from hrlplan.runtime.memory import LiveStorageTracker, MemoryMeter, memory_metrics, saved_activation_bytes
+
+MiB = 2 ** 20
+
+
+def cpu_cluster(n=1) -> ClusterSpec:
+    devs = [DeviceInfo(rank=i, node=0, local_rank=i, hostname="n0", kind="cpu", name="cpu", memory_bytes=64 * 2 ** 30,
+                       peak_flops=1e11, peak_dtype="fp32") for i in range(n)]
+    return ClusterSpec(name="cpu", devices=devs, backend="gloo", source="preset", intra_node_bw=[1e10])
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randn(64, 256)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()   # moments exist from here on
+    return model, opt, step
+
+
+def test_tracker_equals_torch_mem_tracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, opt, step = _mlp_step()
+    meter = MemoryMeter(torch.device("cpu"), lambda: ([model], [opt]))
+    for _ in range(3):   # only the first MEASURED_STEPS are tracked
+        with meter.step():
+            step()
+    mine = meter.result()
+    theirs = MemTracker()
+    theirs.track_external(model, opt)
+    with theirs:
+        step()
+    snap = {str(k).split(".")[-1]: v for k, v in theirs.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert mine["peak"] == snap["Total"]
+    assert mine["weights"] == snap["PARAM"] == params
+    assert mine["gradients"] == snap["GRAD"] == params
+    assert mine["optimizer"] == 2 * params + 4 * len(opt.state)   # two moments and a float32 step each
+    assert sum(mine[k] for k in ("weights", "gradients", "optimizer", "activations", "other")) == mine["peak"]
+
+
+def test_tracker_follows_storage_resizes_and_frees():
+    tracker = LiveStorageTracker("cpu", lambda: ([], []))
+    with tracker:
+        a = torch.empty(1024)   # 4 KiB
+        a.untyped_storage().resize_(0)    # how FSDP2 frees an unsharded parameter
+        a.untyped_storage().resize_(8192)
+        b = torch.empty(256)
+        del a, b
+    assert tracker.peak == 8192 + 1024 and tracker.current == 0
+
+
+def test_memory_metrics_names():
+    out = memory_metrics([{"peak": 2 * 2 ** 30, "weights": 2 ** 30}, {"peak": 2 ** 30}], predicted=[2 ** 31, 2 ** 30])
+    assert out["memory/peak_gib"] == 2.0 and out["memory/rank0/weights_gib"] == 1.0
+    assert out["memory/rank1/predicted_gib"] == 1.0
+
+
+def _measure_lm(arch="gpt2-tiny", batch=8):
+    """One stage, one micro-batch of `batch` rows: the measured peak split, and the model's meta with
+    its block activations as autograd's saved-tensor hooks count them on this model."""
+    from hrlplan.config import compose
+    from hrlplan.model_meta import introspect
+    from hrlplan.models.hf import causal_lm_loss, hf_layout
+    from hrlplan.runtime.trainer import build_full_model, make_optimizer
+
+    cfg = compose([f"arch={arch}"])
+    seq = int(cfg["data"]["seq_len"])
+    model = build_full_model(cfg["arch"], 0)
+    opt = make_optimizer(model, cfg["train"])
+    x = torch.randint(0, model.config.vocab_size, (batch, seq))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        causal_lm_loss(model(input_ids=x).logits, x).backward()
+        opt.step()
+    step()
+    meter = MemoryMeter(torch.device("cpu"), lambda: ([model], [opt]))
+    with meter.step():
+        step()
+    layout = hf_layout(model)
+    block = getattr(layout.base, layout.blocks_attr)[0]
+    hidden = torch.randn(batch, seq, block.ln_1.normalized_shape[0] if hasattr(block, "ln_1") else 64,
+                         requires_grad=True)
+    kept = saved_activation_bytes(lambda: block(hidden), exclude=list(block.parameters())) / (batch * seq)
+    meta = introspect(cfg["arch"], seq_len=seq)
+    scores = 5.0 * meta.num_heads * meta.seq_len   # the memory model drops them for SDPA
+    measured_meta = dataclasses.replace(meta, block_activation_bytes_per_token=[kept / 2 + scores] * meta.n_layer)
+    return meter.result(), meta, measured_meta, batch
+
+
+def test_each_memory_term_against_the_measured_peak():
+    measured, meta, measured_meta, batch = _measure_lm()
+    plan = homogeneous_plan("gpt2-tiny", meta.n_layer, [(0, meta.n_layer)], dp=1, tp=1, microbatch_size=batch,
+                            num_microbatches=1, schedule="1f1b")
+    opts = CostOptions(bytes_per_value=4)
+    row = cm.plan_memory(plan, measured_meta, cpu_cluster(), opts)[0]
+    # weights and AdamW's moments: exact; gradients: none at the peak (it comes before the first backward)
+    assert row["weights"] == pytest.approx(measured["weights"], rel=0.02)
+    assert row["optimizer"] == pytest.approx(measured["optimizer"], rel=0.02)
+    assert row["gradients"] == 0.0 and measured["gradients"] < 0.1 * measured["weights"]
+    assert row["tensors"] == pytest.approx(row["weights"] + row["optimizer"] + row["activations"], rel=1e-6)
+    # activations with the block's real saved tensors, the head's logits and the schedule's in-flight count
+    assert row["activations"] == pytest.approx(measured["activations"], rel=0.10)
+    assert row["tensors"] == pytest.approx(measured["peak"], rel=0.10)
+
+
+def test_gradients_count_only_after_the_first_backward():
+    """GPipe (and 1F1B warm-up) reach their activation peak before any gradient exists."""
+    meta = dataclasses.replace(_toy_meta(), block_activation_bytes_per_token=[1.0] * 4)   # weights dominate
+    sim = Simulator(meta, cpu_cluster(2), CostOptions())
+    spans = ((0, 2), (2, 4))
+
+    def need(schedule, m):
+        layout = Layout(spans=spans, groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=m,
+                        schedule=schedule)
+        return sim.evaluate(layout, detail=True)
+    gpipe, one_f = need("gpipe", 4), need("1f1b", 4)
+    for res in (gpipe, one_f):
+        static = [s["static_bytes"] for s in res.stages]
+        # with negligible activations, each rank's peak is its whole static state (gradients at the step's end)
+        assert [res.memory_bytes[d] for d in (0, 1)] == pytest.approx(static, rel=1e-3)
+    assert cm.peak_bytes(100.0, 20.0, 50.0, 10.0) == 130.0    # before the first backward: no gradients
+    assert cm.peak_bytes(100.0, 20.0, 10.0, 10.0) == 110.0    # after it: gradients beside what is held
+
+
+def test_fsdp_holds_unsharded_gradients_only_with_micro_batches():
+    one = cm.state_split(1000, 4, "fsdp", 4, microbatches=1)
+    many = cm.state_split(1000, 4, "fsdp", 4, microbatches=4)
+    assert one["gradients"] == 1000.0 and many["gradients"] == 4000.0
+    assert one["weights"] == many["weights"] == 1000 * (4 / 4 + 4)   # shard + unsharded compute copy
+    assert cm.state_split(1000, 4, "replicate", 4, 4) == {"weights": 4000.0, "gradients": 4000.0, "optimizer": 8000.0}
+    assert cm.static_state_bytes(1000, 1, "fsdp", 4, 1) == 1000 * cm.STATE_BYTES_PER_PARAM
+
+
+def test_reference_without_clipping():
+    from hrlplan.config import compose
+    from hrlplan.runtime.reference import train_single_process
+
+    for clip in ("null", "0"):
+        out = train_single_process(compose(["arch=gpt2-tiny", f"train.grad_clip={clip}", "train.steps=2"]), 2)
+        assert out[1]["loss"] < out[0]["loss"]   # 0 no longer zeroes every gradient
+
+
+def _toy_meta():
+    from hrlplan.model_meta import ModelMeta
+
+    block = 12 * 64 * 64
+    return ModelMeta(
+        name="toy", family="hf", model_type="gpt2", n_layer=4, hidden_size=64, num_heads=4, seq_len=16,
+        vocab_size=100, total_params=4 * block + 2 * 6400, embedding_params=6400, head_params=6400,
+        block_params=[block] * 4, block_matmul_params=[block] * 4, head_matmul_params=6400,
+        block_flops_fwd_per_token=[2.0 * block] * 4, head_flops_fwd_per_token=0.0,
+        block_activation_bytes_per_token=[34.0 * 64] * 4, head_activation_bytes_per_token=0.0,
+        tied_embeddings=False, first_stage_modules=["wte"], last_stage_modules=["lm_head"],
+        block_modules=[f"h.{i}" for i in range(4)])
+
+
+@pytest.mark.slow
+def test_training_logs_measured_memory_per_rank(tmp_path):
+    """dp2 FSDP and pp2 1F1B trained for real: memory/peak_gib per rank in metrics.jsonl, the
+    measured split beside the predicted one in plan_info.json; weights and moments as predicted."""
+    from tests._runs import run_plan
+    from hrlplan.runtime.metrics import read_metrics
+
+    for name, spans, dp in (("dp2", [(0, 6)], 2), ("pp2", [(0, 3), (3, 6)], 1)):
+        d = tmp_path / name
+        d.mkdir()
+        run_plan(d, spans, dp=dp, schedule="1f1b", steps=3, microbatches=2)
+        rows = read_metrics(d / "run")
+        assert rows[-1]["memory/peak_gib"] > 0 and "memory/rank1/peak_gib" in rows[-1]
+        info = json.loads((d / "run" / "plan_info.json").read_text())["memory"]
+        for r in info["per_rank"]:
+            got, want = r["measured_split"], r["predicted_split"]
+            assert got["weights"] == pytest.approx(want["weights"], rel=0.03)
+            assert got["optimizer"] == pytest.approx(want["optimizer"], rel=0.03)
+            assert r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
