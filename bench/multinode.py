@@ -8,8 +8,9 @@ the same SLURM_MN_DIR is restarted with that shape), then runs one 3-node job (o
 hydra-submitit-launcher) per layout, one after another, all with the same global batch:
 the planner's pick (planner=exact, no calibration) and hand-written layouts:
   pp3 in node order (its second boundary crosses the shaped link), pp3 with node1 in the middle
-  (no boundary on the shaped link), pp3 gpipe, dp3 (FSDP's collectives cross every link) and one
-  node alone (the other two idle).
+  (no boundary on the shaped link; torch pipelining refuses pp groups out of rank order today, so
+  it reports the error), pp3 gpipe, dp3 (FSDP's collectives cross every link), pp2 over the fast
+  node1-node2 link and over the shaped node2-node3 link (third node idle), and one node alone.
 Reports each layout's measured median step time (steps after the first) and the planner's
 prediction, and the probe's bandwidth for every node pair against the configured shaping.
 """
@@ -48,6 +49,9 @@ def hand_layouts(global_batch: int):
     }
     one = homogeneous_plan("gpt2-tiny", N_LAYER, [(0, 6)], 1, 1, global_batch, 1, "1f1b")
     out["node1 alone (2 idle)"] = place_on_ranks(one, [0], 3, launch_meta(3))
+    two = homogeneous_plan("gpt2-tiny", N_LAYER, [(0, 3), (3, 6)], 1, 1, global_batch // 4, 4, "1f1b")
+    out["pp2 node1>node2 (node3 idle)"] = place_on_ranks(two, [0, 1], 3, launch_meta(3))
+    out["pp2 node2>node3 (node1 idle)"] = place_on_ranks(two, [1, 2], 3, launch_meta(3))
     for plan in out.values():
         plan.meta.setdefault("launch", launch_meta(3))
     return out
@@ -92,7 +96,8 @@ def main() -> None:
     results = {}
     try:
         results["planner pick"] = run_job(env, work / "planner", args.steps, args.global_batch, [])
-        print(f"planner pick: {results['planner pick']}", flush=True)
+        print(f"planner pick: {results['planner pick'].get('layout', results['planner pick'].get('error'))}",
+              flush=True)
         for name, plan in hand_layouts(args.global_batch).items():
             path = work / f"{len(results)}.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,8 @@ MN_RUN = str(LOCAL_SLURM / "mn-run")
 BOX_DIR = "/tmp/hrlplan-mn-test"
 SHAPE = "node2-node3:rate=1gbit,delay=0.5ms"
 # Own namespace names and /24: a box started by hand (or by bench/multinode.py) may run beside it.
-ENV = dict(os.environ, SLURM_MN_DIR=BOX_DIR, MN_PREFIX="hrlt-", MN_SUBNET="10.213.58", LINK_SHAPE=SHAPE, WANDB_SILENT="true", HF_HUB_OFFLINE="1",
+ENV = dict(os.environ, SLURM_MN_DIR=BOX_DIR, MN_PREFIX="hrlt-", MN_SUBNET="10.213.58", LINK_SHAPE=SHAPE,
+           WANDB_SILENT="true", HF_HUB_OFFLINE="1",
            HRLPLAN_PYTHON=sys.executable)
 RTOL = 1e-5   # a changed reduction order, as in tests/test_elastic.py
 

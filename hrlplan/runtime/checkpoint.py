@@ -205,7 +205,8 @@ def _replan_note(path: Path, parts) -> Optional[Dict[str, str]]:
     if old_hosts != new_hosts:
         reason = f"the job now runs on {len(new_hosts)} node(s) {new_hosts} (was {len(old_hosts)}: {old_hosts})"
     elif len(old) != len(now):
-        reason = f"the job now has {len(now)} worker(s) (was {len(old)}: cluster.nproc_per_node or the allocation changed)"
+        reason = (f"the job now has {len(now)} worker(s) (was {len(old)}: cluster.nproc_per_node or the "
+                  "allocation changed)")
     else:
         reason = "the planner chose another layout for the same workers (probe or settings changed)"
     return {"old": describe_layout(old), "new": describe_layout(now), "reason": reason}
