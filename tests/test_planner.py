@@ -36,6 +36,7 @@ def cpu_probe(n=2):
 def brute_force(meta, cluster, cfg, train):
     sim = Simulator(meta, cluster, cost_options(cfg, train))
     space = SearchSpace(meta, cluster, cfg, train)
+    space.sim = sim   # layouts pick each stage's recomputation as the planners' do
     best = float("inf")
     L = meta.n_layer
     for c in space.configs():

@@ -34,6 +34,7 @@ def every_split(meta, cluster, cfg, train):
     """(step time, layout) of the simulator's best plan by brute force over every split."""
     sim = Simulator(meta, cluster, cost_options(cfg, train))
     space = SearchSpace(meta, cluster, cfg, train)
+    space.sim = sim   # layouts pick each stage's recomputation as the planners' do
     best = (float("inf"), None)
     L = meta.n_layer
     for c in space.configs():

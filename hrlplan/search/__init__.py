@@ -33,6 +33,7 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, A
     if name == "manual":
         return _manual(meta, cluster, cfg, sim, t0)
     space = SearchSpace(meta, cluster, cfg, train_cfg)
+    space.sim = sim
     if name == "exact":
         from hrlplan.search.exact import search_exact
 
@@ -142,6 +143,7 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
                             "microbatch_size, recomputation or bfloat16 -- or planner.allow_over_memory=true to "
                             "run it anyway")
         # a time-only prediction: the same plan with memory left unchecked
+        oom_reason = result.reason
         unchecked = Simulator(meta, cluster, dataclasses.replace(sim.opts, memory_margin=float("inf")))
         memory = result.memory_bytes
         result = unchecked.evaluate(layout_of(plan), detail=True) if plan.uniform_tp and not plan.heterogeneous \
@@ -155,7 +157,8 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
                                                if k != "memory_bytes_per_device"})})
     plan.meta["planner"] = {"name": "manual", "evaluations": 1, "time_s": time.perf_counter() - t0,
                             "plan_file": str(cfg["plan_file"]),
-                            "simulator": "fits" if result.feasible else result.reason}
+                            "simulator": (f"allowed over memory: {oom_reason}" if over_memory else
+                                          "fits" if result.feasible else result.reason)}
     if not over_memory:
         check_fits(plan, cluster, source=str(cfg["plan_file"]))
     info = {"model": meta.name, "cluster": cluster.summary(), "planner": plan.meta["planner"],

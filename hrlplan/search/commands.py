@@ -89,16 +89,22 @@ def render(plan: Plan, info=None) -> str:
         lines.append(f"predicted step {pred.get('step_time_s', 0) * 1e3:.4g} ms, bubble {pred.get('bubble_fraction', 0):.1%}")
     stage_info = {s["stage"]: s for s in (info or {}).get("chosen", {}).get("stages", [])}
     mem = pred.get("memory_bytes_per_rank") or []
-    header = f"{'stage':>5} {'blocks':>10} {'n':>3} {'tp':>3} {'dp':>3} {'ranks':>14} {'device':>12} " \
-             f"{'fwd ms':>9} {'bwd ms':>9} {'mem GiB':>8}"
+    if plan.unused_ranks:
+        lines.append(f"idle ranks (launched, not training: faster without them): {plan.unused_ranks}")
+    header = f"{'stage':>5} {'blocks':>10} {'n':>3} {'tp':>3} {'dp':>3} {'recompute':>9} {'ranks':>14} " \
+             f"{'device':>12} {'fwd ms':>9} {'bwd ms':>9} {'mem GiB':>8}  memory split GiB"
     lines += ["", header, "-" * len(header)]
     for i, s in enumerate(plan.stages):
         si = stage_info.get(i, {})
         ranks = f"{min(s.ranks)}-{max(s.ranks)}" if len(s.ranks) > 1 else str(s.ranks[0])
         peak = max((mem[r] for r in s.ranks if r < len(mem)), default=0) / GiB
-        lines.append(f"{i:>5} {s.token():>10} {s.num_layers:>3} {s.tp:>3} {s.dp:>3} {ranks:>14} "
+        split = dict(si.get("static_split_bytes") or {})
+        if "activation_peak_with_grads" in si or "activation_bytes_per_microbatch" in si:
+            split["activations"] = si.get("peak_memory_bytes", 0) - si.get("static_bytes", 0)
+        split_text = " ".join(f"{k} {v / GiB:.2f}" for k, v in split.items() if v)
+        lines.append(f"{i:>5} {s.token():>10} {s.num_layers:>3} {s.tp:>3} {s.dp:>3} {s.recompute:>9} {ranks:>14} "
                      f"{str(si.get('device_type', '?'))[:12]:>12} {si.get('fwd_s', float('nan')) * 1e3:>9.3f} "
-                     f"{si.get('bwd_s', float('nan')) * 1e3:>9.3f} {peak:>8.2f}")
+                     f"{si.get('bwd_s', float('nan')) * 1e3:>9.3f} {peak:>8.2f}  {split_text}")
     if info:
         b = info.get("chosen", {}).get("breakdown", {})
         if b:

@@ -20,6 +20,7 @@ class PlannerConfigBase:
     # shape and model or measures once; true = also for a manual plan; refresh = measure again and
     # replace the cached one; false = plan from peak FLOP/s and probed links. Presets never calibrate.
     calibrate: Any = "auto"
+    recompute: str = "auto"          # activation recomputation per stage: auto (searched) | none | selective | full
     allow_idle_ranks: bool = True    # a probed job's plan may leave workers idle when that is faster
     allow_over_memory: bool = False  # accept a plan predicted over a device's memory (manual plans)
 

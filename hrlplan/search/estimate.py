@@ -79,7 +79,7 @@ class ConfigEstimator:
         pp, v = c.pp, c.stages_per_rank
         n = pp * v
         flight = in_flight(c.schedule, pp, v, c.num_microbatches)
-        probe = space.layout(c, [(0, 0)] * n)
+        probe = space.layout(c, [(0, 0)] * n, recompute=("none",) * n)
         # Activations in flight per position: a position's blocks can sit in its least-stashed chunk
         # (each other chunk keeps one block), which is what a memory-aware split does.
         chunk_flight: List[List[float]] = [[] for _ in range(pp)]

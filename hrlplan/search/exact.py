@@ -66,10 +66,10 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
     def incumbent_in_table_units() -> float:
         return float("inf") if tracker.best is None else tracker.best.time / scale - step_floor
 
-    def offer(c, spans) -> None:
+    def offer(c, spans, tables) -> None:
         nonlocal simulations
         simulations += 1
-        layout = space.layout(c, spans)
+        layout = space.layout(c, spans, recompute=tables.recompute_of(spans))
         tracker.offer(Scored(layout, sim.evaluate(layout), c))
 
     for c in configs:
@@ -87,12 +87,12 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
             skipped += 1
             continue
         for spans in tables.candidates():
-            offer(c, spans)
+            offer(c, spans, tables)
         for spans in tables.splits_below(incumbent_in_table_units):
             if simulations >= sim_budget:
                 gave_up = f"max_simulations={sim_budget:,} simulator calls in the layer-split search"
                 break
-            offer(c, spans)
+            offer(c, spans, tables)
         if gave_up:
             break
     proven = not gave_up

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
-from hrlplan.plan import Plan, homogeneous_plan
+from hrlplan.errors import UserError
+from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan, stage_to_group
 from hrlplan.search.placement import place_on_ranks
 
 MAX_TYPE_ORDERS = 24
@@ -60,6 +61,8 @@ class SearchSpace:
         self.global_batch = int(train_cfg["global_batch_size"])
         mbs = train_cfg.get("microbatches", "auto")
         self.fixed_microbatches = None if mbs in (None, "auto") else int(mbs)
+        self.recompute_modes = recompute_modes(planner_cfg)
+        self.sim = None   # make_plan binds the simulator: layouts then pick each stage's recomputation
         self.pools = self._pools()
 
     # ------------------------------------------------------------ pools and orders
@@ -151,10 +154,50 @@ class SearchSpace:
         size = c.tp * c.dp
         return tuple(tuple(devs[g * size:(g + 1) * size]) for g in range(c.pp))
 
-    def layout(self, c: Config, spans: Sequence[Tuple[int, int]]) -> Layout:
-        return Layout(spans=tuple((int(a), int(b)) for a, b in spans), groups=self.groups(c), tp=c.tp, dp=c.dp,
-                      microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
-                      schedule=c.schedule, stages_per_rank=c.stages_per_rank)
+    def layout(self, c: Config, spans: Sequence[Tuple[int, int]],
+               recompute: Optional[Sequence[str]] = None) -> Layout:
+        spans = tuple((int(a), int(b)) for a, b in spans)
+        groups = self.groups(c)
+        if recompute is None:
+            recompute = self.choose_recompute(c, spans, groups)
+        return Layout(spans=spans, groups=groups, tp=c.tp, dp=c.dp, microbatch_size=c.microbatch_size,
+                      num_microbatches=c.num_microbatches, schedule=c.schedule, stages_per_rank=c.stages_per_rank,
+                      recompute=tuple(recompute) if any(m != "none" for m in recompute) else ())
+
+    def choose_recompute(self, c: Config, spans, groups) -> Tuple[str, ...]:
+        """Each stage's cheapest recomputation mode whose memory fits (none, selective, full: each
+        only adds backward time) among planner.recompute's; SplitTables applies the same rule."""
+        modes = self.recompute_modes
+        if self.sim is None or modes == ("none",):
+            return (modes[0],) * len(spans)
+        from hrlplan.search.splits import in_flight
+
+        sim, n = self.sim, len(spans)
+        flight = in_flight(c.schedule, c.pp, c.stages_per_rank, c.num_microbatches)
+        out = []
+        for k, (a, b) in enumerate(spans):
+            g = groups[stage_to_group(k, c.pp, c.stages_per_rank, c.schedule)]
+            limit = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in g)
+            chosen = modes[-1]
+            for mode in modes:
+                cost = sim.costs.stage(a, b, k == 0, k == n - 1, g, c.tp, c.dp, c.microbatch_size, c.pp,
+                                       links=sim.links(g, c.tp, c.dp), recompute=mode,
+                                       microbatches=c.num_microbatches)
+                if cost.static_memory + flight[k] * cost.activation <= limit:
+                    chosen = mode
+                    break
+            out.append(chosen)
+        return tuple(out)
+
+
+def recompute_modes(planner_cfg: Dict[str, Any]) -> Tuple[str, ...]:
+    """planner.recompute: auto searches none/selective/full per stage; a mode restricts to it."""
+    value = str(planner_cfg.get("recompute", "auto"))
+    if value == "auto":
+        return RECOMPUTE_MODES
+    if value not in RECOMPUTE_MODES:
+        raise UserError(f"planner.recompute={value} is not one of auto, {', '.join(RECOMPUTE_MODES)}")
+    return (value,)
 
 
 def _divisors(n: int) -> List[int]:
@@ -217,7 +260,7 @@ def _compact_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str,
     return homogeneous_plan(meta.name, meta.n_layer, list(layout.spans), dp=layout.dp, tp=layout.tp,
                             microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
                             schedule=layout.schedule, stages_per_rank=layout.stages_per_rank, meta=plan_meta,
-                            rank_order=rank_order), rank_of
+                            rank_order=rank_order, recompute=list(layout.recompute) or None), rank_of
 
 
 def _plain(x: Any) -> Any:

@@ -49,7 +49,7 @@ class SplitTables:
         starts, ends = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
         valid = ends > starts
         flight = in_flight(config.schedule, config.pp, config.stages_per_rank, config.num_microbatches)
-        layout_probe = space.layout(config, [(0, 0)] * n)
+        layout_probe = space.layout(config, [(0, 1)] * n, recompute=("none",) * n)
         self.stage_group = [layout_probe.stage_group(k) for k in range(n)]
         self.time = np.full((n, L + 1, L + 1), INF)
         # What a stage adds to the path of the first micro-batch down the pipeline and of the last
@@ -68,20 +68,26 @@ class SplitTables:
             if factors is not None:
                 bwd_floor = min(1.0, factors[0] + factors[1])
         self.groups_of_stage = []
+        # Per stage and span, the cheapest recomputation mode whose memory fits (none, then
+        # selective, then full: each only adds backward time), as SearchSpace.layout picks it.
+        modes = space.recompute_modes
+        self.mode = np.zeros((n, L + 1, L + 1), dtype=np.int8)
         for k in range(n):
             g = self.groups[layout_probe.stage_group(k)]
             self.groups_of_stage.append(g)
-            c = sim.costs.stage(starts, ends, k == 0, k == n - 1, g, config.tp, config.dp,
-                                config.microbatch_size, config.pp, links=sim.links(g, config.tp, config.dp), **base)
-            busy = c.fwd + c.bwd * bwd_floor
             limit = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in g)
-            need = c.static_memory + flight[k] * c.activation
-            fits = need <= limit
-            self.memory_need[k] = np.where(valid, need / limit, INF)
-            self.time[k] = np.where(valid & fits, busy, INF)
-            chain = c.fwd if config.schedule == "zero_bubble" else busy
-            self.chain[k] = np.where(valid & fits, chain, INF)
-        # A stage needs at least one block: stage k starts at >= k and ends at <= L - (n - 1 - k).
+            for i in reversed(range(len(modes))):   # the cheapest fitting mode is written last
+                c = sim.costs.stage(starts, ends, k == 0, k == n - 1, g, config.tp, config.dp,
+                                    config.microbatch_size, config.pp, links=sim.links(g, config.tp, config.dp),
+                                    recompute=modes[i], microbatches=config.num_microbatches, **base)
+                busy = c.fwd + c.bwd * bwd_floor
+                need = c.static_memory + flight[k] * c.activation
+                fits = valid & (need <= limit)
+                if i == len(modes) - 1:   # the most frugal mode tells how far off a stage is
+                    self.memory_need[k] = np.where(valid, need / limit, INF)
+                self.time[k] = np.where(fits, busy, self.time[k])
+                self.chain[k] = np.where(fits, c.fwd if config.schedule == "zero_bubble" else busy, self.chain[k])
+                self.mode[k] = np.where(fits, i, self.mode[k])
         for table in (self.time, self.chain, self.memory_need):
             for k in range(n):
                 table[k, :k, :] = INF
@@ -90,6 +96,7 @@ class SplitTables:
                     table[k, 1:, :] = INF
                 if k == n - 1:
                     table[k, :, :L] = INF
+        self.space_modes = modes
         self.m = config.num_microbatches
         self.interleaved = config.stages_per_rank > 1
         self.positions = [layout_probe.stage_group(k) for k in range(n)]
@@ -130,6 +137,10 @@ class SplitTables:
             if split is not None and split not in out:
                 out.append(split)
         return out
+
+    def recompute_of(self, spans) -> Tuple[str, ...]:
+        modes = self.space_modes
+        return tuple(modes[int(self.mode[k, a, b])] for k, (a, b) in enumerate(spans))
 
     def least_memory_need(self) -> float:
         """The smallest (need / limit) any split can reach on its worst stage (> 1: nothing fits)."""
