@@ -31,6 +31,7 @@ class PlanningEnv:
 
     def __init__(self, sim, space):
         self.sim, self.space = sim, space
+        space.sim = space.sim or sim   # layouts pick each stage's recomputation against this simulator
         self.configs = list(space.configs())
         if not self.configs:
             raise ValueError("no configuration satisfies the batch/micro-batch constraints")

@@ -37,13 +37,17 @@ from hrlplan.search.space import SearchSpace
 MAX_CONFIGS = 600   # training instances with more configurations are skipped (keeps steps quick)
 
 
-def build_env(inst, cfg: Dict[str, Any]):
+def _env(inst, cfg: Dict[str, Any]) -> PlanningEnv:
     sim = Simulator(inst.meta, inst.cluster, cost_options(cfg, inst.train))
+    return PlanningEnv(sim, SearchSpace(inst.meta, inst.cluster, cfg, inst.train))
+
+
+def build_env(inst, cfg: Dict[str, Any]):
     space = SearchSpace(inst.meta, inst.cluster, cfg, inst.train)
     configs = sum(1 for _ in space.configs())
     if configs == 0 or configs > MAX_CONFIGS:
         return None
-    env = PlanningEnv(sim, space)
+    env = _env(inst, cfg)
     if not any(np.isfinite(e.step_s) for e in env.estimates):
         return None  # nothing fits even by the estimate: no signal to learn from
     return env
@@ -53,8 +57,7 @@ def sample_quality(inst, cfg: Dict[str, Any], count: int, seed: int = 0):
     """Mean reward of `count` episodes sampled from the policy `cfg` selects, and their best time."""
     env = build_env(inst, cfg)
     if env is None:  # more configurations than training uses: build it anyway
-        sim = Simulator(inst.meta, inst.cluster, cost_options(cfg, inst.train))
-        env = PlanningEnv(sim, SearchSpace(inst.meta, inst.cluster, cfg, inst.train))
+        env = _env(inst, cfg)
     policy, _ = agent.initial_policy(cfg)
     tracker = Tracker()
     eps = _episodes(env, policy, count, torch.Generator().manual_seed(seed), tracker)
