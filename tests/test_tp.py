@@ -1,4 +1,5 @@
-"""Tensor parallel inside pipeline stages (DTensor) trains exactly what one process trains."""
+"""Tensor parallel inside pipeline stages (DTensor), the embedding and head vocabulary-parallel by
+default, trains exactly what one process trains."""
 import pytest
 
 from hrlplan.plan import homogeneous_plan
@@ -15,9 +16,12 @@ def test_pp2_tp2_llama_matches_one_process(tmp_path):
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
-def test_gpt2_tp2_conv1d_as_linear_matches_one_process(tmp_path):
-    """GPT-2's Conv1D layers are converted to nn.Linear (q/k/v rows regrouped per rank) to be sharded."""
-    plan = homogeneous_plan("gpt2-tiny", 4, [(0, 4)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
+def test_gpt2_pp2_tp2_tied_vocabulary_parallel_matches_one_process(tmp_path):
+    """GPT-2's Conv1D layers are converted to nn.Linear (q/k/v rows regrouped per rank) to be sharded;
+    its tied embedding and head are vocabulary-parallel on the first and last stage, each a copy
+    whose gradient shards are summed across the two stages (TiedEmbeddingSync, per tp rank)."""
+    plan = homogeneous_plan("gpt2-tiny", 4, [(0, 2), (2, 4)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
                             schedule="1f1b")
-    losses, reference = compare_with_one_process(plan, ["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3"], tmp_path)
+    losses, reference = compare_with_one_process(plan, ["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3"], tmp_path,
+                                                 steps=3)
     assert losses == pytest.approx(reference, abs=1e-5)
