@@ -67,6 +67,8 @@ class TiedEmbeddingSync:
 
     Torch pipelining has no notion of tied weights across stages; as in Megatron, the first and
     last stage each hold a copy (equal at init) and sum their gradients before every update.
+    Under a vocabulary-parallel tp both copies are Shard(0) DTensors laid out alike, so the ranks at
+    one (dp, tp) position of the two stages sum the same rows of their local shards.
     """
 
     def __init__(self, plan: Plan, rank: int, tied: bool):
