@@ -1,7 +1,7 @@
 """`hrlplan memory-guide`: what fits a device's memory, computed by the memory model.
 
     hrlplan memory-guide arch=hrm [global_batch_size=768] [--memory-gib 8,24] [--world-size 1]
-    hrlplan memory-guide arch=gpt2 planner.plan_file=plan.yaml [cluster=a100x8-1n | --cluster cluster.json]
+    hrlplan memory-guide arch=gpt2 planner=manual planner.plan_file=plan.yaml [cluster=a100x8-1n | --cluster cluster.json]
 
 HRM: for 2, 4, 8, 16, 24, 40 and 80 GiB (or the sizes given, and the probed GPU's free memory), the
 largest arch.hidden_size with H_layers/L_layers (up to the arch's own) that trains with a global
@@ -28,7 +28,8 @@ MIN_BATCH = 64
 def hrm_candidates(arch: Dict[str, Any]) -> List[Dict[str, Any]]:
     """HRM shapes from small to large (parameters grow along the list), up to the arch's own width
     and depth (HRM's 512 and 4 by default): 64-wide heads, the arch's expansion."""
-    top_hidden, top_layers = int(arch.get("hidden_size", 512)), int(max(arch.get("H_layers", 4), arch.get("L_layers", 4)))
+    top_hidden = int(arch.get("hidden_size", 512))
+    top_layers = int(max(arch.get("H_layers", 4), arch.get("L_layers", 4)))
     out = []
     for hidden in [h for h in HIDDEN_SIZES if h < top_hidden] + [top_hidden]:
         for layers in [n for n in LAYERS if n < top_layers] + [top_layers]:
@@ -136,7 +137,8 @@ def format_lm(rows: Iterable[Dict[str, Any]]) -> str:
         cells = []
         for mode in ("none", "selective", "full"):
             fit = r.get(mode)
-            cells.append(f"{mode}: " + (f"{fit['microbatch_size']} ({fit['peak_bytes'] / GiB:.2f} GiB)" if fit else "none fits"))
+            fits = f"{fit['microbatch_size']} ({fit['peak_bytes'] / GiB:.2f} GiB)" if fit else "none fits"
+            cells.append(f"{mode}: {fits}")
         lines.append(f"  stage {r['stage']} layers {r['layers'][0]}-{r['layers'][1] - 1} (now {r['now']}): "
                      + ", ".join(cells))
     return "\n".join(lines)
@@ -177,7 +179,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from hrlplan.config import compose
 
     p = argparse.ArgumentParser(prog="hrlplan memory-guide", description=__doc__.splitlines()[0])
-    p.add_argument("overrides", nargs="*", help="config overrides: arch=hrm, global_batch_size=..., planner.plan_file=...")
+    p.add_argument("overrides", nargs="*",
+                   help="config overrides: arch=hrm, global_batch_size=..., planner=manual planner.plan_file=...")
     p.add_argument("--memory-gib", type=_sizes, default=None,
                    help=f"device sizes in GiB, comma-separated (default {','.join(map(str, BUDGETS_GIB))})")
     p.add_argument("--world-size", type=int, default=1, help="HRM: data-parallel ranks sharing the batch")

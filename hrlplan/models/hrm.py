@@ -13,7 +13,6 @@ model.inner.puzzle_emb.weights, ...), so HRM state dicts load here. The memory g
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -300,8 +299,10 @@ def build_hrm(arch: Dict[str, Any], seq_len: int = SUDOKU_SEQ_LEN, vocab_size: i
 
 
 def compile_enabled(device: torch.device) -> bool:
-    """HRM's rule: compile only on CUDA and only when DISABLE_COMPILE is not set."""
-    return device.type == "cuda" and os.environ.get("DISABLE_COMPILE", "") in ("", "0")
+    """HRM's rule: compile only on CUDA and only when DISABLE_COMPILE is not set (hrlplan.devices reads it)."""
+    from hrlplan.devices import compile_disabled
+
+    return device.type == "cuda" and not compile_disabled()
 
 
 def maybe_compile(model: ACTLossHead, device: torch.device) -> bool:

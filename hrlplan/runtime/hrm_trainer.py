@@ -13,15 +13,11 @@ int(epochs * examples / global_batch_size) steps. train.steps sets the run's len
 epochs is not given; train.stop_after caps it either way. ACT carries unfinished sequences across
 batches.
 
-Checkpoints (rank 0 writes, atomically: a temporary directory renamed into place) go to
-train.checkpoint_path (HRM's checkpoint_path) or <run_dir>/checkpoints, after every evaluation
-with train.checkpoint_every_eval (default) else at the end, and every train.checkpoint_interval steps:
-    <checkpoints>/all_config.yaml, hrm.py, ...   config and model source (as HRM)
-    <checkpoints>/step_<N>/model.pt              full state dict (torch.save)
-    <checkpoints>/step_<N>/optimizer.pt          AdamATan2 state (full, unsharded)
-    <checkpoints>/step_<N>/train_state.json      step, iteration, batch, planned steps
-    <checkpoints>/step_<N>/all_config.yaml + model source files
-`hrlplan evaluate <step dir | checkpoints dir | HRM step file>` reports test exact accuracy.
+Checkpoints (runtime/hrm_io.py: format, evaluation, `hrlplan evaluate`) go to train.checkpoint_path
+(HRM's checkpoint_path) or <run_dir>/checkpoints, after every evaluation with
+train.checkpoint_every_eval (default) else at the end, and every train.checkpoint_interval steps.
+Peak memory is measured on the first steps (runtime/memory.py) and logged beside the memory
+model's prediction (models.hrm.estimate_hrm_memory) as memory/peak_gib and memory/rank{r}/*.
 """
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,32 +32,32 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from hrlplan.data.sudoku import PuzzleSplit, ensure_sudoku_dataset
-from hrlplan.devices import activate, choose_device
+from hrlplan.devices import choose_device, use_device
 from hrlplan.errors import UserError
-from hrlplan.models.hrm import (ACTLossHead, build_hrm, check_hrm_fits, maybe_compile, resolve_forward_dtype,
-                                source_files)
+from hrlplan.models.hrm import ACTLossHead, build_hrm, check_hrm_fits, estimate_hrm_memory, maybe_compile
 from hrlplan.models.sparse_embedding import SparseEmbeddingSignSGD
 from hrlplan.optim import AdamATan2
+from hrlplan.runtime import memory as mem
 from hrlplan.runtime import preempt
+# re-exported: where callers found them before runtime/hrm_io.py
+from hrlplan.runtime.hrm_io import (_all_reduce_sum, _forward_dtype, _resume_dir, _write_sources,  # noqa: F401
+                                   evaluate, evaluate_cli, find_checkpoint, save_checkpoint)
 
 log = logging.getLogger("hrlplan.hrm")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ---------------------------------------------------------------- setup
 def _pick_device(setting: str) -> torch.device:
     """The rank's device (hrlplan.devices' choice); CUDA only under an NCCL process group."""
     backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
-    choice = choose_device(setting)
-    if choice.is_cuda and "nccl" not in backend:
+    if choose_device(setting).is_cuda and "nccl" not in backend:
         if setting == "cuda":
             raise UserError(f"train.device=cuda needs an NCCL process group (this one is {backend}); "
                             "use train.device=cpu or auto")
         return torch.device("cpu")
-    return activate(choice).device
+    return use_device(setting).device
 
 
 def _wrap(model: ACTLossHead, mode: str, device: torch.device, world: int) -> ACTLossHead:
@@ -98,99 +93,6 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_ra
     return base_lr * (min_ratio + max(0.0, (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))))
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-    return values
-
-
-# ---------------------------------------------------------------- checkpoints
-def _full_model_state(model) -> Dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if dist.is_initialized():   # collective for sharded models: every rank must call it
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def _write_sources(directory: str, cfg: Dict[str, Any]) -> None:
-    with open(os.path.join(directory, "all_config.yaml"), "w") as f:
-        yaml.safe_dump(cfg, f, sort_keys=False)
-    for path in source_files():
-        shutil.copy(path, os.path.join(directory, os.path.basename(path)))
-
-
-def save_checkpoint(model, optimizer, state: Dict[str, Any], cfg: Dict[str, Any], checkpoint_dir: str) -> str:
-    """Collective; rank 0 writes <checkpoint_dir>/step_<N> atomically and returns its path."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    model_state = _full_model_state(model)
-    optim_state = (get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-                   if dist.is_initialized() else optimizer.state_dict())
-    final = os.path.join(checkpoint_dir, f"step_{state['step']}")
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp = f"{final}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        torch.save(model_state, os.path.join(tmp, "model.pt"))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
-        with open(os.path.join(tmp, "train_state.json"), "w") as f:
-            json.dump(state, f, indent=1)
-        _write_sources(tmp, cfg)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
-
-
-def find_checkpoint(path: str) -> Optional[str]:
-    """A step_<N> directory as is; a checkpoints/ (or run) directory -> its newest step_<N>."""
-    if os.path.isfile(os.path.join(path, "model.pt")):
-        return path
-    for base in (path, os.path.join(path, "checkpoints")):
-        if os.path.isdir(base):
-            steps = [(int(m.group(1)), n) for n in os.listdir(base) if (m := _STEP_DIR.match(n))
-                     and os.path.isfile(os.path.join(base, n, "model.pt"))]
-            if steps:
-                return os.path.join(base, max(steps)[1])
-    return None
-
-
-def _strip_compile_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {k.replace("_orig_mod.", ""): v for k, v in state.items()}
-
-
-# ---------------------------------------------------------------- evaluation
-@torch.no_grad()
-def evaluate(model: ACTLossHead, split: PuzzleSplit, global_batch_size: int, device: torch.device,
-             rank: int = 0, world: int = 1, max_examples: Optional[int] = None) -> Dict[str, float]:
-    """Test-split metrics averaged over examples (exact_accuracy = fully solved puzzles)."""
-    was_training = model.training
-    model.eval()
-    keys: List[str] = []
-    totals: Optional[torch.Tensor] = None
-    halt_steps = model.model.config.halt_max_steps
-    for batch in split.test_batches(global_batch_size, rank, world, max_examples):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        carry = model.initial_carry(batch)
-        # Evaluation always runs halt_max_steps segments: a fixed count keeps ranks in lockstep.
-        for _ in range(halt_steps):
-            carry, _, metrics, _, _ = model(carry, batch)
-        if totals is None:
-            keys = sorted(metrics)
-            totals = torch.zeros(len(keys), dtype=torch.float64, device=device)
-        totals += torch.stack([metrics[k] for k in keys]).to(torch.float64)
-    model.train(was_training)
-    if totals is None:
-        return {}
-    totals = _all_reduce_sum(totals).cpu()
-    values = dict(zip(keys, totals.tolist()))
-    count = max(values.pop("count"), 1.0)
-    return {k: v / count for k, v in values.items()}
-
-
 # ---------------------------------------------------------------- training
 DEFAULT_HRM_DATA = "data/sudoku-extreme-small"
 
@@ -200,12 +102,22 @@ def _data_path(cfg: Dict[str, Any]) -> str:
     return str((cfg.get("data") or {}).get("path") or cfg.get("data_path") or DEFAULT_HRM_DATA)
 
 
+def _gather(obj: Any) -> List[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _say(logger, text: str) -> None:
-    """A human-readable line: Python logging, and the run's train.log when the logger keeps one."""
-    log.info(text)
+    """A human-readable line: the run's train.log and console through the logger's note (once), else
+    Python logging."""
     note = getattr(logger, "note", None)
     if callable(note):
         note(text)
+    else:
+        log.info(text)
 
 
 def _prepare_data(path: str, rank: int, logger) -> Tuple[PuzzleSplit, PuzzleSplit]:
@@ -214,15 +126,6 @@ def _prepare_data(path: str, rank: int, logger) -> Tuple[PuzzleSplit, PuzzleSpli
     if dist.is_initialized():
         dist.barrier()
     return PuzzleSplit(path, "train"), PuzzleSplit(path, "test")
-
-
-def _resume_dir(resume: Optional[str], search_dir: str) -> Optional[str]:
-    if resume in (None, "", "none"):
-        return None
-    found = find_checkpoint(search_dir if resume == "auto" else resume)
-    if found is None and resume != "auto":
-        raise UserError(f"train.resume={resume}: no checkpoint (step_<N>/model.pt) there")
-    return found
 
 
 @dataclass
@@ -267,12 +170,6 @@ def hrm_schedule(train: Dict[str, Any], metadata: Dict[str, Any], global_batch_s
             stop_at = min(stop_at, int(limit))
     sched.stop_at = stop_at
     return sched
-
-
-def _forward_dtype(arch: Dict[str, Any], device: torch.device) -> str:
-    """HRM's bfloat16 forward is a GPU setting: on the CPU (slow bfloat16 matmuls) it runs float32."""
-    wanted = resolve_forward_dtype(arch.get("forward_dtype"), device.type)
-    return "float32" if device.type == "cpu" and wanted == "bfloat16" else wanted
 
 
 def _optimizers(model, train: Dict[str, Any], world: int):
@@ -355,6 +252,9 @@ class _Run:
                 _say(self.logger, f"warning: {warning}")
         self.model = _wrap(model, str(self.train.get("dp_mode", "fsdp")), self.device, self.world)
         self.compiled = maybe_compile(self.model, self.device)
+        # a compiled model's ops never reach a dispatch mode: CUDA's allocator figure only, then
+        self.meter = mem.MemoryMeter(self.device, lambda: ([self.model], [self.optimizer]),
+                                     enabled=bool(self.train.get("measure_memory", True)) and not self.compiled)
         torch.manual_seed(self.seed + self.rank)   # ACT exploration differs per rank, as in HRM
         self.optimizer, self.sparse = _optimizers(self.model, self.train, self.world)
         if resume_from:
@@ -403,6 +303,18 @@ class _Run:
             self.sparse.step()
             self.sparse.zero_grad()
         return carry, metrics, lr
+
+    def log_memory(self, step: int) -> None:
+        """Collective: every rank's measured peak (and split) beside the memory model's prediction."""
+        per_rank = [m for m in _gather(self.meter.result())]
+        if self.rank != 0 or not any(per_rank):
+            return
+        est = estimate_hrm_memory(self.arch, self.gbs, self.world, self.train_split.metadata["seq_len"],
+                                  str(self.train.get("dp_mode", "fsdp")), cuda=self.device.type == "cuda")
+        predicted = [est["tensors"]] * self.world
+        self.logger.log(mem.memory_metrics(per_rank, predicted), step=step)
+        kind = "cuda max_memory_allocated" if self.device.type == "cuda" else "live tensors"
+        _say(self.logger, f"peak memory ({kind}): {mem.describe(mem.compare(per_rank, predicted))}")
 
     def train_metrics(self, metrics: Dict[str, torch.Tensor], lr: float, step: int) -> Dict[str, float]:
         keys = sorted(metrics)
@@ -461,10 +373,10 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
         os.makedirs(run.ckpt_dir, exist_ok=True)
         _write_sources(run.ckpt_dir, cfg)
         run.announce(step, resume_from)
-    from tqdm import tqdm
-
     sched, log_every = run.sched, max(1, int(run.train.get("log_interval") or 1))
-    bar = tqdm(total=sched.stop_at, initial=step, desc="HRM", unit="step", disable=run.rank != 0)
+    if run.rank == 0 and hasattr(run.logger, "set_total"):
+        run.logger.set_total(sched.stop_at, initial=step)   # the shared progress bar, counted in HRM's steps
+    measured_at = min(step + mem.MEASURED_STEPS, sched.stop_at)
     result: Dict[str, Any] = {}
     history: List[Dict[str, float]] = []
     first_step_at: Optional[float] = None
@@ -477,9 +389,9 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
         for batch in run.train_split.iteration_batches(plan_, run.rank, run.world, first_batch):
             if step >= sched.stop_at:
                 break
-            carry, metrics, lr = run.step(carry, batch, step + 1)
+            with run.meter.step():
+                carry, metrics, lr = run.step(carry, batch, step + 1)
             step, batch_index = step + 1, batch_index + 1
-            bar.update(1)
             first_step_at = first_step_at or time.time()
             if step % log_every == 0 or step == sched.stop_at:
                 train_metrics = run.train_metrics(metrics, lr, step)
@@ -487,7 +399,8 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
                 history = (history + [dict(train_metrics, step=step)])[-100:]
                 if run.rank == 0:
                     run.logger.log(train_metrics, step=step)
-                    bar.set_postfix(lm_loss=f"{train_metrics['train/lm_loss']:.3f}")
+            if step == measured_at:
+                run.log_memory(step)
             run.periodic_checkpoint(step, iteration, batch_index)
             # Collective (preempt's contract): all ranks agree, checkpoint together and stop.
             if preempt.stop_agreed(run.device):
@@ -503,49 +416,8 @@ def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]
             last = step >= sched.stop_at or position[0] >= sched.iterations
             run.evaluate_and_checkpoint(step, *position, last=last, result=result)
         iteration, first_batch = position
-    bar.close()
     elapsed = time.time() - started
     result.update(step=step, final_step=step, total_steps=sched.total_steps, run_steps=sched.run_steps,
                   checkpoint=run.last_ckpt, history=history, first_step_at=first_step_at, preempted=preempted,
                   steps_per_second=(step - start_step) / elapsed if elapsed > 0 else 0.0)
     return result
-
-
-# ---------------------------------------------------------------- hrlplan evaluate
-def _load_for_eval(checkpoint: str) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """(config, state dict) from one of our step dirs, or from an HRM `step_<N>` file whose
-    all_config.yaml sits beside it."""
-    if os.path.isfile(checkpoint):
-        config_path, weights = os.path.join(os.path.dirname(checkpoint), "all_config.yaml"), checkpoint
-    else:
-        found = find_checkpoint(checkpoint)
-        if found is None:
-            raise FileNotFoundError(f"{checkpoint}: no HRM checkpoint (step_<N>/model.pt) found")
-        config_path, weights = os.path.join(found, "all_config.yaml"), os.path.join(found, "model.pt")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} is missing: the checkpoint's training config is needed to rebuild the model")
-    with open(config_path) as f:
-        cfg = yaml.safe_load(f)
-    return cfg, _strip_compile_prefix(torch.load(weights, map_location="cpu", weights_only=True))
-
-
-def evaluate_cli(args) -> None:
-    """`hrlplan evaluate <checkpoint> [--data-path D]`: prints exact accuracy on the test split."""
-    cfg, state = _load_for_eval(args.checkpoint)
-    data_path = args.data_path or (cfg.get("data") or {}).get("path") or cfg.get("data_path")
-    if not data_path:
-        raise UserError("the checkpoint's config names no data set; pass --data-path")
-    train_split, test_split = PuzzleSplit(data_path, "train"), PuzzleSplit(data_path, "test")
-    gbs = int((cfg.get("train") or {}).get("global_batch_size") or cfg.get("global_batch_size") or 64)
-    meta = train_split.metadata
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    arch = dict(cfg["arch"], forward_dtype=_forward_dtype(dict(cfg["arch"]), device))
-    model = build_hrm(arch, seq_len=meta["seq_len"], vocab_size=meta["vocab_size"],
-                      num_puzzle_identifiers=meta["num_puzzle_identifiers"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.to(device)
-    metrics = evaluate(model, test_split, gbs, device)
-    print(f"exact_accuracy {metrics.get('exact_accuracy', 0.0):.4f} on {len(test_split.inputs)} test puzzles ({data_path})")
-    print(json.dumps({f"eval/{k}": round(v, 6) for k, v in metrics.items()}, indent=1))

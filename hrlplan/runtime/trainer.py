@@ -311,7 +311,8 @@ class PipelineTrainer:
         if split:   # like with like: what torch allocates, without the plan's workspace reserve
             predicted["memory_bytes_per_rank"] = [row["tensors"] for row in split]
         timing.write_plan_info(self.run_dir, predicted, measured, timeline)
-        rows = mem.compare([g["memory_split"] for g in gathered], predicted.get("memory_bytes_per_rank") if split else None)
+        rows = mem.compare([g["memory_split"] for g in gathered],
+                           predicted.get("memory_bytes_per_rank") if split else None)
         mem.add_to_plan_info(self.run_dir, rows, split, measured["memory_kind"])
         if self.logger is not None and any(r["measured_bytes"] for r in rows):
             reserve = f"; the plan adds {split[0]['workspace'] / 2**30:.2g} GiB workspace per rank" if split else ""
