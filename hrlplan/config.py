@@ -195,6 +195,7 @@ class TrainConfig:
     log_interval: int = 1
     profile: bool = False
     measure_memory: bool = True       # peak memory per rank and its split, tracked over the first 2 steps
+    vocab_parallel: bool = True       # tp>1: token embedding and head sharded over the vocabulary (whole if vocab % tp != 0)
     tf32: bool = True                 # CUDA: float32 matmuls in TF32 (costed at the TF32 peak); false: full fp32
     plan_timeout_min: float = 60.0    # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans
     collective_timeout_min: float = 10.0  # training collectives (NCCL/gloo): a dead rank ends the job this fast
