@@ -73,12 +73,17 @@ def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, mi
     return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
 
 
-def peak_bytes(static, gradients, activations_before_grads, activations_with_grads):
-    """A rank's peak: its static memory (`gradients` included) less the gradients, plus the larger of
-    the activations held before its first backward (the step's zero_grad(set_to_none) left no
-    gradient: GPipe's and warm-up's peak) and the gradients beside what is held after it (1F1B's
-    steady state, or the step's end)."""
-    return static - gradients + max(activations_before_grads, gradients + activations_with_grads)
+def peak_bytes(static, gradients, activations_before_grads, activations_with_grads, transient=0.0):
+    """A rank's peak. `static` includes its `gradients` and its stages' summed recomputation
+    `transient`s, of which one block runs at a time (`transient`: the largest). Without
+    recomputation: the larger of the activations held before the first backward (the step's
+    zero_grad(set_to_none) left no gradient: GPipe's and warm-up's peak) and the gradients beside
+    what is held after it (1F1B's steady state, or the step's end). With it, the peak is in a
+    backward, where a block is rebuilt beside the gradients and the inputs still held."""
+    base = static - gradients
+    if transient:
+        return base + gradients + activations_before_grads   # static holds the transients already
+    return base + max(activations_before_grads, gradients + activations_with_grads)
 
 
 def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int):
@@ -133,7 +138,7 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
     for r, row in enumerate(out):
         row["total"] = float(totals[r])
         before, after = held.get(devices[r], (0.0, 0.0))
-        if before >= row["gradients"] + after:
+        if not row["transient"] and before >= row["gradients"] + after:
             row["gradients"] = 0.0   # the peak comes before the first backward: no gradient exists yet
         rest = sum(row[k] for k in MEMORY_KEYS if k != "activations")
         row["activations"] = max(row["total"] - rest, 0.0)

@@ -511,7 +511,8 @@ class StageCostModel:
         activation = tokens * (span * held + head) * scale
         transient = 0.0
         if recompute == "full":
-            live = tokens * mem.live_per_token(meta, tp, o.fused_attention) * scale * meta.block_repeats
+            # the rebuilt block's activations and, as its backward runs, their gradients beside them
+            live = 2.0 * tokens * mem.live_per_token(meta, tp, o.fused_attention) * scale * meta.block_repeats
             transient = np.where(n_blocks > 0, live, 0.0) if isinstance(n_blocks, np.ndarray) else (live if n_blocks else 0.0)
         return activation, transient
 

@@ -153,12 +153,14 @@ class Simulator:
         pos_sync = [0.0] * layout.pp
         pos_static = [0.0] * layout.pp
         pos_grads = [0.0] * layout.pp
+        pos_transient = [0.0] * layout.pp   # one block rebuilt at a time per rank, whichever stage it is in
         pos_opt = [0.0] * layout.pp
         for k, c in enumerate(stage_costs):
             pos = layout.stage_group(k)
             pos_sync[pos] += c.dp_sync
             pos_static[pos] += c.static_memory
             pos_grads[pos] += c.memory["gradients"] if c.memory else 0.0
+            pos_transient[pos] = max(pos_transient[pos], c.memory["transient"] if c.memory else 0.0)
             pos_opt[pos] += c.optimizer
         # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
         fixed = ov.optimizer_fixed(layout.dp, layout.tp)
@@ -177,8 +179,8 @@ class Simulator:
 
         # Memory: static + activations the schedule holds + the largest transient (one block's forward);
         # gradients only from a position's first backward on (cost.memory.peak_bytes)
-        pos_need = [mem.peak_bytes(pos_static[p], pos_grads[p], tl.peak_before_grads[p], tl.peak_with_grads[p])
-                    for p in range(layout.pp)]
+        pos_need = [mem.peak_bytes(pos_static[p], pos_grads[p], tl.peak_before_grads[p], tl.peak_with_grads[p],
+                                   pos_transient[p]) for p in range(layout.pp)]
         memory: Dict[int, float] = {}
         worst: Optional[tuple] = None
         for pos, group in enumerate(layout.groups):
