@@ -63,11 +63,15 @@ def test_plan_cache_round_trip(tmp_path):
     assert loaded.to_dict() == plan.to_dict() and info["chosen"]["step_time_s"] == 1.0
 
 
-def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp_path):
+def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp_path, monkeypatch):
     """A sweep over lr, steps or the planner calibrates once; the dtype, batch or cluster shape
-    measure something else. Entries round-trip; an unreadable one means calibrating again."""
+    measure something else. Entries round-trip; an unreadable one means calibrating again; the
+    cache is per user (not per run), and refresh replaces an entry."""
     from launch import plan_cache
 
+    monkeypatch.delenv(plan_cache.CALIBRATION_CACHE_ENV, raising=False)
+    monkeypatch.delenv(plan_cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     config = compose([])
     config["run_dir"] = str(tmp_path)
     key = plan_cache.calibration_key(config, spec(bw=1e9))
@@ -82,7 +86,12 @@ def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp
     assert plan_cache.load_calibration(config, key) is None
     plan_cache.store_calibration(config, key, {"compute_efficiency": {"cpu": 0.4}})
     assert plan_cache.load_calibration(config, key) == {"compute_efficiency": {"cpu": 0.4}}
-    (tmp_path / "plan_cache" / key / "calibration.json").write_text("{not json")
+    plan_cache.store_calibration(config, key, {"compute_efficiency": {"cpu": 0.5}})   # kept: no refresh
+    assert plan_cache.load_calibration(config, key) == {"compute_efficiency": {"cpu": 0.4}}
+    plan_cache.store_calibration(config, key, {"compute_efficiency": {"cpu": 0.5}}, replace=True)
+    assert plan_cache.load_calibration(config, key) == {"compute_efficiency": {"cpu": 0.5}}
+    entry = tmp_path / "xdg" / "hrlplan" / key / "calibration.json"
+    entry.write_text("{not json")
     assert plan_cache.load_calibration(config, key) is None
 
 
