@@ -134,7 +134,10 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
                                 microbatches=m)
             for r in group:
                 for key, value in c.memory.items():
-                    out[r][key] += float(value)
+                    if key == "workspace":   # the rank's reserve, once (as the simulator counts it)
+                        out[r][key] = max(out[r][key], float(value))
+                    else:
+                        out[r][key] += float(value)
     for r, row in enumerate(out):
         row["total"] = float(totals[r])
         before, after = held.get(devices[r], (0.0, 0.0))

@@ -153,12 +153,16 @@ class Simulator:
         pos_sync = [0.0] * layout.pp
         pos_static = [0.0] * layout.pp
         pos_grads = [0.0] * layout.pp
+        pos_reserve = [0.0] * layout.pp
         pos_transient = [0.0] * layout.pp   # one block rebuilt at a time per rank, whichever stage it is in
         pos_opt = [0.0] * layout.pp
         for k, c in enumerate(stage_costs):
             pos = layout.stage_group(k)
             pos_sync[pos] += c.dp_sync
-            pos_static[pos] += c.static_memory
+            # the workspace reserve is the rank's, once, however many stages it runs
+            reserve = c.memory["workspace"] if c.memory else 0.0
+            pos_static[pos] += c.static_memory - reserve + max(reserve - pos_reserve[pos], 0.0)
+            pos_reserve[pos] = max(pos_reserve[pos], reserve)
             pos_grads[pos] += c.memory["gradients"] if c.memory else 0.0
             pos_transient[pos] = max(pos_transient[pos], c.memory["transient"] if c.memory else 0.0)
             pos_opt[pos] += c.optimizer
