@@ -25,7 +25,7 @@ def train_single_process(cfg: Dict[str, Any], steps: int) -> List[Dict[str, floa
         inputs, targets = data.batch(step, int(train["global_batch_size"]))
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        logits = model(input_ids=inputs).logits
+        logits = model(input_ids=inputs, use_cache=False).logits   # training keeps no KV cache
         loss = causal_lm_loss(logits, targets)
         loss.backward()
         if grad_clip(train) > 0:   # null or 0: no clipping (clip_grad_norm_ with 0 would zero every gradient)
