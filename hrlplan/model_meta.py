@@ -6,12 +6,14 @@ arch YAML, a local directory with config.json, a config file, or an id already i
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
 SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 class ModelResolutionError(ValueError):
@@ -36,7 +38,7 @@ class ModelMeta:
     head_matmul_params: int          # the output projection (counted even when tied)
     block_flops_fwd_per_token: List[float]
     head_flops_fwd_per_token: float
-    block_activation_bytes_per_token: List[float]   # 16-bit activations kept for backward
+    block_activation_bytes_per_token: List[float]   # 16-bit activations kept for backward (+ 5*a*s scores, hf)
     head_activation_bytes_per_token: float
     tied_embeddings: bool
     first_stage_modules: List[str]
@@ -219,7 +221,8 @@ def _attention_widths(config, shape, hidden: int) -> tuple[int, int, int]:
 
 
 def block_activation_bytes(hidden: int, q: int, kv: int, heads: int, seq: int, shape) -> float:
-    """Korthikanti et al. (2022), 16-bit activations kept for backward per token, no recomputation,
+    """The fallback of _block_activation (a block that cannot be measured).
+    Korthikanti et al. (2022), 16-bit activations kept for backward per token, no recomputation,
     in its parts so that families differ where their blocks do. Attention 11h + 5*a*s for MHA: input
     2h, Q 2q, K and V 2kv each (GQA / multi-query keep less), context 2q, dropout mask h, scores,
     softmax and dropout 5*a*s (ALiBi adds a bias, nothing kept). Each norm keeps its input, 2h. MLP
@@ -229,6 +232,27 @@ def block_activation_bytes(hidden: int, q: int, kv: int, heads: int, seq: int, s
     norms = 2 * hidden * shape.norms
     mlp = (0 if shape.shared_input else 2 * hidden) + hidden + (4 if shape.up_projections == 1 else 6) * shape.ffn_size
     return float(attention + norms + mlp)
+
+
+def _block_activation(config, layout, seq: int, block_matmul: int, formula_args) -> float:
+    """16-bit bytes per token block 0 keeps for backward, in the cost model's convention: what autograd
+    really saves (hrlplan.activations, measured in float32 on the CPU and halved) plus Korthikanti's
+    scores 5*a*s, which cost/memory.py drops again for fused attention (SDPA never keeps them).
+    Korthikanti's formula is the fallback when the block cannot run on the CPU (a family whose
+    forward needs a GPU kernel, or width fields the reduced model does not scale): it is 1.2-1.8x
+    too low for real blocks (composite GELU, RMSNorm's fp32 copies, rotary q/k copies), but a
+    figure beats no plan."""
+    from hrlplan.activations import hf_block_saved_bytes_per_token
+
+    hidden, q, kv, heads, shape = formula_args
+    blocks_path = f"{layout.prefix}.{layout.blocks_attr}"
+    try:
+        kept = hf_block_saved_bytes_per_token(config, blocks_path, seq, block_matmul)
+    except Exception as e:   # noqa: BLE001 -- any failure of a foreign forward falls back
+        log.info("%s: block activations from Korthikanti's formula, the block did not run on the CPU (%s)",
+                 type(config).__name__, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        return block_activation_bytes(hidden, q, kv, heads, seq, shape)
+    return kept / 2.0 + 5.0 * heads * seq
 
 
 def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
@@ -264,7 +288,7 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
     block_matmul = [_matmul_numel(b) for b in blocks]
     # 2 FLOPs per weight per token, plus QK^T and AV: 2*2*seq*(heads*head_dim) per token.
     block_flops = [2.0 * mm + 4.0 * seq * q for mm in block_matmul]
-    block_act = [block_activation_bytes(hidden, q, kv, heads, seq, shape)] * len(blocks)
+    block_act = [_block_activation(config, layout, seq, block_matmul[0], (hidden, q, kv, heads, shape))] * len(blocks)
 
     prefix = layout.prefix
     return ModelMeta(

@@ -27,32 +27,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hrlplan.activations import saved_activation_bytes  # noqa: F401 -- re-exported (tests, HRM guide)
+from hrlplan.activations import storages as _storages
+
 GiB = 2 ** 30
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
 MEASURED_STEPS = 2
 SNAPSHOT_STEP = 0.005   # a new split when the live bytes grow by 0.5% over the last one
-
-
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The real storages behind a tensor or a wrapper subclass (DTensor's local shard)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
-        yield t.untyped_storage()
-        return
-    inner = getattr(t, "_local_tensor", None)
-    if isinstance(inner, torch.Tensor):
-        yield from _storages(inner)
-        return
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None:
-        for attr in flatten()[0]:
-            sub = getattr(t, attr, None)
-            if isinstance(sub, torch.Tensor):
-                yield from _storages(sub)
-        return
-    try:
-        yield t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return
 
 
 def _phase() -> str:
@@ -296,21 +277,3 @@ def add_to_plan_info(run_dir, rows: Sequence[Dict[str, float]], predicted_split:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(info, indent=1, default=float))
     os.replace(tmp, path)
-
-
-def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while fn() runs, tensors in
-    `exclude` (parameters) left out: what a forward really keeps, kernel by kernel (e.g. a
-    composite GELU keeps four tensors where a fused one keeps its input)."""
-    skip = {id(st) for t in exclude for st in _storages(t)}
-    kept: Dict[int, torch.UntypedStorage] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        for st in _storages(t):
-            if id(st) not in skip:
-                kept.setdefault(id(st), st)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(st.nbytes() for st in kept.values())
-
