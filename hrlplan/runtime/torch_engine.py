@@ -3,6 +3,10 @@
 A (pp, dp, tp) mesh with the plan's own rank layout; each stage is tensor-parallel over its tp
 sub-mesh (DTensor), then data-parallel over its dp sub-mesh (FSDP2 or replicate), then wrapped in a
 PipelineStage whose p2p group is the pp sub-mesh of this rank's (dp, tp) lane.
+
+The pp sub-mesh's process group numbers its ranks in ascending global order (torch sorts a new
+group's ranks), while torch's schedules assume stage k sits on group rank k: a plan whose groups are
+not in rank order (stage 0 on rank 1, as a link-aware planner lays out) maps both explicitly.
 """
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from hrlplan.models.hf import build_stage_modules, materialize
-from hrlplan.plan import Plan
+from hrlplan.plan import Plan, stage_to_group
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
@@ -31,6 +36,27 @@ def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
     if plan.stages_per_rank > 1 or plan.schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
     return SCHEDULES[plan.schedule](stages[0], n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+
+
+def stage_group_ranks(plan: Plan, pp_group, coords: Dict[str, int]) -> Dict[int, int]:
+    """Stage index -> rank within `pp_group` of the rank that runs it in this (dp, tp) lane."""
+    pos = coords["dp"] * plan.stages[0].tp + coords["tp"]
+    return {k: dist.get_group_rank(pp_group, plan.device_groups[plan.stage_group(k)][pos])
+            for k in range(plan.num_stages)}
+
+
+def place_stages(schedule, stages: List[PipelineStage], plan: Plan, group_ranks: Dict[int, int], coords) -> None:
+    """Point the stages' p2p at the group ranks that really hold their neighbours. A multi-stage
+    schedule's action table is keyed by pipeline position (stage k on position stage_to_group(k),
+    its own mapping, which stays): this rank runs its plan position's row."""
+    for stage in stages:
+        stage.stage_index_to_group_rank = dict(group_ranks)
+    if isinstance(schedule, PipelineScheduleMulti):
+        logical = {k: stage_to_group(k, plan.pp, plan.stages_per_rank, plan.schedule) for k in group_ranks}
+        if schedule.stage_index_to_group_rank != logical:
+            raise RuntimeError(f"torch's {type(schedule).__name__} places stages as {schedule.stage_index_to_group_rank}"
+                               f", the plan as {logical}; use a schedule whose placement the plan shares")
+        schedule.rank = coords["pp"]
 
 
 class TorchPipelineEngine:
@@ -68,6 +94,8 @@ class TorchPipelineEngine:
         for i, stage in zip(self.stage_ids, self.stages):
             instrument_pipeline_stage(stage, recorder, i)
         self.schedule = build_schedule(plan, self.stages, stage_loss(self.parts.values()))
+        place_stages(self.schedule, self.stages, plan, stage_group_ranks(plan, self.pp_group, self.coords),
+                     self.coords)
         self.has_first = 0 in self.parts
         self.has_last = (plan.num_stages - 1) in self.parts
         self.loss_reporter = self.has_last and self.coords["tp"] == 0
