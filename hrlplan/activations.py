@@ -10,26 +10,30 @@ This module sits below runtime/ and cost/: model_meta (facts about a model) uses
 runtime/memory.py takes `storages` and `saved_activation_bytes` from here.
 
 Large models are measured at reduced width and sequence and scaled:
-  - per token, a block's saved bytes do not depend on the sequence length once attention is fused
+  - per token, a block saves c + e*s bytes at sequence length s: e is 0 with fused attention
     (torch's scaled_dot_product_attention keeps q, k, v, its output and one log-sum-exp per row
-    and head, never the s x s scores), so a short sequence measures the same figure per token;
+    and head, never the s x s scores); an eager attention keeps its scores, a*s values a row.
+    Rows of s1, 2*s1 and 4*s1 tokens give c and e exactly (and a few bytes per call, c0);
   - at fixed head counts and fixed ratios (ffn / hidden, head_dim / hidden) every saved tensor is
     either proportional to the width (activations, q/k/v, masks) or independent of it (per-head
-    log-sum-exp): saved(w) = a + b * w. Two reduced widths w and 2w give a and b exactly, and the
+    log-sum-exp): c(w) = a + b * w. Two reduced widths w and 2w give a and b exactly, and the
     line is extrapolated to the model's width (tests/test_model_meta.py checks it against a
     full-width measurement).
+The measurement is in float32 and halved for the cost model's 16-bit convention; dropout masks
+(one byte an element whatever the dtype) are then counted half in bfloat16 -- the shipped archs
+train without dropout.
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 # Below this width a block is measured as it is; above it at reduced widths (a + b*w, see above).
 MEASURE_WIDTH = 256
-MEASURE_TOKENS = 32           # one row of at most this many tokens (the figure is per token)
+MEASURE_TOKENS = 16           # rows of at most this many tokens (the figure is per token)
 MEASURE_VOCAB = 64            # the embedding and head are not measured: a small table is enough
 _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
                  "inner_hidden_size", "head_dim", "word_embed_proj_dim", "rotary_dim")
@@ -118,7 +122,8 @@ def _reduced_config(config, divisor: int, vocab: int):
         return None
     cfg = copy.deepcopy(config)
     for name, value in fields.items():
-        setattr(cfg, name, value // divisor)
+        if divisor > 1 and not isinstance(getattr(type(cfg), name, None), property):   # Falcon's head_dim
+            setattr(cfg, name, value // divisor)
     cfg.num_hidden_layers = 1
     if isinstance(getattr(cfg, "layer_types", None), list):
         cfg.layer_types = cfg.layer_types[:1]
@@ -146,8 +151,9 @@ def _divisors(config) -> list:
     return [max(ok), max(ok) // 2]
 
 
-def _measure(config, blocks_path: str, tokens: int) -> tuple:
-    """(saved bytes per token of block 0, its matmul weights) for a one-layer model of `config`."""
+def _measure(config, blocks_path: str, lengths: Tuple[int, ...]) -> tuple:
+    """([saved bytes per token of block 0 for one row of each length], its matmul weights) for a
+    one-layer model of `config`."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):   # weights' values matter little; the caller's RNG stays
@@ -155,30 +161,51 @@ def _measure(config, blocks_path: str, tokens: int) -> tuple:
         model = AutoModelForCausalLM.from_config(config)
         model.train()   # dropout keeps its masks, as in training
         block = model.get_submodule(blocks_path)[0]
-        x = torch.randint(0, config.vocab_size, (1, tokens))
-        kept = block_saved_bytes(block, lambda: model(input_ids=x, use_cache=False))
+        kept = []
+        for n in lengths:
+            x = torch.randint(0, config.vocab_size, (1, n))
+            kept.append(block_saved_bytes(block, lambda: model(input_ids=x, use_cache=False)) / n)
     matmul = sum(p.numel() for p in block.parameters() if p.dim() >= 2)
-    return kept / tokens, matmul
+    return kept, matmul
 
 
-def hf_block_saved_bytes_per_token(config, blocks_path: str, seq: int, block_matmul: int) -> float:
-    """Bytes per token block 0 of a Hugging Face causal LM saves for backward in float32 (no
-    recomputation), measured on the CPU (see the module's doc for reduced widths). `block_matmul`
-    is the full block's matmul weights: a reduced model whose block does not have 1/d^2 of them
-    (a width field this does not know) is an error, for the caller to fall back on a formula."""
-    tokens = max(1, min(int(seq), MEASURE_TOKENS))
+def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
+    return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+
+def _per_call_token_scores(lengths: Tuple[int, ...], per_token) -> Tuple[float, float, float]:
+    """A block's saved bytes for one row of n tokens, n * per_token, is c0 + c*n + e*n^2: c0 per
+    call (tensors made from weights, as Gemma's 1 + norm weight), c per token, e the scores per
+    token per position. Three lengths give them exactly."""
+    rows = torch.tensor([[1.0, n, n * n] for n in lengths], dtype=torch.float64)
+    totals = torch.tensor([n * y for n, y in zip(lengths, per_token)], dtype=torch.float64)
+    c0, c, e = torch.linalg.solve(rows, totals).tolist()
+    return c0, c, e
+
+
+def hf_block_saved_bytes_per_token(config, blocks_path: str, seq: int, block_matmul: int) -> Tuple[float, float]:
+    """(bytes per token block 0 of a Hugging Face causal LM saves for backward in float32, no
+    recomputation, without attention scores; the scores' bytes per token per sequence position),
+    measured on the CPU (see the module's doc). The scores are 0 with fused attention; an eager
+    attention (ALiBi's BLOOM) or SDPA with attention dropout on the CPU (its math path) keeps
+    them, a * s values a row: two lengths s1, 2*s1 separate them from the rest. `block_matmul` is
+    the full block's matmul weights: a reduced model whose block does not have 1/d^2 of them (a
+    width field this does not know) is an error, for the caller to fall back on a formula."""
+    s1 = max(1, min(int(seq), MEASURE_TOKENS) // 4)
+    lengths = (s1, 2 * s1, 4 * s1)
     hidden = int(config.hidden_size)
     points = []
     for d in _divisors(config):
         cfg = _reduced_config(config, d, min(int(config.vocab_size), MEASURE_VOCAB))
         if cfg is None:
             raise ValueError(f"widths of {type(config).__name__} do not divide by {d}")
-        kept, matmul = _measure(cfg, blocks_path, tokens)
+        kept, matmul = _measure(cfg, blocks_path, lengths)
         if matmul * d * d != block_matmul:
             raise ValueError(f"{type(config).__name__} reduced {d}x has {matmul} block matmul weights, "
                              f"not 1/{d * d} of {block_matmul}: a width field is not scaled")
-        points.append((hidden / d, kept))
+        c0, c, e = _per_call_token_scores(lengths, kept)
+        points.append((hidden / d, c + max(c0, 0.0) / seq, e if e > 1e-6 else 0.0))   # c0: one row at least
     if len(points) == 1:
-        return points[0][1]
-    (w1, k1), (w2, k2) = points
-    return k1 + (k2 - k1) * (hidden - w1) / (w2 - w1)
+        return points[0][1], points[0][2]
+    (w1, rest1, _), (w2, rest2, scores) = points
+    return _line(w1, rest1, w2, rest2, hidden), scores   # scores: a per row, whatever the width

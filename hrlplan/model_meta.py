@@ -234,7 +234,7 @@ def block_activation_bytes(hidden: int, q: int, kv: int, heads: int, seq: int, s
     return float(attention + norms + mlp)
 
 
-def _block_activation(config, layout, seq: int, block_matmul: int, formula_args) -> float:
+def _block_activation(config, layout, seq: int, block_matmul: int, formula_args, extra: Dict[str, Any]) -> float:
     """16-bit bytes per token block 0 keeps for backward, in the cost model's convention: what autograd
     really saves (hrlplan.activations, measured in float32 on the CPU and halved) plus Korthikanti's
     scores 5*a*s, which cost/memory.py drops again for fused attention (SDPA never keeps them).
@@ -247,11 +247,12 @@ def _block_activation(config, layout, seq: int, block_matmul: int, formula_args)
     hidden, q, kv, heads, shape = formula_args
     blocks_path = f"{layout.prefix}.{layout.blocks_attr}"
     try:
-        kept = hf_block_saved_bytes_per_token(config, blocks_path, seq, block_matmul)
+        kept, scores = hf_block_saved_bytes_per_token(config, blocks_path, seq, block_matmul)
     except Exception as e:   # noqa: BLE001 -- any failure of a foreign forward falls back
         log.info("%s: block activations from Korthikanti's formula, the block did not run on the CPU (%s)",
                  type(config).__name__, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
         return block_activation_bytes(hidden, q, kv, heads, seq, shape)
+    extra["measured_scores_bytes_per_token"] = scores / 2.0 * seq   # 0 unless the attention keeps its scores
     return kept / 2.0 + 5.0 * heads * seq
 
 
@@ -288,7 +289,9 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
     block_matmul = [_matmul_numel(b) for b in blocks]
     # 2 FLOPs per weight per token, plus QK^T and AV: 2*2*seq*(heads*head_dim) per token.
     block_flops = [2.0 * mm + 4.0 * seq * q for mm in block_matmul]
-    block_act = [_block_activation(config, layout, seq, block_matmul[0], (hidden, q, kv, heads, shape))] * len(blocks)
+    measured: Dict[str, Any] = {}
+    block_act = [_block_activation(config, layout, seq, block_matmul[0], (hidden, q, kv, heads, shape), measured)] \
+        * len(blocks)
 
     prefix = layout.prefix
     return ModelMeta(
@@ -318,5 +321,6 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
         extra={"block_class": type(blocks[0]).__name__, "attention_module": shape.attention,
                "kv_width": kv, "query_width": q, "ffn_size": shape.ffn_size, "gated_mlp": shape.up_projections > 1,
                "norms_per_block": shape.norms, "parallel_shared_input": shape.shared_input,
-               "first_stage_matmul_params": sum(_matmul_numel(m) for m in first)},   # OPT's project_in
+               "first_stage_matmul_params": sum(_matmul_numel(m) for m in first),   # OPT's project_in
+               "block_activations": "measured" if measured else "formula", **measured},
     )

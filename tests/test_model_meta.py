@@ -69,3 +69,50 @@ def test_cli_writes_model_meta(tmp_path):
 def test_sequence_longer_than_positions_is_a_clear_error():
     with pytest.raises(ModelResolutionError, match=r"data.seq_len=256 .* arch.n_positions=256"):
         introspect(resolve_arch("gpt2-tiny"), seq_len=256)
+
+
+def test_block_activations_measured_at_reduced_width_scale_to_full_width():
+    """A wide model is measured at two reduced widths and extrapolated (hrlplan.activations): the
+    line equals a measurement at its own width, and a short row equals a long one per token."""
+    from transformers import LlamaConfig
+
+    from hrlplan import activations as A
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)
+    matmul = 2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816
+    assert A._divisors(config) == [4, 2]   # widths 256 and 512
+    scaled, scores = A.hf_block_saved_bytes_per_token(config, "model.layers", 256, matmul)
+    assert scores == 0.0   # SDPA keeps no scores
+    full = A._reduced_config(config, 1, 64)
+    (short, long), _ = A._measure(full, "model.layers", (8, 64))
+    assert short == long
+    assert scaled == pytest.approx(long, rel=0.005)
+
+
+def test_block_activations_fall_back_on_the_formula(monkeypatch):
+    """A block that cannot run on the CPU gets Korthikanti's figure (block_activation_bytes), not an error."""
+    from hrlplan import activations as A
+
+    measured = introspect(resolve_arch("gpt2-tiny"))
+    assert measured.extra["block_activations"] == "measured"
+
+    def fail(*a, **k):
+        raise RuntimeError("needs a GPU kernel")
+    monkeypatch.setattr(A, "hf_block_saved_bytes_per_token", fail)
+    meta = introspect(resolve_arch("gpt2-tiny"))
+    h, s = meta.hidden_size, meta.seq_len
+    assert meta.extra["block_activations"] == "formula"
+    assert meta.block_activation_bytes_per_token == [34.0 * h + 5 * meta.num_heads * s] * meta.n_layer
+    # the measured figure: GPT-2's composite GELU (four tensors kept) and q/k/v copies, 1.65x the formula
+    assert measured.block_activation_bytes_per_token[0] - 5 * meta.num_heads * s == pytest.approx(56.25 * h)
+
+
+def test_introspection_leaves_the_rng_alone():
+    import torch
+
+    torch.manual_seed(3)
+    a = torch.rand(1)
+    torch.manual_seed(3)
+    introspect(resolve_arch("llama-tiny"))
+    assert torch.rand(1) == a
