@@ -343,17 +343,22 @@ class StageCostModel:
         arr = getattr(self, which + ("_arr" if isinstance(index, np.ndarray) else ""))
         return arr[index]
 
+    def vocab_tp(self, tp: int) -> int:
+        """The tp degree the embedding and head are sharded over: tp where vocabulary-parallel and
+        the vocabulary divides (the runtime's rule: else whole on every rank), else 1."""
+        return tp if self.opts.vocab_parallel and tp > 1 and self.meta.vocab_size % tp == 0 else 1
+
     def span_flops(self, start, end, first: bool, last: bool, tp: int = 1):
         """Forward FLOPs per token on each rank of a stage: the blocks sharded over tp; the head
         too where it is vocabulary-parallel (CostOptions.vocab_parallel), else whole on every rank."""
-        head_tp = tp if self.opts.vocab_parallel else 1
+        head_tp = self.vocab_tp(tp)
         return (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp + (self.meta.head_flops_fwd_per_token / head_tp if last else 0.0)
 
     def span_params(self, start, end, first: bool, last: bool, pp: int, tp: int = 1):
         """Parameters on each rank of a stage: blocks sharded over tp; the embedding and the head's
         matrix too when vocabulary-parallel; norms whole."""
         meta = self.meta
-        vocab_tp = tp if self.opts.vocab_parallel else 1
+        vocab_tp = self.vocab_tp(tp)
         p = (self._prefix("_pp", end) - self._prefix("_pp", start)) / tp
         if first:
             p += meta.embedding_params / vocab_tp
@@ -369,7 +374,7 @@ class StageCostModel:
         logits for the loss, sharded over tp when vocabulary-parallel (a loss over sharded logits)."""
         meta = self.meta
         act = meta.head_activation_bytes_per_token
-        if not self.opts.vocab_parallel or tp == 1 or meta.family != "hf":
+        if self.vocab_tp(tp) == 1 or meta.family != "hf":
             return act
         norm_in = 2.0 * meta.hidden_size
         return norm_in + max(act - norm_in, 0.0) / tp
@@ -418,7 +423,7 @@ class StageCostModel:
             mm = float(meta.block_matmul_params[0]) if meta.block_matmul_params else 0.0
             f, b, core = kernels.block_times(k, meta, mm, tokens, tp, bpv, mem.attention_core_flops_per_token(meta),
                                              self.opts.fused_attention)
-            head = sum(kernels.head_times(k, meta, tokens, tp if self.opts.vocab_parallel else 1, bpv)) if last else 0.0
+            head = sum(kernels.head_times(k, meta, tokens, self.vocab_tp(tp), bpv)) if last else 0.0
             # in the flat model's unit: a third of forward + backward (stage() splits it 1:2 again)
             hit = self._kernel_cache[key] = ((f + b) / 3.0, head / 3.0, core)
         return hit

@@ -21,7 +21,9 @@ def options_for_train(train: Dict[str, Any], planner: Optional[Dict[str, Any]] =
     return CostOptions(bytes_per_value=2 if str(train.get("dtype", "float32")) == "bfloat16" else 4,
                        dp_mode=str(train.get("dp_mode", "fsdp")),
                        dp_overlap=bool(planner.get("dp_overlap", True)),
-                       memory_margin=float(planner.get("memory_margin", 0.9)))
+                       memory_margin=float(planner.get("memory_margin", 0.9)),
+                       # as the runtime runs tp stages (train.vocab_parallel, default on)
+                       vocab_parallel=bool(train.get("vocab_parallel", True)))
 
 
 def rank_devices(plan) -> List[int]:

@@ -5,14 +5,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.plans import options_for_train
 from hrlplan.cost.simulator import SimResult, Simulator
 
 
 def cost_options(planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]) -> CostOptions:
-    return CostOptions(bytes_per_value=2 if str(train_cfg.get("dtype", "float32")) == "bfloat16" else 4,
-                       dp_mode=str(train_cfg.get("dp_mode", "fsdp")),
-                       dp_overlap=bool(planner_cfg.get("dp_overlap", True)),
-                       memory_margin=float(planner_cfg.get("memory_margin", 0.9)))
+    return options_for_train(train_cfg, planner_cfg)
 
 
 @dataclass

@@ -158,9 +158,19 @@ class SplitTables:
         its last backward the gradient still travels back through the earlier stages:
             makespan >= sum_{k<j} chain_k + m * busy_j.
         Interleaved ranks run all their virtual stages' work: makespan >= m * sum of their busy.
-        Partial splits carry the max over their stages so far, which only grows."""
+        Partial splits carry the max over their stages so far, which only grows, and a bound on
+        any completion (`_completion`): the last stage's term over the least the remaining stages
+        can add, and m times the least bottleneck of the remaining blocks."""
         n, L, m = self.n, self.L, self.m
         load = [0.0] * (max(self.positions) + 1)
+        chain_to_last, bottleneck = self._completion()
+
+        def rest(k: int, start: int, prefix: float) -> float:
+            """No completion of stages k.. from block `start` on beats this."""
+            if k == n:
+                return 0.0
+            tail = 0.0 if self.interleaved else prefix + chain_to_last[k, start]
+            return max(tail, m * bottleneck[k, start])
 
         def extend(k: int, start: int, prefix: float, bound: float, spans: List[Tuple[int, int]]):
             if k == n:
@@ -177,6 +187,7 @@ class SplitTables:
                     b = max(bound, m * (load[pos] + busy))
                 else:
                     b = max(bound, prefix + m * busy)
+                b = max(b, rest(k + 1, e, prefix + float(self.chain[k, start, e])))
                 options.append((b, e, busy))
             options.sort()
             for b, e, busy in options:
@@ -190,6 +201,19 @@ class SplitTables:
                 load[pos] -= busy
 
         yield from extend(0, 0, 0.0, 0.0, [])
+
+    def _completion(self):
+        """Per (stage k, start block): the least chain_k + ... + chain_{n-2} + m * busy_{n-1} and
+        the least bottleneck over every split of blocks [start, L) into stages k..n-1."""
+        n, L, m = self.n, self.L, self.m
+        chain_to_last = np.full((n + 1, L + 1), INF)
+        bottleneck = np.full((n + 1, L + 1), INF)
+        chain_to_last[n - 1] = m * self.time[n - 1, :, L]
+        bottleneck[n - 1] = self.time[n - 1, :, L]
+        for k in range(n - 2, -1, -1):
+            chain_to_last[k] = np.min(self.chain[k] + chain_to_last[k + 1][None, :], axis=1)
+            bottleneck[k] = np.min(np.maximum(self.time[k], bottleneck[k + 1][None, :]), axis=1)
+        return chain_to_last, bottleneck
 
     def even_split(self) -> List[Tuple[int, int]]:
         b = [round(i * self.L / self.n) for i in range(self.n + 1)]
