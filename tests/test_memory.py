@@ -229,3 +229,5 @@ def test_training_logs_measured_memory_per_rank(tmp_path):
             assert got["weights"] == pytest.approx(want["weights"], rel=0.03)
             assert got["optimizer"] == pytest.approx(want["optimizer"], rel=0.03)
             assert r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
+            # the whole peak within 10% (issue 19.3): the block's activations are measured at introspection
+            assert r["relative_error"] == pytest.approx(0.0, abs=0.10), (name, r["rank"])
