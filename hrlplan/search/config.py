@@ -43,7 +43,7 @@ def calibration_mode(planner_cfg) -> str:
 class ExactPlannerConfig(PlannerConfigBase):
     name: str = "exact"
     max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
-    max_simulations: int = 200_000     # simulator calls of the layer-split branch-and-bound; likewise
+    max_simulations: int = 20_000      # simulator calls of the layer-split branch-and-bound; likewise
 
 
 @dataclass

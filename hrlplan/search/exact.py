@@ -88,13 +88,14 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
             continue
         for spans in tables.candidates():
             offer(c, spans, tables)
+        if simulations >= sim_budget:
+            continue   # out of simulations: the remaining configurations get their DP splits only
         for spans in tables.splits_below(incumbent_in_table_units):
             if simulations >= sim_budget:
-                gave_up = f"max_simulations={sim_budget:,} simulator calls in the layer-split search"
+                gave_up = (f"max_simulations={sim_budget:,} simulator calls in the layer-split search "
+                           "(later configurations were scored at their DP splits only)")
                 break
             offer(c, spans, tables)
-        if gave_up:
-            break
     proven = not gave_up
     note = ("optimal under the simulator over every configuration and layer split (branch and bound: "
             "every configuration or split left out is provably slower)" if proven else
