@@ -395,7 +395,12 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     probe_s = time.time() - t_probe
     if wants_calibration(config):
         # measured block/p2p times replace peak-FLOP estimates in the cost model
-        spec = _calibrated(config, spec)
+        from hrlplan.model_meta import ModelResolutionError
+
+        try:
+            spec = _calibrated(config, spec)
+        except ModelResolutionError as e:   # the model cannot be built as configured: every rank says so
+            raise UserError(str(e)) from None
 
     # Rank 0 plans; every rank learns the plan or the one error message.
     result: Dict[str, Any] = {}

@@ -87,11 +87,13 @@ def test_worker_side_error_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_requeued_calibrated_run_reuses_its_calibration(tmp_path):
+def test_a_requeued_calibrated_run_reuses_its_calibration(tmp_path, monkeypatch):
+    """Calibration is on by default on this machine, measured once and cached per user."""
+    monkeypatch.setenv("HRLPLAN_CALIBRATION_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "calibrated"
-    first = pretrain(run, "planner.calibrate=true", "train.steps=2", "logger.mode=disabled")
-    assert "calibration reused" not in first.stdout + first.stderr
+    first = pretrain(run, "train.steps=2", "logger.mode=disabled")
+    assert "calibrating:" in first.stdout + first.stderr
     calibrated = json.loads((run / "cluster.json").read_text())["calibration"]
-    again = pretrain(run, "planner.calibrate=true", "train.steps=4", "train.resume=auto", "logger.mode=disabled")
-    assert "calibration reused from" in again.stdout + again.stderr
+    again = pretrain(run, "train.steps=4", "train.resume=auto", "logger.mode=disabled")
+    assert "planning from the cached calibration" in again.stdout + again.stderr
     assert json.loads((run / "cluster.json").read_text())["calibration"] == calibrated
