@@ -9,8 +9,10 @@ Models"), per token of one block in 16-bit values, without sequence parallelism:
   - attention scores (5 a s): only an attention that materialises the s x s matrix stores them.
     torch's scaled_dot_product_attention (the runtime's attention) never does: its fused kernels
     keep q, k, v, the output and a log-sum-exp per row, so `fused_attention` (default) drops them.
-ModelMeta's block_activation_bytes_per_token carries Korthikanti's whole figure for Hugging Face
-models (model_meta.py); other families (HRM) are taken as they are, all sharded over tp.
+ModelMeta's block_activation_bytes_per_token carries block 0's measured saved bytes plus 5as for
+Hugging Face models (hrlplan.activations), or Korthikanti's figure where the measurement cannot run
+(meta.extra['block_activations'] says which); other families (HRM) are taken as they are, all
+sharded over tp.
 """
 from __future__ import annotations
 
