@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -64,13 +63,14 @@ def plans() -> Dict[str, Any]:
 
 # ---------------------------------------------------------------- MFU: GPT-2 124M, bf16, one GPU
 GPU_MFU = ["arch=gpt2", "train.dtype=bfloat16", "train.device=cuda", "cluster.nproc_per_node=1",
-           "cluster.probe_matmul_n=8192", "data.seq_len=1024", "train.global_batch_size=16"]
+           "data.seq_len=1024", "train.global_batch_size=16"]
 CPU_MFU_CHECK = ["arch=gpt2-tiny", "cluster.nproc_per_node=1"]   # the same path, runnable without a GPU
 
 
 def measure_mfu(overrides: List[str], run_dir: Path, steps: int) -> Dict[str, Any]:
     """The whole product path (pretrain.py: probe, plan, train) on one worker; the median of the
-    per-step MFU (against the probe's measured peak) and tokens/s after the warm-up steps."""
+    per-step MFU (against the datasheet's dense peak on a known GPU, else the probe's measured
+    peak) and tokens/s after the warm-up steps."""
     import subprocess
 
     from hrlplan.runtime.metrics import read_metrics
@@ -91,19 +91,18 @@ def _calibrate_worker(config: Dict[str, Any]) -> Dict[str, Any] | None:
 
     from hrlplan.cluster import probe_distributed
     from hrlplan.runtime.calibrate import calibrate_in_job
+    from hrlplan.runtime.distributed import broadcast_object, init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
 
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    init_distributed("auto", config["train"])   # the training device and backend (NCCL on GPUs)
     prepare_worker()
     try:
-        spec = probe_distributed(config["cluster"], name="bench")
-        box = [spec]
-        dist.broadcast_object_list(box, src=0)
-        uncalibrated = box[0].to_dict()
-        spec = calibrate_in_job(box[0], config["arch"], config["train"], config["data"])
+        spec = broadcast_object(probe_distributed(config["cluster"], name="bench"))
+        uncalibrated = spec.to_dict()
+        spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"], planner=config["planner"])
         return {"uncalibrated": uncalibrated, "calibrated": spec.to_dict()} if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def threads_for(world: int) -> None:
@@ -260,7 +259,7 @@ def main() -> None:
                                             Path(args.run_dir) / "mfu", steps=max(args.steps, 10))
         r = report["gpu_mfu_run"]
         report["gpu_mfu"] = (f"{'GPT-2 124M bf16 on one GPU' if torch.cuda.is_available() else 'CPU check'}: "
-                             f"MFU {r['mfu']:.1%} of the probe's peak, {r['tokens_per_s']:.0f} tokens/s")
+                             f"MFU {r['mfu']:.1%} of the datasheet peak, {r['tokens_per_s']:.0f} tokens/s")
     else:
         report["gpu_mfu"] = "no GPU in this run: GPT-2 124M bf16 MFU not measured"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,181 @@
+"""Does the planner pick the fastest layout on this machine? The README's main job (gpt2-tiny,
+global batch 8, every CPU worker of this host -- 2 here) against hand-written layouts.
+
+    python bench/local_pick.py [--rounds 5] [--steps 20] [--out bench/results/local_pick.json]
+
+Each round calibrates afresh (as `python pretrain.py` does when its cache is empty), asks the
+exact planner for its pick from that calibration, then runs every layout once -- round-robin, so
+slow drifts of a shared host hit every layout alike -- and predicts each from the same
+calibration. Reported per layout: the measured median step time over the rounds and its spread,
+the median prediction and whether it falls inside the measured range, and each rank's measured
+peak memory (live tensor storages) against the memory model's; across layouts, Spearman's
+rank correlation of predicted vs measured medians and the measured rank of the planner's pick
+(target: the fastest, or within the measured spread of the fastest). A layout that leaves a
+worker idle runs on its used workers only, as the job runs it once the idle one has left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from runtime import ARCH, specs_for, threads_for  # noqa: E402  (bench/runtime.py: probe + calibrate a job)
+
+
+def layouts(world: int) -> Dict[str, Any]:
+    """Hand-written layouts of gpt2-tiny (6 blocks, batch 8) over `world` workers (2 on this host)."""
+    from hrlplan.plan import homogeneous_plan, launch_meta
+
+    def hp(spans, dp=1, m=4, schedule="1f1b", v=1, tp=1):
+        plan = homogeneous_plan("gpt2-tiny", 6, spans, dp=dp, tp=tp, microbatch_size=8 // (m * dp), num_microbatches=m,
+                                schedule=schedule, stages_per_rank=v)
+        if plan.world_size < world:   # the job launches every worker; the others stay idle
+            plan.unused_ranks = list(range(plan.world_size, world))
+            plan.world_size = world
+            plan.meta["launch"] = launch_meta(world)
+        return plan
+
+    quarter = [(0, 2), (2, 3), (3, 5), (5, 6)]
+    return {
+        "1worker-m1": hp([(0, 6)], m=1), "1worker-m2": hp([(0, 6)], m=2),
+        "dp2": hp([(0, 6)], dp=2, m=1), "dp2-m2": hp([(0, 6)], dp=2, m=2), "tp2": hp([(0, 6)], m=1, tp=2),
+        "pp2-1f1b-3/3-m2": hp([(0, 3), (3, 6)], m=2), "pp2-1f1b-4/2-m2": hp([(0, 4), (4, 6)], m=2),
+        "pp2-1f1b-2/4-m2": hp([(0, 2), (2, 6)], m=2), "pp2-1f1b-3/3-m4": hp([(0, 3), (3, 6)], m=4),
+        "pp2-gpipe-3/3-m4": hp([(0, 3), (3, 6)], schedule="gpipe"),
+        "pp2-interleaved-m4": hp(quarter, schedule="interleaved_1f1b", v=2),
+    }
+
+
+def spearman(xs: List[float], ys: List[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):   # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / norm if norm else float("nan")
+
+
+def same_layout(a, b) -> bool:
+    key = lambda p: (p.layout(), p.dp, p.microbatch_size, p.num_microbatches, p.schedule,  # noqa: E731
+                     tuple(tuple(s.ranks) for s in p.stages), tuple(p.unused_ranks))
+    return key(a) == key(b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "local_pick.json"))
+    ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-local-pick")
+    args = ap.parse_args()
+
+    from hrlplan.cluster import default_nproc_per_node
+    from hrlplan.config import compose
+    from hrlplan.cost.memory import plan_memory
+    from hrlplan.cost.plans import options_for_train
+    from hrlplan.model_meta import introspect
+    from hrlplan.runtime.calibrate import predict_plan
+    from hrlplan.runtime.local_run import train_plan
+    from hrlplan.runtime.timing import median_step_time
+    from hrlplan.search import make_plan
+    from hrlplan.search.config import ExactPlannerConfig
+    from hrlplan.search.placement import compact
+
+    world = default_nproc_per_node("auto")
+    config = compose([*ARCH, f"train.steps={args.steps}"])
+    meta = introspect(config["arch"], seq_len=int(config["data"]["seq_len"]))
+    candidates = layouts(world)
+    runs: Dict[str, List[Dict[str, float]]] = {}
+    picks: List[str] = []
+    for r in range(args.rounds):
+        t0 = time.time()
+        _, calibrated = specs_for(world, config)
+        pick, _ = make_plan(meta, calibrated, asdict(ExactPlannerConfig()), config["train"])
+        name = next((n for n, p in candidates.items() if same_layout(p, pick)), None)
+        if name is None:
+            name = f"pick-{len(picks)}"
+            candidates[name] = pick
+        picks.append(name)
+        print(f"[local-pick] round {r + 1}/{args.rounds}: calibrated in {time.time() - t0:.0f} s; the planner "
+              f"picks {name} ({pick.layout()}, {pick.num_microbatches}x{pick.microbatch_size}, idle "
+              f"{pick.unused_ranks})", flush=True)
+        for lname, plan in candidates.items():
+            predicted = predict_plan(plan, meta, calibrated, config["train"])["step_time_s"]
+            trained, _ = compact(plan)
+            threads_for(trained.world_size)
+            try:
+                summary = train_plan(trained, config, Path(args.run_dir) / lname)
+            except Exception as e:   # one layout's failure must not hide the others' figures
+                print(f"[local-pick]   {lname:20s} FAILED: {str(e)[:200]}", flush=True)
+                continue
+            step = median_step_time([h["train/step_time_s"] for h in summary["history"]])
+            # memory per used rank: measured (trained as the compact plan) vs the model's tensor bytes
+            used = [r for r in range(plan.world_size) if r not in set(plan.unused_ranks)]
+            pred_mem = plan_memory(plan, meta, calibrated, options_for_train(config["train"]))
+            measured_mem = (summary.get("measured") or {}).get("memory_bytes_per_rank") or []
+            memory = [{"rank": r, "measured": m, "predicted": pred_mem[r]["tensors"]}
+                      for r, m in zip(used, measured_mem) if m]
+            runs.setdefault(lname, []).append({"measured_s": step, "predicted_s": predicted, "memory": memory})
+            print(f"[local-pick]   {lname:20s} {step * 1e3:7.2f} ms (predicted {predicted * 1e3:7.2f} ms)", flush=True)
+
+    rows = {}
+    for lname, xs in runs.items():
+        m = [x["measured_s"] for x in xs]
+        med, pred = statistics.median(m), statistics.median(x["predicted_s"] for x in xs)
+        rows[lname] = {"layout": candidates[lname].layout(), "idle_ranks": candidates[lname].unused_ranks,
+                       "measured_median_s": med, "measured_min_s": min(m), "measured_max_s": max(m),
+                       "spread": (max(m) - min(m)) / med, "predicted_median_s": pred,
+                       "prediction_inside_measured_range": min(m) <= pred <= max(m), "runs": xs,
+                       "memory_error_per_rank": [(x["measured"] - x["predicted"]) / x["predicted"]
+                                                 for x in xs[-1]["memory"]]}
+    names = sorted(rows, key=lambda n: rows[n]["measured_median_s"])
+    rho = spearman([rows[n]["predicted_median_s"] for n in names], [rows[n]["measured_median_s"] for n in names])
+    pick = statistics.mode(picks)
+    fastest = rows[names[0]]
+    report = {"world": world, "rounds": args.rounds, "steps": args.steps, "layouts": rows, "picks": picks,
+              "pick": pick, "pick_measured_rank": names.index(pick) + 1 if pick in rows else None,
+              "pick_within_fastest_spread": pick in rows and rows[pick]["measured_median_s"] <= fastest["measured_max_s"],
+              "spearman_predicted_vs_measured": rho, "load_average": os.getloadavg()}
+    print(f"\n{'layout':22s} {'measured ms (min-max)':>26s} {'predicted':>10s} in-range  memory measured vs predicted")
+    for n in names:
+        x = rows[n]
+        print(f"{n:22s} {x['measured_median_s'] * 1e3:8.2f} ({x['measured_min_s'] * 1e3:6.2f}-"
+              f"{x['measured_max_s'] * 1e3:6.2f}) {x['predicted_median_s'] * 1e3:10.2f} "
+              f"{'yes' if x['prediction_inside_measured_range'] else 'no':>8s}  "
+              + " ".join(f"{e:+.0%}" for e in x["memory_error_per_rank"]) + ("   <- pick" if n == pick else ""))
+    errors = [abs(e) for x in rows.values() for e in x["memory_error_per_rank"]]
+    report["memory_ranks_within_10pct"] = sum(e <= 0.10 for e in errors)
+    report["memory_ranks"] = len(errors)
+    report["memory_max_abs_error"] = max(errors, default=None)
+    print(f"memory: {report['memory_ranks_within_10pct']} of {len(errors)} ranks within 10% of the prediction "
+          f"(max |error| {report['memory_max_abs_error'] or 0:.0%})")
+    print(f"Spearman(predicted, measured) = {rho:.2f}; the pick {pick} is measured #{report['pick_measured_rank']} "
+          f"of {len(rows)} ({'within' if report['pick_within_fastest_spread'] else 'outside'} the fastest's spread)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
