@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from published import spearman  # noqa: E402  (bench/published.py: rank correlation with ties)
 from runtime import ARCH, specs_for, threads_for  # noqa: E402  (bench/runtime.py: probe + calibrate a job)
 
 
@@ -54,27 +55,6 @@ def layouts(world: int) -> Dict[str, Any]:
         "pp2-gpipe-3/3-m4": hp([(0, 3), (3, 6)], schedule="gpipe"),
         "pp2-interleaved-m4": hp(quarter, schedule="interleaved_1f1b", v=2),
     }
-
-
-def spearman(xs: List[float], ys: List[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):   # ties share their mean rank
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.mean(rx), statistics.mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / norm if norm else float("nan")
 
 
 def same_layout(a, b) -> bool:
