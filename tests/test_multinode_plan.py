@@ -72,9 +72,22 @@ def test_cost_model_prices_the_shaped_link():
     assert around.step_time_s < across.step_time_s
 
 
-@pytest.mark.xfail(reason="the search space lays pipeline groups out in node order (hrlplan/search/space.py "
-                          "ordered_devices); it needs link-aware node orders such as hrlplan.cluster.node_orders",
-                   strict=False)
+def test_search_space_adds_link_aware_node_orders():
+    """Beside the type orders, the node chains along fast links (pool-limited, no duplicates); a
+    cluster with uniform links adds none."""
+    from hrlplan.search.space import SearchSpace
+
+    cfg, meta, spec = _gpt2_on_the_box()
+    space = SearchSpace(meta, spec, dict(cfg["planner"]), dict(cfg["train"]))
+    full = space.pools[0]
+    assert space.orders(full) == [(("cpu",), ()), (("cpu",), (1, 0, 2)), (("cpu",), (0, 2, 1))]
+    assert all(len(space.orders(p)) == 1 for p in space.pools if len(p.nodes) < 3)
+    c = next(c for c in space.configs() if c.node_order == (1, 0, 2) and c.pp == 3)
+    assert space.groups(c) == ((1,), (0,), (2,)) and hash(c)
+    uniform = dataclasses.replace(spec, bandwidth=[[10 * GBIT] * 3 for _ in range(3)])
+    assert SearchSpace(meta, uniform, dict(cfg["planner"]), dict(cfg["train"])).orders(full) == [(("cpu",), ())]
+
+
 def test_planner_keeps_pipeline_boundaries_off_the_shaped_link():
     """The planner's pipeline must not hop over the 1 Gbit/s link when an order of the same stages
     avoids it (here node2 > node1 > node3), nor a data-parallel group span it."""

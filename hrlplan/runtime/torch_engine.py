@@ -53,9 +53,10 @@ def place_stages(schedule, stages: List[PipelineStage], plan: Plan, group_ranks:
         stage.stage_index_to_group_rank = dict(group_ranks)
     if isinstance(schedule, PipelineScheduleMulti):
         logical = {k: stage_to_group(k, plan.pp, plan.stages_per_rank, plan.schedule) for k in group_ranks}
-        if schedule.stage_index_to_group_rank != logical:
-            raise RuntimeError(f"torch's {type(schedule).__name__} places stages as {schedule.stage_index_to_group_rank}"
-                               f", the plan as {logical}; use a schedule whose placement the plan shares")
+        theirs = schedule.stage_index_to_group_rank
+        if theirs != logical:
+            raise RuntimeError(f"torch's {type(schedule).__name__} places stages as {theirs}, the plan as "
+                               f"{logical}; use a schedule whose placement the plan shares")
         schedule.rank = coords["pp"]
 
 

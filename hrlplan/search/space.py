@@ -42,6 +42,9 @@ class Config:
     num_microbatches: int
     schedule: str
     stages_per_rank: int
+    # Nodes in pipeline order when the order follows the links, not the types (() = by type, then
+    # node number): see SearchSpace.orders.
+    node_order: Tuple[int, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -62,6 +65,7 @@ class SearchSpace:
         mbs = train_cfg.get("microbatches", "auto")
         self.fixed_microbatches = None if mbs in (None, "auto") else int(mbs)
         self.recompute_modes = recompute_modes(planner_cfg)
+        self._chains: Optional[Tuple[List[List[int]], List[List[float]]]] = None
         self.sim = None   # make_plan binds the simulator: layouts then pick each stage's recomputation
         self.pools = self._pools()
 
@@ -94,12 +98,48 @@ class SearchSpace:
         types = sorted({self.node_type[n] for n in pool.nodes})
         return list(itertools.islice(itertools.permutations(types), MAX_TYPE_ORDERS))
 
-    def ordered_devices(self, pool: Pool, type_order: Sequence[str]) -> List[int]:
-        """Pool devices with node types in pipeline order; nodes keep their order within a type (so
-        neighbouring groups share nodes and fast links)."""
+    def orders(self, pool: Pool) -> List[Tuple[Tuple[str, ...], Tuple[int, ...]]]:
+        """(type order, node order) pairs to lay the pool out in: every type order (node order within
+        a type), then, on a probed cluster of more than two nodes with a measured bandwidth matrix,
+        hrlplan.cluster.node_orders limited to the pool's nodes -- chains along the fastest links, so
+        that a pipeline keeps its boundaries (and a multi-node group its members) off a slow link.
+        A chain is added only where its links beat every type order's (uniform links add none)."""
+        out = [(t, ()) for t in self.type_orders(pool)]
+        if len(pool.nodes) <= 2 or not self._link_aware():
+            return out
+        from hrlplan.cluster import node_bandwidth, node_orders
+
+        if self._chains is None:   # up to 8! permutations: once per space, not per pool
+            self._chains = node_orders(self.cluster), node_bandwidth(self.cluster)
+        chains, bw = self._chains
+
+        def score(nodes):   # node_orders' own: the slowest hop, then the sum of the hops
+            hops = [bw[a][b] for a, b in zip(nodes, nodes[1:])]
+            return min(hops), sum(hops)
+
+        seen = {tuple(self._node_sequence(pool, t)) for t, _ in out}
+        best = max(score(n) for n in seen)
+        for order in chains:
+            nodes = tuple(n for n in order if n in pool.nodes)
+            if nodes not in seen and score(nodes) > best:
+                seen.add(nodes)
+                out.append((tuple(dict.fromkeys(self.node_type[n] for n in nodes)), nodes))
+        return out
+
+    def _link_aware(self) -> bool:
+        return self.cluster.source in ("probe", "file") and bool(self.cluster.bandwidth) \
+            and len(self.node_devices) > 2
+
+    def _node_sequence(self, pool: Pool, type_order: Sequence[str], node_order: Sequence[int] = ()) -> List[int]:
+        if node_order:
+            return list(node_order)
         rank = {t: i for i, t in enumerate(type_order)}
-        nodes = sorted(pool.nodes, key=lambda n: (rank[self.node_type[n]], n))
-        return [d for n in nodes for d in self.node_devices[n][:pool.nproc]]
+        return sorted(pool.nodes, key=lambda n: (rank[self.node_type[n]], n))
+
+    def ordered_devices(self, pool: Pool, type_order: Sequence[str], node_order: Sequence[int] = ()) -> List[int]:
+        """Pool devices in pipeline order: the node order if given, else node types in type order
+        and nodes in their order within a type (so neighbouring groups share nodes and fast links)."""
+        return [d for n in self._node_sequence(pool, type_order, node_order) for d in self.node_devices[n][:pool.nproc]]
 
     # ------------------------------------------------------------ structural choices
     def parallel_degrees(self, pool: Pool) -> Iterator[Tuple[int, int, int]]:
@@ -140,17 +180,17 @@ class SearchSpace:
 
     def configs(self) -> Iterator[Config]:
         for pool in self.pools:
-            for order in self.type_orders(pool):
+            for order, node_order in self.orders(pool):
                 for pp, tp, dp in self.parallel_degrees(pool):
                     for schedule in self.schedules:
                         v = self.stages_per_rank if schedule in ("interleaved_1f1b", "zero_bubble") else 1
                         if pp == 1:
                             v = 1
                         for mb, m in self.microbatchings(pp, dp, schedule):
-                            yield Config(pool, order, pp, tp, dp, mb, m, schedule, v)
+                            yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order)
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
-        devs = self.ordered_devices(c.pool, c.type_order)
+        devs = self.ordered_devices(c.pool, c.type_order, c.node_order)
         size = c.tp * c.dp
         return tuple(tuple(devs[g * size:(g + 1) * size]) for g in range(c.pp))
 
