@@ -95,6 +95,7 @@ def _engine(pipe, schedule: str, s: int, t: int):
     eng.recv_fwd_from, eng.send_fwd_to, eng.recv_bwd_from, eng.send_bwd_to = hetero.stage_links(pipe.stages, s, t)
     eng.loss_reporter = eng.last and t == 0
     eng.reducer = SimpleNamespace(weights=[1.0])
+    eng.loss_fn = hetero.stage_loss([eng.parts[s]])   # the executor computes the loss on the last stage
     return eng
 
 
