@@ -257,14 +257,20 @@ def p2p_sizes(device_type: str, cfg: Any) -> tuple:
 
 def fit_latency_bandwidth(sizes, one_way_s) -> tuple:
     """(bandwidth bytes/s, latency s) of t = latency + bytes / bandwidth, least squares over the
-    sizes; latency is clamped at 0 and a flat or falling line falls back to the largest size's rate."""
+    sizes; a flat or falling line falls back to the largest size's rate. A latency the fit puts at
+    or below 0 (noise on a shared host) is read off the smallest message instead: its time less its
+    transfer, or its whole time -- a message never arrives in no time."""
     from hrlplan.runtime.calibrate_comm import least_squares_line
 
+    small, t_small = float(sizes[0]), float(one_way_s[0])
     if len(set(sizes)) >= 2:
         slope, lat = least_squares_line([float(x) for x in sizes], [float(t) for t in one_way_s])
         if slope > 0:
-            return 1.0 / slope, max(lat, 0.0)
-    return sizes[-1] / max(one_way_s[-1], 1e-12), 0.0
+            bw = 1.0 / slope
+            if lat <= 0:
+                lat = t_small - small / bw if t_small > small / bw else t_small
+            return bw, lat
+    return sizes[-1] / max(one_way_s[-1], 1e-12), t_small
 
 
 def _round_robin(n: int) -> List[List[tuple]]:

@@ -79,7 +79,10 @@ def test_latency_and_bandwidth_fit():
     assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
     # 4 MiB alone, latency not subtracted, under-reports the link
     assert 4 * 2**20 / (lat + 4 * 2**20 / bw) < got_bw
-    assert cluster.fit_latency_bandwidth([10, 10], [1.0, 1.0]) == (10.0, 0.0)
+    assert cluster.fit_latency_bandwidth([10, 10], [1.0, 1.0]) == (10.0, 1.0)
+    # noise that puts the fitted intercept below 0: the latency comes from the smallest message
+    bw_n, lat_n = cluster.fit_latency_bandwidth([1000, 10**6], [2e-6, 1.1e-3])
+    assert bw_n > 0 and 0 < lat_n <= 2e-6
 
 
 def test_p2p_sizes():

