@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -133,9 +134,51 @@ def run() -> Dict:
     return summary
 
 
+def plan_exact(names=("3.6B", "7.5B", "18.4B", "39.1B")) -> List[Dict]:
+    """What `planner=exact` picks for a row's model, GPUs and global batch, recomputation searched
+    (bf16, replicate as the paper's data parallel, our runtime's fused attention), against the
+    paper's measured figure for its own layout."""
+    from dataclasses import asdict
+
+    from hrlplan.search import make_plan
+    from hrlplan.search.config import ExactPlannerConfig
+
+    preset = yaml.safe_load(PRESET.read_text())
+    out = []
+    for name, heads, h, layers, tp, pp, mb, gbs, nodes, per_virtual, ddp, measured in ROWS:
+        if name not in names:
+            continue
+        cluster = spec_from_preset(dict(preset, node_groups=[dict(preset["node_groups"][0], count=nodes)]))
+        train = dict(global_batch_size=gbs, schedule="1f1b", stages_per_rank=1, microbatches="auto",
+                     dtype="bfloat16", dp_mode="replicate")
+        t0 = time.perf_counter()
+        plan, info = make_plan(gpt_meta(name, heads, h, layers), cluster, asdict(ExactPlannerConfig()), train)
+        step = plan.meta["predicted"]["step_time_s"]
+        # the paper's own layout under the same options (the runtime's fused attention, recompute as it ran)
+        from hrlplan.cost.plans import options_for_train
+
+        paper = Simulator(gpt_meta(name, heads, h, layers), cluster, options_for_train(train)).evaluate(
+            layout_of(tp, pp, mb, gbs, nodes, layers, per_virtual))
+        out.append({"model": name, "paper_layout_step_s": paper.step_time_s, "pick_step_s": step,
+                    "predicted_speedup_over_paper_layout": paper.step_time_s / step, "gpus": nodes * 8, "paper_layout": f"tp{tp} pp{pp} mb{mb}",
+                     "pick": f"tp{plan.stages[0].tp} pp{plan.pp} dp{plan.dp} mb{plan.microbatch_size}x"
+                             f"{plan.num_microbatches} recompute {sorted({s.recompute for s in plan.stages})}",
+                     "predicted_tflops": paper_flops(gbs, layers, h) / step / (nodes * 8) / 1e12,
+                     "measured_tflops_paper_layout": measured, "proven_optimal": plan.meta["planner"]["proven_optimal"],
+                     "plan_time_s": time.perf_counter() - t0})
+        r = out[-1]
+        print(f"{name:>7} on {r['gpus']:>4} GPUs: exact picks {r['pick']} -> {r['predicted_tflops']:.0f} TFLOP/s "
+              f"by the paper's formula (paper's {r['paper_layout']}: {measured} measured; predicted "
+              f"{r['predicted_speedup_over_paper_layout']:.2f}x its step); proven {r['proven_optimal']}, "
+              f"{r['plan_time_s']:.0f} s", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows and the summary here")
+    ap.add_argument("--plan-exact", action="store_true",
+                    help="also run planner=exact on the 3.6B-39.1B rows' model, GPUs and batch")
     args = ap.parse_args(argv)
     s = run()
     print(f"{'model':>8} {'tp':>2} {'pp':>3} {'dp':>3} {'gpus':>5} {'mb':>3} {'m':>4} {'v':>2} {'mem GiB':>8} "
@@ -151,6 +194,8 @@ def main(argv=None) -> int:
         print(f"rows simulated {s['feasible']}/{len(s['rows'])}; median |error| {100 * s['median_abs_error']:.1f}%, "
               f"max |error| {100 * s['max_abs_error']:.1f}%, Spearman {s['spearman']:.2f}")
     print(f"source: {s['source']}")
+    if args.plan_exact:
+        s["exact"] = plan_exact()
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=1))
     return 0
