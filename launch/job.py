@@ -202,6 +202,9 @@ def planner_settings(config: Dict[str, Any], family: str, model_type: str) -> Di
     planner = dict(config["planner"])
     if family == "hrm":
         planner["max_pp"] = 1  # HRM's recurrent H/L core runs every block many times: data parallel only
+        # HRM is planned from peak figures (not calibrated): a job given N ranks (its users'
+        # `torchrun --nproc-per-node 8`) trains on all of them rather than on a rough guess
+        planner["allow_idle_ranks"] = False
     if model_type not in TP_MODEL_TYPES:
         planner["max_tp"] = 1  # e.g. GPT-2's Conv1D layers are not nn.Linear, which DTensor TP needs
     return planner
