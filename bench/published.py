@@ -140,6 +140,7 @@ def plan_exact(names=("3.6B", "7.5B", "18.4B", "39.1B")) -> List[Dict]:
     paper's measured figure for its own layout."""
     from dataclasses import asdict
 
+    from hrlplan.cost.plans import options_for_train
     from hrlplan.search import make_plan
     from hrlplan.search.config import ExactPlannerConfig
 
@@ -155,8 +156,6 @@ def plan_exact(names=("3.6B", "7.5B", "18.4B", "39.1B")) -> List[Dict]:
         plan, info = make_plan(gpt_meta(name, heads, h, layers), cluster, asdict(ExactPlannerConfig()), train)
         step = plan.meta["predicted"]["step_time_s"]
         # the paper's own layout under the same options (the runtime's fused attention, recompute as it ran)
-        from hrlplan.cost.plans import options_for_train
-
         paper = Simulator(gpt_meta(name, heads, h, layers), cluster, options_for_train(train)).evaluate(
             layout_of(tp, pp, mb, gbs, nodes, layers, per_virtual))
         out.append({"model": name, "paper_layout_step_s": paper.step_time_s, "pick_step_s": step,
