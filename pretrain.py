@@ -1,81 +1,8 @@
 """Entry point: `python pretrain.py [overrides]` probes, introspects, plans and trains.
 
-All logic lives in the hrlplan library and launch/; this file composes the config with Hydra and
-refuses what a user can get wrong before anything starts: every override (each point of a sweep)
-is composed and checked first, so a typo or a value out of range is one line (`hrlplan: error:
-...`, exit 2) naming the key, the value and what is allowed, never a traceback.
+The same Hydra app as the installed `hrlplan train [overrides]`; it lives in hrlplan/app.py.
 """
-import os
-import sys
-import warnings
-
-import hydra
-from omegaconf import DictConfig
-
-from hrlplan.config import register_configs
-
-register_configs()
-# conf/hydra/launcher/submitit_*.yaml share names with the plugin's own schemas, which Hydra 1.3
-# reports as a deprecation; the plugin's schema still validates them.
-warnings.filterwarnings("ignore", message=r"(?s).*validated against ConfigStore schema", category=UserWarning)
-
-
-def _refuse(error: Exception) -> None:
-    # Under torchrun every rank checks; one of them says it.
-    if os.environ.get("RANK", "0") == "0":
-        print(f"hrlplan: error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def precheck(argv):
-    """Compose the command line's overrides (each sweep value) before Hydra runs anything."""
-    from hydra._internal.utils import get_args_parser
-
-    from hrlplan.config import compose, normalize_overrides
-    from hrlplan.errors import ConfigError
-    from hrlplan.validate import precheck_overrides
-
-    argv = normalize_overrides(argv)
-    args, _ = get_args_parser().parse_known_args(argv)
-    own_config = args.config_name or args.config_path or args.config_dir
-    if args.help or args.hydra_help or args.info or args.shell_completion or own_config:
-        return argv
-    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
-    try:
-        precheck_overrides(overrides, compose, multirun=args.multirun)
-    except ConfigError as e:
-        _refuse(e)
-    return argv
-
-
-# $HRLPLAN_CONF (a copy of conf/ to edit) is honoured here as by the hrlplan commands and compose().
-@hydra.main(version_base="1.3", config_path=os.environ.get("HRLPLAN_CONF") or "conf", config_name="config")
-def main(cfg: DictConfig):
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    from hrlplan.config import to_plain
-    from hrlplan.errors import ConfigError
-    from hrlplan.validate import check_environment
-    from launch.job import run_from_hydra
-    from launch.local import in_distributed_job
-    from launch.slurm import in_srun_task, in_submitit_task
-
-    submitit = in_submitit_task() or bool(os.environ.get("SUBMITIT_EXECUTOR"))
-    try:
-        plain = to_plain(cfg, HydraConfig.get().overrides.task)
-        # Inside torchrun or a SLURM task the world size is the launcher's; paths are still ours to check.
-        check_environment(plain, launching=not (in_distributed_job() or submitit or in_srun_task()))
-    except ConfigError as e:
-        if submitit:
-            raise  # submitit records it as the job's error
-        _refuse(e)
-    if not in_distributed_job() and not submitit:
-        print(f"[hrlplan] output directory: {plain.get('run_dir') or HydraConfig.get().runtime.output_dir}",
-              file=sys.stderr, flush=True)
-    return run_from_hydra(OmegaConf.create(plain))  # the submitit launcher hands rank 0's summary back to the sweep
-
+from hrlplan.app import run
 
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *precheck(sys.argv[1:])]
-    main()
+    run()

@@ -115,7 +115,7 @@ def threads_for(world: int) -> None:
 
 def specs_for(world: int, config: Dict[str, Any]):
     from hrlplan.cluster import ClusterSpec
-    from launch.local import launch_workers
+    from hrlplan.launch.local import launch_workers
 
     threads_for(world)
     out = launch_workers(_calibrate_worker, (config,), world, name="bench-calibrate")[0]

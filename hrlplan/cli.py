@@ -1,4 +1,4 @@
-"""`hrlplan` command line: doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | memory-guide | ...
+"""`hrlplan` command line: train | doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | memory-guide | ...
 
 Each subcommand is a thin shell over a library function; errors a user can fix print one line
 (`hrlplan: error: ...`) and exit 2, without a traceback.
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hrlplan", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
+    sub.add_parser("train", help="probe, plan and train: the Hydra app of pretrain.py (hrlplan train [key=value ...])")
     s = sub.add_parser("probe-cluster", help="measure devices and the bandwidth matrix; write cluster.json")
     s.add_argument("--out", default="cluster.json")
     s.add_argument("--nproc-per-node", default="auto", help="workers to probe on this node (auto: GPUs or cores)")
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:   # the Hydra app itself: Hydra parses the overrides (and --help, -m)
+        from hrlplan.app import run
+
+        return run(argv[1:])
     if argv[:1] == ["memory-guide"]:   # its own parser: options (--help too) may come first
         argv = ["memory-guide", "--", *argv[1:]] if len(argv) > 1 else argv
     args = build_parser().parse_args(argv)

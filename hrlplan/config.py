@@ -369,7 +369,7 @@ def to_plain(cfg: Any, overrides: Sequence[str] = (), check: bool = True) -> Dic
 
 
 def finalize(cfg: Any, overrides: Sequence[str] = ()) -> Any:
-    """to_plain, as a DictConfig again (for code written against Hydra's cfg, e.g. launch/job.py)."""
+    """to_plain, as a DictConfig again (for code written against Hydra's cfg, e.g. hrlplan/launch/job.py)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.create(to_plain(cfg, overrides))

@@ -58,7 +58,7 @@ def _collectives_worker(setting: str, nbytes: int) -> Dict[str, Any]:
 
 
 def check_collectives(setting: str, nproc: int, nbytes: int) -> List[Result]:
-    from launch.local import launch_workers
+    from hrlplan.launch.local import launch_workers
 
     name = "nccl" if setting == "cuda" else "gloo"
     r = launch_workers(_collectives_worker, (setting, nbytes), nproc, name="hrlplan-doctor")[0]

@@ -30,7 +30,7 @@ def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
 
 def probe_cluster_cli(args: argparse.Namespace) -> None:
     from hrlplan.cluster import ClusterSpec, default_nproc_per_node, spec_from_preset
-    from launch.local import in_distributed_job, launch_workers
+    from hrlplan.launch.local import in_distributed_job, launch_workers
 
     if args.preset:
         from hrlplan.config import compose

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_plan(tmp_path: Path, spans, dp: int, schedule: str, steps: int = 5, microbatches: int = 4,
              extra: List[str] = (), arch: str = "gpt2-tiny", n_layer: int = 6, global_batch: int = 8) -> List[float]:
     """Train a hand-written plan through the real job path (planner=manual); losses per step."""
-    from launch.job import run
+    from hrlplan.launch.job import run
 
     plan = homogeneous_plan(arch, n_layer, spans, dp=dp, tp=1, microbatch_size=global_batch // (microbatches * dp),
                             num_microbatches=microbatches, schedule=schedule)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))   # pretrain.py, the repo's entry, is imported as a module
+sys.path.insert(0, str(ROOT))
 
-import pretrain  # noqa: E402
+from hrlplan import app as pretrain  # noqa: E402  (the Hydra app behind pretrain.py)
 
 from hrlplan.config import compose  # noqa: E402
 from hrlplan.errors import UserError  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from hrlplan.errors import UserError
 from hrlplan.runtime.metrics import MetricsLogger, Progress, metrics_line
-from launch.local import describe_failure, launch_workers
+from hrlplan.launch.local import describe_failure, launch_workers
 
 STEP = {"train/lm_loss": 2.5, "train/step_time_s": 0.05, "train/tokens_per_s": 12345.0}
 

@@ -79,7 +79,7 @@ def test_block_placement_accepted_cyclic_refused():
 
 def test_slurm_distribution_checked_before_start():
     from hrlplan.errors import UserError
-    from launch.slurm import check_distribution
+    from hrlplan.launch.slurm import check_distribution
 
     for ok in ({}, {"SLURM_DISTRIBUTION": "block"}, {"SLURM_DISTRIBUTION": "block:cyclic"},
                {"SLURM_DISTRIBUTION": "pack"}):

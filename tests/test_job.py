@@ -1,4 +1,4 @@
-"""launch/job.py and friends without a cluster: the preemption flag, the plan cache key, the
+"""hrlplan/launch/job.py and friends without a cluster: the preemption flag, the plan cache key, the
 rank-count error, Hydra launcher presets, the submitit entry's checkpoint hook, the timeline picture."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_stop_flag_is_set_by_request_and_read_without_a_process_group():
 
 
 def test_plan_cache_key_ignores_measured_figures_but_not_settings(tmp_path):
-    from launch import plan_cache
+    from hrlplan.launch import plan_cache
 
     config = compose([])
     config["run_dir"] = str(tmp_path)
@@ -51,7 +51,7 @@ def test_plan_cache_key_ignores_measured_figures_but_not_settings(tmp_path):
 
 def test_plan_cache_round_trip(tmp_path):
     from hrlplan.plan import homogeneous_plan
-    from launch import plan_cache
+    from hrlplan.launch import plan_cache
 
     config = compose([])
     config["run_dir"] = str(tmp_path)
@@ -67,7 +67,7 @@ def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp
     """A sweep over lr, steps or the planner calibrates once; the dtype, batch or cluster shape
     measure something else. Entries round-trip; an unreadable one means calibrating again; the
     cache is per user (not per run), and refresh replaces an entry."""
-    from launch import plan_cache
+    from hrlplan.launch import plan_cache
 
     monkeypatch.delenv(plan_cache.CALIBRATION_CACHE_ENV, raising=False)
     monkeypatch.delenv(plan_cache.CACHE_ENV, raising=False)
@@ -98,7 +98,7 @@ def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp
 def test_rank_count_mismatch_names_both_numbers(monkeypatch):
     from hrlplan.errors import UserError
     from hrlplan.plan import homogeneous_plan
-    from launch.job import check_world
+    from hrlplan.launch.job import check_world
 
     plan = homogeneous_plan("gpt2-tiny", 6, [(0, 2), (2, 4), (4, 6)], dp=1, tp=1, microbatch_size=1,
                             num_microbatches=4, schedule="gpipe")
@@ -112,7 +112,7 @@ def test_rank_count_mismatch_names_both_numbers(monkeypatch):
 
 
 def test_sweep_group_names_the_sweep_directory(tmp_path, monkeypatch):
-    from launch.job import sweep_group
+    from hrlplan.launch.job import sweep_group
 
     monkeypatch.chdir(tmp_path)
     assert sweep_group("multirun/2026-01-02/03-04-05") == "multirun-2026-01-02-03-04-05"
@@ -149,7 +149,7 @@ def test_launcher_presets():
 
 
 def test_submitit_checkpoint_hook_only_flags_and_resubmits_with_resume():
-    from launch.slurm import SubmititTask
+    from hrlplan.launch.slurm import SubmititTask
 
     config = compose(["train.steps=3"])
     task = SubmititTask(config)
@@ -160,7 +160,7 @@ def test_submitit_checkpoint_hook_only_flags_and_resubmits_with_resume():
 
 
 def test_finish_preempted_outside_slurm_just_returns(monkeypatch):
-    from launch.slurm import finish_preempted
+    from hrlplan.launch.slurm import finish_preempted
 
     for var in ("SLURM_JOB_ID", "SLURM_STEP_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -168,7 +168,7 @@ def test_finish_preempted_outside_slurm_just_returns(monkeypatch):
 
 
 def test_hrm_memory_warning(monkeypatch, capsys):
-    from launch.job import HRM_CHECKED_ENV, warn_hrm_memory
+    from hrlplan.launch.job import HRM_CHECKED_ENV, warn_hrm_memory
 
     monkeypatch.delenv(HRM_CHECKED_ENV, raising=False)
     config = compose(["arch=hrm", "data=sudoku"])

@@ -106,7 +106,7 @@ def test_planner_keeps_pipeline_boundaries_off_the_shaped_link():
 def test_one_task_per_node_is_not_refused_as_cyclic():
     """SLURM reports `cyclic` for one task per node (a 3-node submitit job): the same placement as block."""
     from hrlplan.errors import UserError
-    from launch.slurm import check_distribution
+    from hrlplan.launch.slurm import check_distribution
 
     check_distribution({"SLURM_DISTRIBUTION": "cyclic", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "3"})
     with pytest.raises(UserError, match="--distribution=block"):

@@ -95,7 +95,7 @@ def _worker() -> Dict[str, Any]:
 
 @pytest.mark.slow
 def test_sharded_embedding_and_head_train_as_the_whole_stage(tmp_path):
-    from launch.local import launch_workers
+    from hrlplan.launch.local import launch_workers
 
     out = launch_workers(_worker, (), 2, name="vocab-parallel", log_dir=str(tmp_path))[0]
     for name in ("gpt2", "llama"):

@@ -411,7 +411,7 @@ def calibrate_cli(args) -> None:
     from hrlplan.config import compose
     from hrlplan.model_meta import resolve_arch
     from hrlplan.search.instances import load_cluster
-    from launch.local import launch_workers
+    from hrlplan.launch.local import launch_workers
 
     spec = load_cluster(args.cluster)
     arch = resolve_arch(args.model_id)

@@ -44,7 +44,7 @@ def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
                predicted: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Run `plan` with `config` (a composed config dict) in plan.world_size local processes; returns
     rank 0's summary (history, measured). `predicted` lands in plan.meta.predicted for plan_info.json."""
-    from launch.local import launch_workers
+    from hrlplan.launch.local import launch_workers
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

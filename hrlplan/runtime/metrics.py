@@ -3,7 +3,7 @@
 W&B never blocks or fails the run: offline mode needs no network, and any W&B error downgrades
 the logger to the local file with one warning. The run id is stable per run directory, so a
 resumed or requeued job continues the same W&B run. One W&B run per job: `group` is the sweep
-(set by launch/job.py for a Hydra multirun), `job_type` what the job does (probe, plan, train).
+(set by hrlplan/launch/job.py for a Hydra multirun), `job_type` what the job does (probe, plan, train).
 An offline run folder (<run_dir>/wandb/offline-run-*/) holds the resolved config (files/
 hrlplan_config.yaml), the files saved with `save_file` (plan.yaml, cluster.json, timeline.png),
 the media (tables, images) and run-<id>.wandb (metrics, artifacts); `wandb sync` uploads it; the

@@ -1,7 +1,7 @@
 """A stop flag for preemption and timeouts, checked by the trainers at step boundaries.
 
 The contract (every trainer loop follows it):
-- A signal handler (launch/slurm.py installs one for SLURM's USR2 inside a submitit task) or a
+- A signal handler (hrlplan/launch/slurm.py installs one for SLURM's USR2 inside a submitit task) or a
   submitit `checkpoint()` hook only calls `request_stop()`: a handler runs in the middle of
   whatever the main thread was doing (a collective, a backward pass), where nothing can be saved.
 - At each step boundary every rank calls `stop_agreed()`. It is a collective (one all_reduce of

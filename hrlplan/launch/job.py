@@ -1,15 +1,15 @@
 """Job orchestration: probe -> introspect -> plan -> train, on every rank of a job.
 
 pretrain.py hands the composed config here. It detects its situation:
-- a plain process: start the workers on this machine with the elastic launcher (launch/local.py);
+- a plain process: start the workers on this machine with the elastic launcher (hrlplan/launch/local.py);
 - under torchrun (or any launcher that set RANK/WORLD_SIZE/...): this process is a worker;
 - a SLURM task started by submitit (hydra/launcher=submitit_slurm, or launch.slurm.submit), or
-  a task of a plain `srun python pretrain.py` (launch/sbatch/): launch/slurm.py sets up the same
+  a task of a plain `srun python pretrain.py` (launch/sbatch/): hrlplan/launch/slurm.py sets up the same
   environment from SLURM's, then as above. No torchrun inside a SLURM task.
 In a worker, every rank takes part in the probe, rank 0 introspects and plans (or reuses a cached
 plan, see plan_cache.py), the plan is broadcast, and every rank builds its stage and trains.
 Preemption (SLURM's USR2) stops training at a step boundary with a checkpoint, then requeues
-(hrlplan/runtime/preempt.py has the contract, launch/slurm.py the signal and requeue side).
+(hrlplan/runtime/preempt.py has the contract, hrlplan/launch/slurm.py the signal and requeue side).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run_from_hydra(cfg) -> Optional[Dict[str, Any]]:
     from hydra.types import RunMode
 
     from hrlplan.config import to_plain
-    from launch.slurm import in_submitit_task
+    from hrlplan.launch.slurm import in_submitit_task
 
     hc = HydraConfig.get()
     run_dir = cfg.run_dir or hc.runtime.output_dir
@@ -75,8 +75,8 @@ def sweep_group(sweep_dir: str) -> str:
 
 def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Run the job described by a resolved config dict; returns rank 0's summary where it can."""
-    from launch import slurm
-    from launch.local import in_distributed_job, launch_workers
+    from hrlplan.launch import slurm
+    from hrlplan.launch.local import in_distributed_job, launch_workers
 
     run_dir = Path(config["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -214,11 +214,11 @@ def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
     """Rank 0 (or a plain process): model meta and plan, with their artifacts in the run dir.
 
     With use_cache, a plan made earlier for the same cluster shape, model, planner and training
-    settings is reused (see launch/plan_cache.py): a requeued job trains the plan it started with."""
+    settings is reused (see hrlplan/launch/plan_cache.py): a requeued job trains the plan it started with."""
     from hrlplan.model_meta import introspect
     from hrlplan.plan import PlanError
     from hrlplan.search import make_plan
-    from launch import plan_cache
+    from hrlplan.launch import plan_cache
 
     run_dir = Path(config["run_dir"])
     seq_len = config["data"]["seq_len"] if config["arch"].get("family") != "hrm" else None
@@ -272,7 +272,7 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
     except SystemExit:
         raise
     except Exception as e:
-        from launch.local import is_peer_loss
+        from hrlplan.launch.local import is_peer_loss
 
         rank = int(os.environ.get("RANK", 0))
         if os.environ.get(LOCAL_AGENT_ENV) and is_peer_loss(e):
@@ -353,12 +353,12 @@ def _broadcast(obj: Any) -> Any:
 
 def _calibrated(config: Dict[str, Any], spec):
     """Collective: the spec with its calibration, the cached one for this cluster shape, model and
-    settings when there is one (a requeued job, a sweep: see launch/plan_cache.py), else measured
+    settings when there is one (a requeued job, a sweep: see hrlplan/launch/plan_cache.py), else measured
     now on every rank and cached."""
     import torch.distributed as dist
 
     from hrlplan.runtime.calibrate import calibrate_in_job
-    from launch import plan_cache
+    from hrlplan.launch import plan_cache
 
     from hrlplan.search.config import calibration_mode
 
@@ -455,7 +455,7 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         _report(config, plan, logger, summary)
     logger.finish()
     if summary.get("preempted"):
-        from launch.slurm import finish_preempted
+        from hrlplan.launch.slurm import finish_preempted
 
         finish_preempted(_broadcast, rank)  # requeues and exits when this is a SLURM job
     # Leave together: a rank that tears its process group down while rank 0 still reports was

@@ -179,7 +179,7 @@ class SubmititTask:
         self.config = config
 
     def __call__(self) -> Optional[Dict[str, Any]]:
-        from launch.job import run
+        from hrlplan.launch.job import run
 
         return run(copy.deepcopy(self.config))
 
