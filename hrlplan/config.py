@@ -449,3 +449,16 @@ def compose(overrides: Sequence[str] = (), resolve: bool = True) -> Any:
     if not resolve:
         return apply_top_level_aliases(cfg)
     return to_plain(cfg, overrides)
+
+
+def typed(plain: Dict[str, Any]) -> Config:
+    """The run's config as typed objects (`cfg.train.steps`, `cfg.train.dtype is DType.bfloat16`), the
+    form passed down to the runtime and launcher. `arch` and `planner` stay mappings: their schema
+    depends on the chosen option. Choices are str Enums, so they still compare equal to their strings."""
+    from omegaconf import OmegaConf
+
+    known = {f for f in Config.__dataclass_fields__}
+    body = {k: v for k, v in plain.items() if k in known and k not in ("arch", "planner")}
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), body))
+    cfg.arch, cfg.planner = plain.get("arch"), plain.get("planner")
+    return cfg
