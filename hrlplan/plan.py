@@ -12,6 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
+from hrlplan.errors import one_line
+from hrlplan.validate import YamlBudgetError, parse_yaml_limited
+
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -209,9 +212,11 @@ class Plan:
     @classmethod
     def from_yaml(cls, text: str, source: str = "plan.yaml") -> "Plan":
         try:
-            data = yaml.safe_load(text)
+            data = parse_yaml_limited(text)   # within a size and alias-expansion budget
+        except YamlBudgetError as e:
+            raise PlanError("<file>", str(e), source) from None
         except yaml.YAMLError as e:
-            raise PlanError("<yaml>", f"not valid YAML: {e}", source) from None
+            raise PlanError("<yaml>", f"not valid YAML: {one_line(e, 300)}", source) from None
         return cls.from_dict(data, source)
 
     @classmethod
@@ -237,10 +242,32 @@ def _parse_stages(raw: Any, where: str, source: str) -> List[StagePlan]:
             if key not in s:
                 raise PlanError(f"{where}[{i}].{key}", "missing", source)
         layers = s["layers"]
-        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+        if not (isinstance(layers, list) and len(layers) == 2 and all(_is_int(x) for x in layers)):
             raise PlanError(f"{where}[{i}].layers", f"must be [start, end) as two integers, got {layers!r}", source)
+        _check_stage_types(s, f"{where}[{i}]", source)
         stages.append(StagePlan(**s))
     return stages
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_stage_types(s: Dict[str, Any], where: str, source: str) -> None:
+    """Types before values: the later checks compare and multiply tp, dp and ranks (`tp: "2"` or
+    `tp: two` would otherwise end in a TypeError instead of a message naming the field)."""
+    ranks = s["ranks"]
+    if not (isinstance(ranks, list) and all(_is_int(r) for r in ranks)):
+        raise PlanError(f"{where}.ranks", f"must be a list of integer ranks, got {ranks!r}", source)
+    for key in ("tp", "dp"):
+        if key in s and not _is_int(s[key]):
+            raise PlanError(f"{where}.{key}", f"must be an integer, got {s[key]!r}", source)
+    for key in ("embedding", "head"):
+        if key in s and not isinstance(s[key], bool):
+            raise PlanError(f"{where}.{key}", f"must be true or false, got {s[key]!r}", source)
+    if "recompute" in s and not isinstance(s["recompute"], str):
+        raise PlanError(f"{where}.recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {s['recompute']!r}",
+                        source)
 
 
 def _parse_pipelines(raw: Any, source: str) -> List[PipelinePlan]:

@@ -7,7 +7,8 @@
 - check_environment: what the launcher checks on this host before it starts workers: paths that
   must exist (resume, data, plan and cluster files, a model's config.json), a world size the host
   can run, a device that is there.
-- load_yaml_text: YAML parsing with a size and expansion budget (an alias bomb cannot hang anything).
+- load_yaml_text / parse_yaml_limited: YAML parsing with a size and expansion budget (an alias bomb
+  cannot hang anything); every plan load (hrlplan.plan.Plan.from_yaml) goes through it.
 """
 from __future__ import annotations
 
@@ -235,23 +236,37 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
 
 
 # ---------------------------------------------------------------- YAML with a budget
-def load_yaml_text(text: str, source: str, key: str) -> Any:
-    """yaml.safe_load, refused (naming `key`) beyond MAX_YAML_BYTES or MAX_YAML_NODES once aliases
-    are expanded. An alias bomb (a billion laughs) is small on disk and expands exponentially in
-    whatever walks the loaded tree: the node graph is composed first (aliases share their node, so
-    this is linear) and its expanded size counted with memoization, before anything is built."""
+class YamlBudgetError(ValueError):
+    """A YAML text over the size or alias-expansion budget; the message says which and the limit."""
+
+
+def parse_yaml_limited(text: str) -> Any:
+    """yaml.safe_load within MAX_YAML_BYTES and MAX_YAML_NODES once aliases are expanded; raises
+    YamlBudgetError beyond them, yaml.YAMLError for text that is not YAML. An alias bomb (a billion
+    laughs) is small on disk and expands exponentially in whatever walks the loaded tree: the node
+    graph is composed first (aliases share their node, so this is linear) and its expanded size
+    counted with memoization, before anything is built."""
     import yaml
 
     if len(text) > MAX_YAML_BYTES:
-        raise ConfigError(key, source, message=f"{key}={source} is {len(text) / 2**20:.1f} MiB; a plan or "
-                                               f"cluster file is at most {MAX_YAML_BYTES // 2**20} MiB")
+        raise YamlBudgetError(f"is {len(text) / 2**20:.1f} MiB; a plan or cluster file is at most "
+                              f"{MAX_YAML_BYTES // 2**20} MiB")
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    expanded = _expanded_size(node, {}) if node is not None else 0
+    if expanded > MAX_YAML_NODES:
+        raise YamlBudgetError(f"expands to {expanded:.3g} values through its YAML aliases (at most "
+                              f"{MAX_YAML_NODES}); write the values out")
+    return yaml.safe_load(text)
+
+
+def load_yaml_text(text: str, source: str, key: str) -> Any:
+    """parse_yaml_limited, its refusals as a ConfigError naming `key` (key=source ...)."""
+    import yaml
+
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        expanded = _expanded_size(node, {}) if node is not None else 0
-        if expanded > MAX_YAML_NODES:
-            raise ConfigError(key, source, message=f"{key}={source} expands to {expanded:.3g} values through its "
-                                                   f"YAML aliases (at most {MAX_YAML_NODES}); write the values out")
-        return yaml.safe_load(text)
+        return parse_yaml_limited(text)
+    except YamlBudgetError as err:
+        raise ConfigError(key, source, message=f"{key}={source} {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(key, source, message=f"{key}={source} is not valid YAML: {one_line(err, 200)}") from None
 

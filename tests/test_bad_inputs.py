@@ -41,6 +41,7 @@ BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcd
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "string_tp.yaml").write_text(PLAN.format(pp=2, tp="two"))
+    (d / "quoted_tp.yaml").write_text(PLAN.format(pp=2, tp='"2"'))
     (d / "string_pp.yaml").write_text(PLAN.format(pp="two", tp=1))
     (d / "not_yaml.yaml").write_text("model: [unclosed\n  - : :")
     (d / "list.yaml").write_text("- 1\n- 2\n")
@@ -130,9 +131,9 @@ CASES = [
     ("sweep-bad-point", "override", ["-m", "train.steps=2,-3"], ["train.steps", "-3"]),
     ("cli-command", "cli", ["nosuch"], ["nosuch", "show-plan"]),
     ("cli-show-plan-missing", "cli", ["show-plan", "{tmp}/nowhere.yaml"], ["nowhere.yaml"]),
-    pytest.param("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["tp"],
-                 marks=pytest.mark.xfail(reason="hrlplan/plan.py compares a stage's tp/dp before checking "
-                                                "they are integers (TypeError)")),
+    ("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["stages[0].tp", "'two'"]),
+    ("cli-show-plan-quoted-tp", "cli", ["show-plan", "{tmp}/quoted_tp.yaml"], ["stages[0].tp", "'2'"]),
+    ("cli-show-plan-alias-bomb", "cli", ["show-plan", "{tmp}/bomb.yaml"], ["bomb.yaml", "aliases"]),
     ("cli-build-sudoku-preset", "cli", ["build-sudoku", "sudoku-nonexistent", "--out-dir", "{tmp}/s"],
      ["sudoku-nonexistent"]),
     # ---- plan files (planner=manual)
@@ -143,7 +144,7 @@ CASES = [
      ["planner.plan_file", "YAML"]),
     ("plan-a-list", "host", ["planner=manual", "planner.plan_file={tmp}/list.yaml"], ["planner.plan_file"]),
     ("plan-string-tp", "host", ["planner=manual", "planner.plan_file={tmp}/string_tp.yaml"],
-     ["planner.plan_file", "tp"]),
+     ["planner.plan_file", "stages[0].tp"]),
     ("plan-string-pp", "host", ["planner=manual", "planner.plan_file={tmp}/string_pp.yaml"],
      ["planner.plan_file", "pp"]),
     ("plan-alias-bomb", "host", ["planner=manual", "planner.plan_file={tmp}/bomb.yaml"],

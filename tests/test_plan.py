@@ -46,6 +46,11 @@ CASES = {
     "unknown key": (lambda d: d.update(ppp=2), "ppp", "unknown key"),
     "tp*dp != ranks": (lambda d: d["stages"][0].update(tp=2), "stages[0].ranks", "tp*dp"),
     "unequal groups": (lambda d: d["device_groups"][1].append(9), "device_groups", "equal size"),
+    "string tp": (lambda d: d["stages"][0].update(tp="2"), "stages[0].tp", "must be an integer, got '2'"),
+    "word tp": (lambda d: d["stages"][1].update(tp="two"), "stages[1].tp", "must be an integer, got 'two'"),
+    "float dp": (lambda d: d["stages"][0].update(dp=2.0), "stages[0].dp", "must be an integer, got 2.0"),
+    "string ranks": (lambda d: d["stages"][0].update(ranks="0,1"), "stages[0].ranks", "list of integer ranks"),
+    "string head": (lambda d: d["stages"][1].update(head="yes"), "stages[1].head", "true or false"),
     "unknown recompute": (lambda d: d["stages"][1].update(recompute="partial"), "stages[1].recompute",
                           "unknown mode 'partial'; choose one of none, selective, full"),
 }
@@ -84,6 +89,21 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         Plan.from_yaml("pp: [1, 2")
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "nope.yaml")
+
+
+def test_every_plan_load_has_the_yaml_budget(tmp_path):
+    from hrlplan.validate import MAX_YAML_BYTES
+
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+    with pytest.raises(PlanError, match="plan.yaml: <file>: expands to .* YAML aliases"):
+        Plan.from_yaml(laughs + yaml.safe_dump(good().to_dict()))
+    (tmp_path / "huge.yaml").write_text("#" * (MAX_YAML_BYTES + 1))
+    with pytest.raises(PlanError, match=r"huge.yaml: <file>: is .* MiB; .* at most"):
+        Plan.load(tmp_path / "huge.yaml")
+    with pytest.raises(PlanError) as e:
+        Plan.from_yaml("model: [unclosed\n  - : :")
+    assert "\n" not in str(e.value) and "not valid YAML" in str(e.value)
 
 
 def test_preset_plan_may_use_a_subset_through_rank_to_device():
