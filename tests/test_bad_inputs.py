@@ -57,6 +57,11 @@ def files(tmp_path_factory):
     (d / "model_untyped").mkdir()
     (d / "model_untyped" / "config.json").write_text('{"n_layer": 2}')
     (d / "not_puzzles").mkdir()
+    (d / "hrl_garbage").mkdir()
+    (d / "hrl_garbage" / "hrl_policy.pth").write_text("garbage\n")
+    (d / "hrl_empty").mkdir()
+    from hrlplan.search.hrl.policy import generalist_path
+    (d / "truncated.pth").write_bytes(generalist_path().read_bytes()[:300])
     return d
 
 
@@ -134,6 +139,15 @@ CASES = [
     ("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["stages[0].tp", "'two'"]),
     ("cli-show-plan-quoted-tp", "cli", ["show-plan", "{tmp}/quoted_tp.yaml"], ["stages[0].tp", "'2'"]),
     ("cli-show-plan-alias-bomb", "cli", ["show-plan", "{tmp}/bomb.yaml"], ["bomb.yaml", "aliases"]),
+    ("cli-plan-hrl-garbage-checkpoint", "cli", ["plan-hrl", "--cluster", "a100x8-1n", "--model-meta", "gpt2-tiny",
+                                                "--checkpoint-dir", "{tmp}/hrl_garbage", "--out", "{tmp}/p.yaml"],
+     ["hrl_garbage/hrl_policy.pth", "not a readable torch checkpoint", "hrlplan train-hrl"]),
+    ("cli-plan-hrl-truncated-checkpoint", "cli", ["plan-hrl", "--cluster", "a100x8-1n", "--model-meta", "gpt2-tiny",
+                                                  "--checkpoint-dir", "{tmp}/truncated.pth", "--out", "{tmp}/p.yaml"],
+     ["truncated.pth", "truncated"]),
+    ("cli-plan-hrl-empty-checkpoint-dir", "cli", ["plan-hrl", "--cluster", "a100x8-1n", "--model-meta", "gpt2-tiny",
+                                                  "--checkpoint-dir", "{tmp}/hrl_empty", "--out", "{tmp}/p.yaml"],
+     ["hrl_empty/hrl_policy.pth", "no such file"]),
     ("cli-build-sudoku-preset", "cli", ["build-sudoku", "sudoku-nonexistent", "--out-dir", "{tmp}/s"],
      ["sudoku-nonexistent"]),
     # ---- plan files (planner=manual)

@@ -13,6 +13,7 @@ from typing import Any, Dict
 import torch
 import torch.nn as nn
 
+from hrlplan.errors import UserError, one_line
 from hrlplan.search.hrl.features import CONFIG_DIM, EST_COL, INSTANCE_DIM, MEM_COL, OFFSET_DIM, STEP_DIM
 
 CHECKPOINT_NAME = "hrl_policy.pth"      # in a train-hrl checkpoint directory
@@ -76,13 +77,40 @@ def save_policy(policy: HierarchicalPolicy, directory: str | Path, extra: Dict[s
     return target
 
 
+def _checkpoint_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path / CHECKPOINT_NAME if path.is_dir() else path
+
+
+def _read_checkpoint(path: Path) -> Dict[str, Any]:
+    """torch.load (weights only) of a policy checkpoint; a missing, truncated or foreign file is one
+    UserError line naming it and what to do, not torch's multi-line unpickling error."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(blob, dict) or not isinstance(blob.get("state"), dict) or "hidden" not in blob:
+            raise ValueError("it holds no policy state")
+        return blob
+    except Exception as e:
+        if isinstance(e, FileNotFoundError):
+            reason = "no such file"
+        elif isinstance(e, ValueError):
+            reason = f"not an HRL policy checkpoint: {e}"
+        else:   # torch's unpickling/zip errors are long and suggest weights_only=False: never that here
+            reason = f"not a readable torch checkpoint, or a truncated one ({type(e).__name__})"
+        raise UserError(f"{path}: {reason}; point --checkpoint-dir / planner.checkpoint_dir at a directory written "
+                        "by `hrlplan train-hrl` (it holds hrl_policy.pth), or leave it out to plan with the shipped "
+                        "generalist") from None
+
+
 def load_policy(directory: str | Path) -> HierarchicalPolicy:
-    path = Path(directory)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    path = _checkpoint_file(directory)
+    blob = _read_checkpoint(path)
     policy = HierarchicalPolicy(int(blob["hidden"]))
-    policy.load_state_dict({k: v.float() for k, v in blob["state"].items()})
+    try:
+        policy.load_state_dict({k: v.float() for k, v in blob["state"].items()})
+    except (RuntimeError, AttributeError) as e:   # another architecture's weights
+        raise UserError(f"{path}: its weights do not fit this hrlplan's HRL policy ({one_line(e, 120)}); retrain it "
+                        "with `hrlplan train-hrl`") from None
     return policy
 
 
@@ -95,7 +123,4 @@ def generalist_path() -> Path:
 
 
 def checkpoint_extra(path: str | Path) -> Dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    return dict(torch.load(path, map_location="cpu", weights_only=True).get("extra") or {})
+    return dict(_read_checkpoint(_checkpoint_file(path)).get("extra") or {})
