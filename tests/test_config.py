@@ -203,3 +203,37 @@ def test_the_config_tree_ships_inside_the_package():
     for f in (ROOT / "conf").rglob("*.yaml"):
         rel = f"conf/{f.relative_to(ROOT / 'conf').as_posix()}"
         assert any(fnmatch(rel, g) for g in globs), rel
+
+
+def test_hrlplan_conf_is_the_tree_train_and_the_commands_read(tmp_path):
+    """A copy of conf/ with changed defaults, named by $HRLPLAN_CONF, is what `hrlplan train` composes
+    (here: gpt2 on the a100x8-1n preset instead of gpt2-tiny on this machine) and what the commands
+    resolve names in (an arch that exists only in the copy)."""
+    import os
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir(), conf)
+    text = (conf / "config.yaml").read_text()
+    assert "  - arch: gpt2-tiny\n" in text and "  - cluster: local\n" in text
+    (conf / "config.yaml").write_text(text.replace("  - arch: gpt2-tiny\n", "  - arch: gpt2\n")
+                                      .replace("  - cluster: local\n", "  - cluster: a100x8-1n\n"))
+    (conf / "arch" / "only-in-copy.yaml").write_text((conf / "arch" / "gpt2-tiny.yaml").read_text()
+                                                     .replace("name: gpt2-tiny", "name: only-in-copy")
+                                                     .replace("n_layer: 6", "n_layer: 3"))
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    env = dict(os.environ, HRLPLAN_CONF=str(conf))
+    hrlplan = [sys.executable, "-m", "hrlplan.cli"]
+    out = subprocess.run([*hrlplan, "train", "mode=plan", "logger.mode=disabled"], cwd=run, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plans = list((run / "outputs").glob("*/*/plan.yaml"))
+    assert len(plans) == 1, out.stderr
+    plan = yaml.safe_load(plans[0].read_text())
+    assert (plan["model"], plan["n_layer"], plan["world_size"]) == ("gpt2", 12, 8)
+
+    out = subprocess.run([*hrlplan, "introspect-model", "--model-id", "only-in-copy", "--out", "meta.json"],
+                         cwd=run, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"n_layer": 3' in out.stdout
