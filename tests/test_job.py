@@ -98,7 +98,7 @@ def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp
 def test_rank_count_mismatch_names_both_numbers(monkeypatch):
     from hrlplan.errors import UserError
     from hrlplan.plan import homogeneous_plan
-    from hrlplan.launch.job import check_world
+    from hrlplan.launch.planning import check_world
 
     plan = homogeneous_plan("gpt2-tiny", 6, [(0, 2), (2, 4), (4, 6)], dp=1, tp=1, microbatch_size=1,
                             num_microbatches=4, schedule="gpipe")
@@ -168,7 +168,7 @@ def test_finish_preempted_outside_slurm_just_returns(monkeypatch):
 
 
 def test_hrm_memory_warning(monkeypatch, capsys):
-    from hrlplan.launch.job import HRM_CHECKED_ENV, warn_hrm_memory
+    from hrlplan.launch.planning import HRM_CHECKED_ENV, warn_hrm_memory
 
     monkeypatch.delenv(HRM_CHECKED_ENV, raising=False)
     config = compose(["arch=hrm", "data=sudoku"])
