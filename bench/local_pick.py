@@ -76,8 +76,8 @@ def main() -> None:
     from hrlplan.cost.memory import plan_memory
     from hrlplan.cost.plans import options_for_train
     from hrlplan.model_meta import introspect
+    from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.calibrate import predict_plan
-    from hrlplan.runtime.local_run import train_plan
     from hrlplan.runtime.timing import median_step_time
     from hrlplan.search import make_plan
     from hrlplan.search.config import ExactPlannerConfig

@@ -139,8 +139,8 @@ def main() -> None:
 
     from hrlplan.config import compose
     from hrlplan.model_meta import introspect
+    from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.calibrate import predict_plan
-    from hrlplan.runtime.local_run import train_plan
     from hrlplan.runtime.reference import train_single_process
     from hrlplan.runtime.timing import analytic_bubble, median_step_time
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 
 def _probe_cluster(args: argparse.Namespace) -> None:
-    from hrlplan.probe_launch import probe_cluster_cli
+    from hrlplan.launch.probe import probe_cluster_cli
 
     probe_cluster_cli(args)
 
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the train.dtype the calibration will predict (bf16 computes under autocast)")
     s.add_argument("--out", default=None, help="default: overwrite --cluster")
-    s.set_defaults(func=_delegate("hrlplan.runtime.calibrate", "calibrate_cli"))
+    s.set_defaults(func=_delegate("hrlplan.launch.calibrate", "calibrate_cli"))
 
     s = sub.add_parser("build-sudoku", help="generate a Sudoku data set (presets: sudoku-extreme-small, sudoku-extreme-1k-aug-1000)")
     s.add_argument("preset_or_dir")

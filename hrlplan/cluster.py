@@ -4,9 +4,13 @@ The probe runs inside a process group (gloo on CPU, NCCL on GPU): every rank mea
 device, pairs of ranks measure point-to-point bandwidth with send/recv, and the results are gathered
 over the process group to rank 0 (no shared file system needed). Presets describe clusters that
 are planned for without being probed.
+
+A facts module: the probe runs on a process group its caller has initialised (hrlplan.launch.probe,
+the job's workers), with the timers of hrlplan.measure; it imports nothing above itself.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -14,6 +18,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hrlplan import devices
+from hrlplan.errors import UserError
+from hrlplan.measure import collective_device, ping_pong, sync_device, timed
 
 SCHEMA_VERSION = 1
 GB = 1e9
@@ -140,8 +151,6 @@ def node_orders(spec: ClusterSpec, limit: int = 4) -> List[List[int]]:
     first among equals, so a cluster with uniform links keeps it. A planner that lays stages out
     in node order crosses a slow link (a shaped or oversubscribed uplink) needlessly when another
     order avoids it. Exhaustive up to 8 nodes; beyond, a greedy chain along the fastest links."""
-    import itertools
-
     n = spec.nnodes
     bw = node_bandwidth(spec)
     if n <= 2:
@@ -194,8 +203,6 @@ def default_nproc_per_node(setting: Any = "auto", device: str = "auto") -> int:
     """One worker per GPU, or per CPU core without GPUs or with train.device=cpu."""
     if setting not in (None, "auto"):
         return int(setting)
-    import torch
-
     if torch.cuda.is_available() and device != "cpu":
         return torch.cuda.device_count()
     return max(1, len(os.sched_getaffinity(0)))
@@ -209,11 +216,6 @@ GPU_P2P_REPEATS = 10
 def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32") -> Dict[str, Any]:
     """This rank's device: name, free memory, matmul FLOP/s in the training dtype (fp32 as the
     trainer runs it: on TF32 unless switched off)."""
-    import torch
-
-    from hrlplan import devices
-    from hrlplan.runtime.calibrate_comm import sync_device, timed
-
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         free, _total = torch.cuda.mem_get_info(device)   # before this probe allocates anything
@@ -255,24 +257,6 @@ def p2p_sizes(device_type: str, cfg: Any) -> tuple:
     return (max(big // 16, 1), big), int(cfg["probe_repeats"])
 
 
-def fit_latency_bandwidth(sizes, one_way_s) -> tuple:
-    """(bandwidth bytes/s, latency s) of t = latency + bytes / bandwidth, least squares over the
-    sizes; a flat or falling line falls back to the largest size's rate. A latency the fit puts at
-    or below 0 (noise on a shared host) is read off the smallest message instead: its time less its
-    transfer, or its whole time -- a message never arrives in no time."""
-    from hrlplan.runtime.calibrate_comm import least_squares_line
-
-    small, t_small = float(sizes[0]), float(one_way_s[0])
-    if len(set(sizes)) >= 2:
-        slope, lat = least_squares_line([float(x) for x in sizes], [float(t) for t in one_way_s])
-        if slope > 0:
-            bw = 1.0 / slope
-            if lat <= 0:
-                lat = t_small - small / bw if t_small > small / bw else t_small
-            return bw, lat
-    return sizes[-1] / max(one_way_s[-1], 1e-12), t_small
-
-
 def _round_robin(n: int) -> List[List[tuple]]:
     """Circle-method rounds: every pair once, each rank in at most one pair per round."""
     ids = list(range(n)) + ([None] if n % 2 else [])
@@ -285,37 +269,11 @@ def _round_robin(n: int) -> List[List[tuple]]:
     return rounds
 
 
-def _ping_pong(me: int, peer: int, sizes, repeats: int, device) -> tuple:
-    """(bandwidth, latency) of one pair, fitted over message sizes (one-way time = round trip / 2)."""
-    import torch
-    import torch.distributed as dist
-
-    def exchange(t, reps):
-        sync_start = time.perf_counter()
-        for _ in range(reps):
-            if me < peer:
-                dist.send(t, peer)
-                dist.recv(t, peer)
-            else:
-                dist.recv(t, peer)
-                dist.send(t, peer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - sync_start) / reps
-
-    bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
-    exchange(bufs[-1], 1)  # warm-up: connection setup
-    one_way = [exchange(b, repeats) / 2 for b in bufs]
-    return fit_latency_bandwidth(list(sizes), one_way)
-
-
 def check_block_placement(hostnames: List[str]) -> None:
     """Plans number ranks node-major (ranks 0..k-1 on the first node, k..2k-1 on the next): a stage
     the planner put on one node's NVLink must really be there. Refuse any other placement (srun
     --distribution=cyclic, uneven tasks per node) with the ranks and hosts concerned. hostnames:
     every rank's, in rank order."""
-    from hrlplan.errors import UserError
-
     nodes = list(dict.fromkeys(hostnames))
     per_node = len(hostnames) // max(len(nodes), 1)
     for rank, host in enumerate(hostnames):
@@ -327,49 +285,56 @@ def check_block_placement(hostnames: List[str]) -> None:
                 "--distribution=block (SLURM_DISTRIBUTION=block) with the same --ntasks-per-node on every node")
 
 
-def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "float32") -> Optional[ClusterSpec]:
-    """Collective: call on every rank of an initialised process group; rank 0 gets the spec.
+def _gather(obj: Any, group=None) -> List[Any]:
+    """Every rank's `obj`, over `group` (default: the default group; object collectives run on its
+    CPU backend)."""
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
-    device: the one this rank trains on (default: its current GPU under NCCL, else the CPU), so a
-    train.device=cpu job on a GPU node probes the CPUs it will use; dtype: train.dtype."""
-    import torch.distributed as dist
 
-    from hrlplan.devices import check_unique_devices, local_rank_of
-    from hrlplan.runtime import distributed
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = local_rank_of(os.environ)
-    device = device if device is not None else distributed.local_device()
+def _device_infos(cfg: Any, device, dtype: str, group) -> List[Dict[str, Any]]:
+    """Collective: every rank's measured device, host and node, checked (one device per rank, ranks
+    placed node-major)."""
     info = _measure_device(device, int(cfg["probe_matmul_n"]), int(cfg["probe_repeats"]), dtype)
     physical = None
     if device.type == "cuda":
-        from hrlplan.devices import visible_devices
-
-        visible = visible_devices(os.environ)
+        visible = devices.visible_devices(os.environ)
         physical = visible[device.index] if visible and device.index < len(visible) else str(device.index)
-    info.update(rank=rank, local_rank=local_rank, hostname=socket.gethostname(), physical_id=physical)
-    infos = distributed.all_gather_object(info)
-    check_unique_devices(infos)
+    info.update(rank=dist.get_rank(), local_rank=devices.local_rank_of(os.environ), hostname=socket.gethostname(),
+                physical_id=physical)
+    infos = _gather(info, group)
+    devices.check_unique_devices(infos)
     check_block_placement([i["hostname"] for i in infos])
     hosts = list(dict.fromkeys(i["hostname"] for i in infos))
     for i in infos:
         i["node"] = hosts.index(i["hostname"])
+    return infos
 
-    # Pairs on one node are all measured; across nodes only the nodes' first ranks, whose figure
-    # then stands for every pair of those two nodes (a full matrix on 1000 GPUs would take hours).
+
+def _measure_pairs(cfg: Any, infos: List[Dict[str, Any]], device) -> Dict[tuple, tuple]:
+    """Collective: {(a, b): (bandwidth, latency)} of the pairs this rank measured. Pairs on one node
+    are all measured; across nodes only the nodes' first ranks, whose figure then stands for every
+    pair of those two nodes (a full matrix on 1000 GPUs would take hours)."""
+    rank = dist.get_rank()
     leaders = {i["node"]: i["rank"] for i in sorted(infos, key=lambda x: -x["rank"])}
     sizes, repeats = p2p_sizes(device.type, cfg)
     measured: Dict[tuple, tuple] = {}
-    for pairs in _round_robin(world):
+    for pairs in _round_robin(dist.get_world_size()):
         for a, b in pairs:
             same = infos[a]["node"] == infos[b]["node"]
             if rank in (a, b) and (same or (leaders[infos[a]["node"]] == a and leaders[infos[b]["node"]] == b)):
                 peer = b if rank == a else a
-                measured[(min(a, b), max(a, b))] = _ping_pong(rank, peer, sizes, repeats, device)
+                measured[(min(a, b), max(a, b))] = ping_pong(rank, peer, sizes, repeats, device)
         dist.barrier()
-    gathered = distributed.all_gather_object(measured)
-    if rank != 0:
-        return None
+    return measured
+
+
+def _spec_from_measurements(name: str, infos: List[Dict[str, Any]], gathered: List[Dict[tuple, tuple]],
+                            backend: str) -> ClusterSpec:
+    """The probed ClusterSpec: every pair's slowest bandwidth and largest latency over the ranks that
+    measured it; pairs across nodes not measured take their nodes' leaders' figure."""
+    world = len(infos)
     pair_values: Dict[tuple, tuple] = {}
     for part in gathered:
         for (a, b), (bw, lat) in part.items():
@@ -387,23 +352,38 @@ def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "
             na, nb = infos[key[0]]["node"], infos[key[1]]["node"]
             v = pair_values.get(key) or node_pair.get((na, nb)) or node_pair.get((nb, na))
             bw[a][b], lat[a][b] = v
-    devices = [DeviceInfo(**{k: i[k] for k in DeviceInfo.__dataclass_fields__}) for i in infos]
+    device_list = [DeviceInfo(**{k: i[k] for k in DeviceInfo.__dataclass_fields__}) for i in infos]
     intra = []
-    for node in range(len(hosts)):
-        vals = [bw[a.rank][b.rank] for a in devices for b in devices
+    for node in range(len({i["node"] for i in infos})):
+        vals = [bw[a.rank][b.rank] for a in device_list for b in device_list
                 if a.node == b.node == node and a.rank != b.rank]
         intra.append(min(vals) if vals else 0.0)  # 0: a one-worker node has no intra link
     inter = [v[0] for v in node_pair.values()]
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    return ClusterSpec(name=name, devices=devices, backend=backend, source="probe", bandwidth=bw, latency=lat,
+    return ClusterSpec(name=name, devices=device_list, backend=backend, source="probe", bandwidth=bw, latency=lat,
                        intra_node_bw=intra, inter_node_bw=min(inter) if inter else 25 * GB)
 
 
-def load_or_probe_in_job(cfg: Any, device=None, dtype: str = "float32") -> Optional[ClusterSpec]:
+def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "float32",
+                      group=None) -> Optional[ClusterSpec]:
+    """Collective: call on every rank of an initialised process group; rank 0 gets the spec.
+
+    device: the one this rank trains on (default: its current GPU under NCCL, else the CPU), so a
+    train.device=cpu job on a GPU node probes the CPUs it will use; dtype: train.dtype; group: the
+    group the probe's object collectives run on (default: the default group; a job passes its
+    long-timeout gloo group, hrlplan.runtime.distributed.cpu_group())."""
+    device = device if device is not None else collective_device()
+    infos = _device_infos(cfg, device, dtype, group)
+    gathered = _gather(_measure_pairs(cfg, infos, device), group)
+    if dist.get_rank() != 0:
+        return None
+    return _spec_from_measurements(name, infos, gathered, "nccl" if device.type == "cuda" else "gloo")
+
+
+def load_or_probe_in_job(cfg: Any, device=None, dtype: str = "float32", group=None) -> Optional[ClusterSpec]:
     """Inside a running job (every rank calls this): a preset, a spec file, or a collective probe on
-    the training device in the training dtype."""
+    the training device in the training dtype (see probe_distributed)."""
     if cfg.get("spec_file"):
         return ClusterSpec.load(cfg["spec_file"])
     if not cfg.get("probe", True):
         return spec_from_preset(cfg)
-    return probe_distributed(cfg, name=str(cfg.get("name", "local")), device=device, dtype=dtype)
+    return probe_distributed(cfg, name=str(cfg.get("name", "local")), device=device, dtype=dtype, group=group)

@@ -5,7 +5,7 @@ import pytest
 
 from hrlplan.cluster import ClusterSpec, DeviceInfo
 from hrlplan.cost.model import CALIBRATION_KEYS
-from hrlplan.runtime.calibrate import fit_compute
+from hrlplan.runtime.calibrate.compute import fit_compute
 
 
 def test_fit_recovers_efficiency_and_half_saturation():
@@ -141,7 +141,7 @@ def test_calibrated_fsdp_prediction_counts_a_collective_per_block():
 
 def _hop_pair(lat, schedule="1f1b", m=4, f=(1e-3, 1.2e-3), b=(2e-3, 2.1e-3)):
     from hrlplan.cost.timeline import simulate_timeline
-    from hrlplan.runtime.calibrate import HANDSHAKE_LATENCIES
+    from hrlplan.runtime.calibrate.comm import HANDSHAKE_LATENCIES
 
     span = simulate_timeline(schedule, 2, 1, m, list(f), list(b), [0.0, 0.0], [lat, 0.0], [lat, 0.0], [0.0, 0.0],
                              recv_handshake=[HANDSHAKE_LATENCIES * lat] * 2).end[0]
@@ -151,7 +151,7 @@ def _hop_pair(lat, schedule="1f1b", m=4, f=(1e-3, 1.2e-3), b=(2e-3, 2.1e-3)):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_fit_hop_delay_recovers_a_known_pipeline_delay(schedule):
-    from hrlplan.runtime.calibrate import fit_hop_delay
+    from hrlplan.runtime.calibrate.comm import fit_hop_delay
 
     assert fit_hop_delay(*_hop_pair(7e-4, schedule)) == pytest.approx(7e-4, rel=1e-6)
     first, second = _hop_pair(0.0, schedule)
@@ -159,7 +159,8 @@ def test_fit_hop_delay_recovers_a_known_pipeline_delay(schedule):
 
 
 def test_fit_calibration_takes_the_pipeline_hop_over_the_ping_pong():
-    from hrlplan.runtime.calibrate import HANDSHAKE_LATENCIES, fit_calibration
+    from hrlplan.runtime.calibrate import fit_calibration
+    from hrlplan.runtime.calibrate.comm import HANDSHAKE_LATENCIES
     from tests.test_cost import toy_meta
 
     meta, spec = toy_meta(), _two_cpu_spec()
@@ -220,7 +221,7 @@ def test_contention_scales_alone_and_paired_figures_by_their_factors():
 
 
 def test_fit_pipeline_compute_takes_the_blocks_in_pipeline_beyond_contention():
-    from hrlplan.runtime.calibrate_comm import fit_pipeline_compute
+    from hrlplan.runtime.calibrate.comm import fit_pipeline_compute
 
     alone = [{"tokens": 64, "fwd_s": 1e-3, "bwd_s": 2e-3}, {"tokens": 128, "fwd_s": 2e-3, "bwd_s": 4e-3}]
     op = {"fwd": 1e-4, "bwd": 2e-4}
@@ -307,7 +308,8 @@ def test_fit_calibration_contention_factors():
 
 
 def test_contention_beyond_the_jobs_own_ranks_per_core_is_other_load_and_capped():
-    from hrlplan.runtime.calibrate import CONTENTION_SLACK, fit_calibration
+    from hrlplan.runtime.calibrate import fit_calibration
+    from hrlplan.runtime.calibrate.compute import CONTENTION_SLACK
     from tests.test_cost import toy_meta
 
     meta, spec = toy_meta(), _two_cpu_spec()   # 2 ranks on one node
@@ -325,7 +327,7 @@ def test_contention_beyond_the_jobs_own_ranks_per_core_is_other_load_and_capped(
 
 
 def test_fit_dp_scaling_separates_per_unit_and_per_stage_exposure():
-    from hrlplan.runtime.calibrate import fit_dp_scaling
+    from hrlplan.runtime.calibrate.collectives import fit_dp_scaling
 
     pts = [{"n_blocks": n, "allgather_total": 1e-3 + n * 2e-4, "reduce_total": 4e-3 + n * 1e-3} for n in (1, 2, 4)]
     fit = fit_dp_scaling(pts)
@@ -395,7 +397,7 @@ def test_fsdp_reduces_of_a_later_stage_overlap_an_earlier_stages_remaining_backw
 
 
 def test_fit_allreduce_takes_the_last_arrival_to_the_last_end_per_group_size():
-    from hrlplan.runtime.calibrate_comm import ALLREDUCE_PAYLOAD_VALUES, allreduce_partitions, fit_allreduce
+    from hrlplan.runtime.calibrate.collectives import ALLREDUCE_PAYLOAD_VALUES, allreduce_partitions, fit_allreduce
 
     assert allreduce_partitions(3) == [(2, [[0, 1], [2]]), (3, [[0, 1, 2]])]
     lat, per_byte = {2: 2e-4, 3: 2e-3}, {2: 1e-9, 3: 4e-9}
@@ -422,8 +424,8 @@ def test_fit_allreduce_takes_the_last_arrival_to_the_last_end_per_group_size():
 def test_passes_at_different_moments_outvote_one_pass_under_foreign_load():
     """A burst of another tenant's load during one pass inflates that pass only: the pooled median
     keeps the quiet figure, for the all-reduce fit and for the pipeline hop's spans."""
-    from hrlplan.runtime.calibrate_comm import (ALLREDUCE_PAYLOAD_VALUES, fit_allreduce, pool_allreduce_passes,
-                                                pool_hop_passes)
+    from hrlplan.runtime.calibrate.collectives import ALLREDUCE_PAYLOAD_VALUES, fit_allreduce, pool_allreduce_passes
+    from hrlplan.runtime.calibrate.comm import pool_hop_passes
 
     def allreduce_pass(r, lat):
         return {f"2/{v * 4}": [(0.0, lat)] * 5 for v in ALLREDUCE_PAYLOAD_VALUES}
@@ -482,7 +484,7 @@ def test_allreduce_by_ranks_costs_the_steps_collectives_and_the_cross_replica_re
 def test_fit_optimizer_separates_the_per_call_cost_from_the_per_block_one():
     from hrlplan.cost.model import CostOptions, Layout
     from hrlplan.cost.simulator import Simulator
-    from hrlplan.runtime.calibrate import fit_optimizer
+    from hrlplan.runtime.calibrate.compute import fit_optimizer
     from tests.test_cost import toy_meta
 
     fixed, per_block = 5e-4, 1e-4
@@ -501,7 +503,7 @@ def test_fit_optimizer_separates_the_per_call_cost_from_the_per_block_one():
 
 
 def test_fit_tensor_parallel_takes_what_each_tp_block_costs_beyond_half_the_block():
-    from hrlplan.runtime.calibrate_comm import fit_tensor_parallel
+    from hrlplan.runtime.calibrate.comm import fit_tensor_parallel
 
     def depth(n, k, extra, fixed):
         # n blocks: plain n x, tp half that + n x extra per block + a fixed part the slope leaves out
@@ -521,7 +523,7 @@ def test_fit_tensor_parallel_takes_what_each_tp_block_costs_beyond_half_the_bloc
 
 
 def test_fit_tensor_parallel_smooths_a_stray_size_by_a_line_over_the_sizes():
-    from hrlplan.runtime.calibrate_comm import fit_tensor_parallel
+    from hrlplan.runtime.calibrate.comm import fit_tensor_parallel
 
     def point(tokens, extra):   # plain 0: what tp takes is all overhead; 1 and 6 blocks
         return {"tokens": tokens, "depths": [

@@ -3,8 +3,8 @@ what fits, one synchronizing clock, the probe on the training device, latency + 
 import pytest
 import torch
 
-from hrlplan import cluster
-from hrlplan.runtime import calibrate, calibrate_comm
+from hrlplan import cluster, measure
+from hrlplan.runtime import calibrate
 
 
 def test_largest_microbatch_the_planner_may_pick():
@@ -42,12 +42,12 @@ def test_one_clock_synchronizes_on_cuda(monkeypatch):
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: syncs.append(d))
     dev = torch.device("cuda", 0)
-    calibrate_comm.now(dev)
+    measure.now(dev)
     assert syncs == [dev]
-    assert calibrate_comm.timed(lambda: None, dev, warmup=2) >= 0
+    assert measure.timed(lambda: None, dev, warmup=2) >= 0
     assert len(syncs) == 3
     syncs.clear()
-    calibrate_comm.now(torch.device("cpu"))
+    measure.now(torch.device("cpu"))
     assert syncs == []
 
 
@@ -66,7 +66,7 @@ def test_probe_reports_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(cluster, "GPU_MATMUL_N", 8)
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.ones(8, 8, dtype=k.get("dtype")))
-    monkeypatch.setattr(calibrate_comm, "sync_device", lambda d: None)
+    monkeypatch.setattr(measure, "sync_device", lambda d: None)
     info = cluster._measure_device(torch.device("cuda", 0), 8, 1, "bfloat16")
     assert info["kind"] == "cuda" and info["memory_bytes"] == 60 << 30 and info["peak_dtype"] == "bf16"
 
@@ -75,13 +75,13 @@ def test_latency_and_bandwidth_fit():
     sizes = [2**20, 16 * 2**20, 64 * 2**20]
     bw, lat = 150e9, 8e-6
     times = [lat + n / bw for n in sizes]
-    got_bw, got_lat = cluster.fit_latency_bandwidth(sizes, times)
+    got_bw, got_lat = measure.fit_latency_bandwidth(sizes, times)
     assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
     # 4 MiB alone, latency not subtracted, under-reports the link
     assert 4 * 2**20 / (lat + 4 * 2**20 / bw) < got_bw
-    assert cluster.fit_latency_bandwidth([10, 10], [1.0, 1.0]) == (10.0, 1.0)
+    assert measure.fit_latency_bandwidth([10, 10], [1.0, 1.0]) == (10.0, 1.0)
     # noise that puts the fitted intercept below 0: the latency comes from the smallest message
-    bw_n, lat_n = cluster.fit_latency_bandwidth([1000, 10**6], [2e-6, 1.1e-3])
+    bw_n, lat_n = measure.fit_latency_bandwidth([1000, 10**6], [2e-6, 1.1e-3])
     assert bw_n > 0 and 0 < lat_n <= 2e-6
 
 

@@ -6,7 +6,7 @@ maps stages to group ranks itself (hrlplan/runtime/torch_engine.py stage_group_r
 import pytest
 
 from hrlplan.plan import homogeneous_plan
-from hrlplan.runtime.local_run import compare_with_one_process
+from hrlplan.launch.local_run import compare_with_one_process
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Heterogeneous replicas and stages of unequal tp train exactly what one process trains."""
 import pytest
 
-from hrlplan.runtime.local_run import compare_with_one_process
+from hrlplan.launch.local_run import compare_with_one_process
 from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def test_heterogeneous_replicas_resume_the_same_loss_curve(tmp_path):
     """Two replicas hold every layer: the checkpoint keeps one copy per parameter name, and each
     replica's stages load theirs back under their own split."""
     from hrlplan.config import compose
-    from hrlplan.runtime.local_run import train_plan
+    from hrlplan.launch.local_run import train_plan
 
     config = compose([*GPT2, "train.steps=6", "train.checkpoint_interval=0", "logger.mode=disabled"])
     straight = train_plan(_replicas_plan(), config, tmp_path / "straight")

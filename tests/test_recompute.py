@@ -117,7 +117,7 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients(mode):
 @pytest.mark.slow
 def test_two_stage_plan_with_full_recompute_trains_as_without(tmp_path):
     from hrlplan.plan import homogeneous_plan
-    from hrlplan.runtime.local_run import train_plan
+    from hrlplan.launch.local_run import train_plan
     from hrlplan.config import compose
 
     config = compose(["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3", "train.steps=3",

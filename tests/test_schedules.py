@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hrlplan.plan import homogeneous_plan
-from hrlplan.runtime.local_run import compare_with_one_process
+from hrlplan.launch.local_run import compare_with_one_process
 
 pytestmark = pytest.mark.slow
 

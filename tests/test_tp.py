@@ -3,7 +3,7 @@ default, trains exactly what one process trains."""
 import pytest
 
 from hrlplan.plan import homogeneous_plan
-from hrlplan.runtime.local_run import compare_with_one_process
+from hrlplan.launch.local_run import compare_with_one_process
 
 pytestmark = pytest.mark.slow
 

@@ -1,25 +1,28 @@
-"""`hrlplan probe-cluster`: run the collective probe in local workers (or in the current torchrun job)."""
+"""`hrlplan probe-cluster`: run the collective probe (hrlplan.cluster.probe_distributed) in local
+workers (or in the current torchrun job), each with its process group initialised here."""
 from __future__ import annotations
 
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Dict, Optional
 
-from hrlplan.config import ClusterConfig
+from hrlplan.cluster import ClusterSpec, default_nproc_per_node, probe_distributed, spec_from_preset
+from hrlplan.config import ClusterConfig, compose
+from hrlplan.launch.local import in_distributed_job, launch_workers
+from hrlplan.runtime.distributed import cpu_group, init_distributed, shutdown
+from hrlplan.runtime.host import prepare_worker
+from hrlplan.runtime.metrics import MetricsLogger
 
 
 def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
                   dtype: str = "float32") -> Optional[Dict[str, Any]]:
-    from hrlplan.cluster import probe_distributed
-    from hrlplan.runtime.distributed import init_distributed, shutdown
-    from hrlplan.runtime.host import prepare_worker
-
     choice = init_distributed(device)   # a valid ordinal under any SLURM GPU binding
     prepare_worker()   # the threads and allocator the training workers run with: the probe measures those
     try:
         spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")), device=choice.device,
-                                 dtype=dtype)
+                                 dtype=dtype, group=cpu_group())
         if spec is not None:
             spec.save(out)
             return spec.to_dict()
@@ -29,12 +32,7 @@ def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
 
 
 def probe_cluster_cli(args: argparse.Namespace) -> None:
-    from hrlplan.cluster import ClusterSpec, default_nproc_per_node, spec_from_preset
-    from hrlplan.launch.local import in_distributed_job, launch_workers
-
     if args.preset:
-        from hrlplan.config import compose
-
         cfg = compose([f"cluster={args.preset}"])
         spec = spec_from_preset(cfg["cluster"])
         spec.save(args.out)
@@ -59,10 +57,6 @@ def probe_cluster_cli(args: argparse.Namespace) -> None:
 
 def log_probe_run(spec, out: str, mode: str) -> None:
     """A W&B run of job_type=probe beside cluster.json: the device table and the spec as an artifact."""
-    from pathlib import Path
-
-    from hrlplan.runtime.metrics import MetricsLogger
-
     run_dir = Path(out).resolve().parent
     logger = MetricsLogger(run_dir, {"cluster": spec.name}, {"mode": mode, "project": "hrlplan"},
                            job_type="probe", name=f"probe-{spec.name}", echo=False)

@@ -1,8 +1,9 @@
 """Train a given Plan on this machine's CPU workers, without probing or planning.
 
-The runtime tests and bench/runtime.py use it: they hand-write plans (heterogeneous ones too, which
-the planners do not emit yet) and need exactly the trainer, nothing around it. pretrain.py with
-planner=manual is the user-facing way to do the same.
+The runtime tests, bench/runtime.py and `hrlplan doctor` use it: they hand-write plans
+(heterogeneous ones too, which the planners do not emit yet) and need exactly the trainer, nothing
+around it. pretrain.py with planner=manual is the user-facing way to do the same. In the launch
+layer: it starts the workers (hrlplan.launch.local).
 """
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch.distributed as dist
+
+from hrlplan.config import compose
+from hrlplan.launch.local import launch_workers
 from hrlplan.plan import Plan
+from hrlplan.runtime.distributed import init_distributed, shutdown
+from hrlplan.runtime.host import prepare_worker
+from hrlplan.runtime.metrics import MetricsLogger
+from hrlplan.runtime.reference import train_single_process
+from hrlplan.runtime.trainer import PipelineTrainer
 
 
 def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
-    import torch.distributed as dist
-
-    from hrlplan.runtime.distributed import init_distributed, shutdown
-    from hrlplan.runtime.host import prepare_worker
-    from hrlplan.runtime.trainer import PipelineTrainer
-
     # CPU unless train.device=cuda: the tests and benches hand-write plans for more ranks than GPUs
     setting = "cuda" if config["train"].get("device") == "cuda" else "cpu"
     device = init_distributed(setting, {"collective_timeout_min": 5}).device
@@ -28,8 +32,6 @@ def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
         plan = Plan.from_yaml(plan_yaml)
         logger = None
         if dist.get_rank() == 0 and config.get("_metrics_file", True):
-            from hrlplan.runtime.metrics import MetricsLogger
-
             logger = MetricsLogger(config["run_dir"], {}, {"mode": "disabled"}, enabled=True, echo=False)
         trainer = PipelineTrainer(plan, config, config["run_dir"], logger=logger, device=device)
         summary = trainer.fit()
@@ -44,8 +46,6 @@ def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
                predicted: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Run `plan` with `config` (a composed config dict) in plan.world_size local processes; returns
     rank 0's summary (history, measured). `predicted` lands in plan.meta.predicted for plan_info.json."""
-    from hrlplan.launch.local import launch_workers
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if predicted is not None:
@@ -58,9 +58,6 @@ def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
 
 def compare_with_one_process(plan: Plan, overrides, run_dir: str | os.PathLike, steps: int = 5):
     """(losses of `plan`, losses of one process) on the same config: the runtime tests' check."""
-    from hrlplan.config import compose
-    from hrlplan.runtime.reference import train_single_process
-
     config = compose([*overrides, f"train.steps={steps}", "train.checkpoint_interval=0", "logger.mode=disabled"])
     summary = train_plan(plan, config, run_dir)
     reference = [h["loss"] for h in train_single_process(config, steps)]

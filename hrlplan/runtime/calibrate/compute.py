@@ -1,4 +1,4 @@
-"""Calibration's compute micro-benchmarks and their fits (hrlplan.runtime.calibrate runs them).
+"""Calibration's compute micro-benchmarks and their fits (hrlplan.runtime.calibrate.worker runs them).
 
 - measure_block + fit_compute: one block's forward + backward per micro-batch size
   (compute_efficiency, half_saturation_tokens, backward_forward_ratio);
@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from hrlplan.runtime.calibrate_comm import (REPEATS, block_stage, least_squares_line, now, sync_device,
-                                           timed_forward_backward)
+from hrlplan.cost.model import Layout
+from hrlplan.cost.plans import options_for_train
+from hrlplan.cost.simulator import Simulator
+from hrlplan.data.lm import build_lm_data
+from hrlplan.measure import least_squares_line, median_time, now, sync_device, timed_forward_backward
+from hrlplan.models.hf import HFStage, build_hf_model, causal_lm_loss, hf_config_from_arch
+from hrlplan.runtime.calibrate.blocks import REPEATS, block_stage
+from hrlplan.runtime.parallel import clip_grad_norm
+from hrlplan.runtime.tensor_parallel import parallelize_stage
+from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage, median_step_time
+from hrlplan.runtime.trainer import build_full_model, make_optimizer
 
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
@@ -55,24 +66,12 @@ def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: f
     return {"compute_efficiency": flops_per_token / (peak * a), "half_saturation_tokens": b / a}
 
 
-def _median_time(fn, repeats: int, device: torch.device) -> float:
-    fn()   # the first run pays for allocation
-    times = []
-    for _ in range(repeats):
-        t0 = now(device)
-        fn()
-        times.append(now(device) - t0)
-    return statistics.median(times)
-
-
 def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                      repeats: int = REPEATS) -> List[Dict[str, float]]:
     """Zero-bubble's split backward of one block as the runtime runs it -- torch.distributed.pipelining's
     own stage_backward_input (B: d/dx, walking the graph for the weights' inputs) and
     stage_backward_weight (W: d/dw) -- beside a plain backward, per micro-batch size. On CPU the split
     costs 1.5-2x a plain backward (B alone more than all of it), so shares of the plain one undercount."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     block, hidden = block_stage(arch, device)
     out = []
     for mbs in microbatch_sizes:
@@ -106,8 +105,6 @@ def measure_zb_split(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[
 
 
 def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
-    from hrlplan.runtime.parallel import clip_grad_norm
-
     clip_grad_norm(params, max_norm, None, [])
     opt.step()
 
@@ -121,9 +118,6 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
     OPTIMIZER_DEEP_BLOCKS-block stage, and of the embedding + final norm/head (a first-and-last stage
     without blocks), on plain tensors: fit_calibration separates the per-call cost, paid once per
     rank and step, from the per-block one."""
-    from hrlplan.models.hf import HFStage, build_hf_model, hf_config_from_arch
-    from hrlplan.runtime.trainer import make_optimizer
-
     config = hf_config_from_arch(arch)
     config.num_hidden_layers = OPTIMIZER_DEEP_BLOCKS
     torch.manual_seed(0)
@@ -137,7 +131,7 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = make_optimizer(part, train)
-        out[name] = _median_time(lambda: _clip_and_step(params, opt), repeats, device)
+        out[name] = median_time(lambda: _clip_and_step(params, opt), repeats, device)
     out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
     return out
 
@@ -151,11 +145,6 @@ def measure_tp_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: to
     most of its time: FSDP's all-DTensor figure overcosted a tp=2 step's clipping + optimizer by up to
     a quarter (gpt2-tiny: 11.9 ms against 9.7 ms measured). None when the model cannot be sharded
     over 2."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from hrlplan.runtime.tensor_parallel import parallelize_stage
-    from hrlplan.runtime.trainer import make_optimizer
-
     mesh = DeviceMesh.from_group(pair_group, device.type, mesh_dim_names=("tp",))
     out: Dict[str, Any] = {"deep_blocks": OPTIMIZER_DEEP_BLOCKS}
     small = torch.zeros(1, device=device)
@@ -204,10 +193,6 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
     one-rank group, its schedule run with 1 and with m micro-batches of one sequence. The slope per
     micro-batch minus the bare block's forward + backward is the overhead of one F and one B; the
     recorded forward span (minus the bare forward) is the F part."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
-
     block, hidden = block_stage(arch, device)
     recorder = StepRecorder(device)
     loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
@@ -223,7 +208,7 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
             block.zero_grad(set_to_none=True)
             recorder.begin()
             sched.step(x, target=target, losses=[])
-        return _median_time(step, repeats, device)
+        return median_time(step, repeats, device)
 
     one = run(1)
     many = run(m)
@@ -235,6 +220,8 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
 
 
 CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed for (memory bandwidth, caches)
+
+
 def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device,
                        iters: int = 40, rounds: int = 5) -> Dict[str, Any]:
     """Collective. The mean time of one block's forward + backward over `iters` back-to-back runs: on
@@ -276,12 +263,6 @@ def measure_step(config: Dict[str, Any], device: torch.device = torch.device("cp
     AdamW), and of its clipping + optimizer step, without the warm-up steps that the runtime's own
     step times leave out too. Not HF's full forward: what that
     adds (mask and output bookkeeping) no pipeline stage pays, and it would land in step_overhead_s."""
-    from hrlplan.data.lm import build_lm_data
-    from hrlplan.models.hf import HFStage, causal_lm_loss
-    from hrlplan.runtime.parallel import clip_grad_norm
-    from hrlplan.runtime.timing import median_step_time
-    from hrlplan.runtime.trainer import build_full_model, make_optimizer
-
     train = config["train"]
     model = build_full_model(config["arch"], int(train["seed"]))
     stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True).to(device)
@@ -305,10 +286,8 @@ def measure_step(config: Dict[str, Any], device: torch.device = torch.device("cp
 
 
 def predict_one_process_step(meta, spec, train: Dict[str, Any]) -> Dict[str, float]:
-    from hrlplan.cost.model import Layout
-    from hrlplan.cost.plans import options_for_train
-    from hrlplan.cost.simulator import Simulator
-
+    """The simulator's breakdown of the whole model as one stage on one process, one micro-batch of
+    the global batch (what measure_step times)."""
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
                     microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
     return Simulator(meta, spec, options_for_train(train)).evaluate(layout, detail=True).breakdown

@@ -1,0 +1,120 @@
+"""Measuring helpers: one clock, timers, a point-to-point ping-pong and the straight-line fits.
+
+The probe (hrlplan.cluster), calibration (hrlplan.runtime.calibrate) and `hrlplan doctor` time with
+these. A leaf: it imports torch only, nothing of hrlplan.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    """The calibration's one clock: perf_counter after the device's queued work has finished (on
+    CUDA a bare perf_counter times kernel launches, not kernels)."""
+    sync_device(device)
+    return time.perf_counter()
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int = 0) -> float:
+    """Seconds one call of fn takes on device, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    t0 = now(device)
+    fn()
+    return now(device) - t0
+
+
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The median of `repeats` timed calls of fn, after one untimed call (which pays for allocation)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = now(device)
+        fn()
+        times.append(now(device) - t0)
+    return statistics.median(times)
+
+
+def timed_forward_backward(block: torch.nn.Module, x: torch.Tensor, device: torch.device) -> Tuple[float, float]:
+    """(forward s, backward s) of one run of `block` on `x`, the device synchronised around each."""
+    sync_device(device)
+    t0 = now(device)
+    y = block(x)
+    sync_device(device)
+    t1 = now(device)
+    y.backward(torch.ones_like(y))
+    sync_device(device)
+    return t1 - t0, now(device) - t1
+
+
+def collective_device() -> torch.device:
+    """The device the default process group's collectives run on: this rank's current GPU when it
+    reaches CUDA tensors through NCCL, else the CPU."""
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend())
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- straight lines
+def least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points; xs must not all be equal."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def line_through(xs: List[float], ys: List[float]) -> List[float]:
+    """The least-squares line's values at xs (ys as they are with fewer than 3 distinct xs)."""
+    if len(set(xs)) < 3:
+        return list(ys)
+    slope, intercept = least_squares_line(xs, ys)
+    return [slope * x + intercept for x in xs]
+
+
+def fit_latency_bandwidth(sizes, one_way_s) -> tuple:
+    """(bandwidth bytes/s, latency s) of t = latency + bytes / bandwidth, least squares over the
+    sizes; a flat or falling line falls back to the largest size's rate. A latency the fit puts at
+    or below 0 (noise on a shared host) is read off the smallest message instead: its time less its
+    transfer, or its whole time -- a message never arrives in no time."""
+    small, t_small = float(sizes[0]), float(one_way_s[0])
+    if len(set(sizes)) >= 2:
+        slope, lat = least_squares_line([float(x) for x in sizes], [float(t) for t in one_way_s])
+        if slope > 0:
+            bw = 1.0 / slope
+            if lat <= 0:
+                lat = t_small - small / bw if t_small > small / bw else t_small
+            return bw, lat
+    return sizes[-1] / max(one_way_s[-1], 1e-12), t_small
+
+
+# ---------------------------------------------------------------- point to point
+def ping_pong(me: int, peer: int, sizes, repeats: int, device: torch.device) -> tuple:
+    """Run by ranks `me` and `peer` of the initialised default process group: (bandwidth, latency) of
+    the pair, fitted over message sizes (one-way time = round trip / 2)."""
+
+    def exchange(t, reps):
+        sync_start = time.perf_counter()
+        for _ in range(reps):
+            if me < peer:
+                dist.send(t, peer)
+                dist.recv(t, peer)
+            else:
+                dist.recv(t, peer)
+                dist.send(t, peer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - sync_start) / reps
+
+    bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+    exchange(bufs[-1], 1)  # warm-up: connection setup
+    one_way = [exchange(b, repeats) / 2 for b in bufs]
+    return fit_latency_bandwidth(list(sizes), one_way)

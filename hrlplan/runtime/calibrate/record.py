@@ -1,0 +1,234 @@
+"""The calibration record: every rank's micro-benchmarks fitted into the ClusterSpec.calibration
+dict the cost model reads as data (its keys: hrlplan.cost.calibration_keys.CALIBRATION_KEYS; cost
+never imports this package). Fits only, no measuring: fit_calibration from the gathered
+micro-benchmarks, fit_reference_step from the one-process reference step, and the raw measurements
+kept beside the figures for inspection."""
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hrlplan.cost.plans import options_for_train, predict_any_plan
+from hrlplan.runtime.calibrate.collectives import fit_allreduce, fit_dp_scaling
+from hrlplan.runtime.calibrate.comm import (HANDSHAKE_LATENCIES, fit_hop_delay, fit_pipeline_compute,
+                                            fit_tensor_parallel)
+from hrlplan.runtime.calibrate.compute import (CONTENTION_SLACK, fit_compute, fit_optimizer,
+                                               predict_one_process_step)
+
+med = statistics.median
+
+
+def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Dict[str, float]],
+                    msg_bytes: int) -> Dict[str, Any]:
+    """CALIBRATION_KEYS from every rank's micro-benchmarks (medians over ranks), without the
+    reference step's step_overhead_s (calibrate_in_job fits it last, from the rest)."""
+    cal = dict(spec.calibration or {})
+    cal.pop("peak_flops", None)   # an earlier calibration's: this one fits against this probe's
+    _fit_compute_keys(cal, spec, meta, gathered)
+    ops = [r["pipeline_ops"] for r in gathered if r.get("pipeline_ops")]
+    if ops:
+        cal["op_overhead_s"] = {k: med(o[k] for o in ops) for k in ("fwd", "bwd")}
+    dps = [r["data_parallel"] for r in gathered if r.get("data_parallel")]
+    _fit_optimizer_keys(cal, gathered, dps)
+    if dps:
+        _fit_data_parallel_keys(cal, dps)
+    if p2p is not None and spec.world_size > 1:
+        cal["p2p_latency_s"] = p2p["latency_s"]
+        wire = p2p["message_s"] - p2p["latency_s"]
+        cal["bandwidth_efficiency"] = min(1.0, msg_bytes / (max(wire, 1e-9) * spec.bw(0, 1)))
+    hops, by_schedule = _fit_hops(gathered)
+    _fit_contention(cal, spec, gathered)
+    _fit_step_collectives(cal, spec, gathered)
+    tp_fits = fit_tensor_parallel([r.get("tensor_parallel") for r in gathered])
+    if tp_fits:
+        cal["tp_block_overhead_s"] = tp_fits
+    if hops:
+        lat = med(hops)
+        cal["p2p_latency_s"] = lat
+        cal["p2p_handshake_s"] = HANDSHAKE_LATENCIES * lat
+        cal["p2p_latency_by_schedule_s"] = {k: med(v) for k, v in by_schedule.items()}
+    return cal
+
+
+def _fit_compute_keys(cal: Dict[str, Any], spec, meta, gathered: List[Dict[str, Any]]) -> None:
+    """compute_efficiency, half_saturation_tokens and peak_flops per device name; per micro-batch
+    size (medians over ranks) backward / forward, and zero-bubble's B and W as multiples of the plain
+    backward (the simulator interpolates them at a layout's micro-batch)."""
+    flops = meta.block_flops_fwd_per_token[0] * meta.block_repeats
+    eff, half, peak = {}, {}, {}
+    for name in sorted({d.name for d in spec.devices}):
+        peak[name] = statistics.median(d.peak_flops for d in spec.devices if d.name == name)
+        fits = [fit_compute(gathered[d.rank]["block"], flops, peak[name]) for d in spec.devices
+                if d.name == name and d.rank < len(gathered)]
+        eff[name] = med(f["compute_efficiency"] for f in fits)
+        half[name] = med(f["half_saturation_tokens"] for f in fits)
+    cal.update(compute_efficiency=eff, half_saturation_tokens=half, peak_flops=peak, step_time_scale=1.0)
+    cal["backward_forward_ratio"] = [
+        {"tokens": s0["tokens"], "ratio": med(r["block"][i]["bwd_s"] / r["block"][i]["fwd_s"] for r in gathered)}
+        for i, s0 in enumerate(gathered[0]["block"])]
+    if all(r.get("zb_split") for r in gathered):
+        cal["zb_backward_factors"] = [
+            {"tokens": z0["tokens"], "input": med(r["zb_split"][i]["input_s"] / r["zb_split"][i]["plain_s"] for r in gathered),
+             "weight": med(r["zb_split"][i]["weight_s"] / r["zb_split"][i]["plain_s"] for r in gathered)}
+            for i, z0 in enumerate(gathered[0]["zb_split"])]
+        mid = cal["zb_backward_factors"][len(cal["zb_backward_factors"]) // 2]
+        cal["zb_input_grad_share"] = mid["input"] / (mid["input"] + mid["weight"])
+
+
+def _fit_optimizer_keys(cal: Dict[str, Any], gathered: List[Dict[str, Any]], dps: List[Dict[str, Any]]) -> None:
+    """optimizer_ends_blocks, and optimizer_s_per_block / optimizer_fixed_s for plain, sharded
+    (FSDP) and tensor-parallel stages."""
+    deep = [r["optimizer"]["deep"] for r in gathered if r["optimizer"].get("deep") is not None]
+    opt = fit_optimizer(med(r["optimizer"]["block"] for r in gathered), med(deep) if deep else None,
+                        int(gathered[0]["optimizer"].get("deep_blocks", 1)), med(r["optimizer"]["ends"] for r in gathered))
+    cal["optimizer_ends_blocks"] = opt["ends_blocks"]
+    sharded = med(d["optimizer_sharded"] for d in dps) if dps else opt["per_block"]
+    sharded_fixed = 0.0
+    fits = [fit_dp_scaling(d["by_blocks"], ("optimizer",)) for d in dps
+            if len(d.get("by_blocks") or []) >= 2 and all("optimizer_total" in p for p in d["by_blocks"])]
+    if fits:
+        sharded, sharded_fixed = med(f["optimizer"][0] for f in fits), med(f["optimizer"][1] for f in fits)
+    cal["optimizer_s_per_block"] = {"plain": opt["per_block"], "sharded": sharded}
+    cal["optimizer_fixed_s"] = {"plain": opt["fixed"], "sharded": sharded_fixed}
+    tps = [fit_optimizer(t["block"], t["deep"], int(t["deep_blocks"]), 0.0) for t in
+           (r.get("tp_optimizer") for r in gathered) if t]
+    if tps:
+        cal["optimizer_s_per_block"]["tp"] = med(f["per_block"] for f in tps)
+        cal["optimizer_fixed_s"]["tp"] = med(f["fixed"] for f in tps)
+
+
+def _fit_data_parallel_keys(cal: Dict[str, Any], dps: List[Dict[str, Any]]) -> None:
+    """dp_collective_s, dp_hook_s, dp_collective_fixed_s and the pair's small all-reduce."""
+    cal["dp_collective_s"] = {"allgather": med(d["allgather"] for d in dps), "reduce": med(d["reduce"] for d in dps)}
+    cal["dp_hook_s"] = {"fwd": med(d["hook_fwd"] for d in dps), "bwd": med(d["hook_bwd"] for d in dps)}
+    fits = [fit_dp_scaling(d["by_blocks"]) for d in dps if len(d.get("by_blocks") or []) >= 2]
+    if fits:   # per unit: the slope over stage depths; per stage: the rest (the last unit's tail)
+        cal["dp_collective_s"] = {k: med(f[k][0] for f in fits) for k in ("allgather", "reduce")}
+        cal["dp_collective_fixed_s"] = {k: med(f[k][1] for f in fits) for k in ("allgather", "reduce")}
+    cal["allreduce_latency_s"] = med(d["allreduce_s"] for d in dps)
+
+
+def _fit_hops(gathered: List[Dict[str, Any]]) -> Tuple[List[float], Dict[str, List[float]]]:
+    """(each pair's hop delay, the delays per schedule): the real two-stage pipeline's hop replaces
+    the ping-pong latency (see measure_pipeline_hop)."""
+    hops: List[float] = []
+    by_schedule: Dict[str, List[float]] = {}
+    for r in range(0, len(gathered) - 1, 2):
+        a, b = gathered[r].get("pipeline_hop") or {}, gathered[r + 1].get("pipeline_hop") or {}
+        fits = {k: fit_hop_delay(a[k], b[k]) for k in a if k in b and a[k]["stage"] == 0 and b[k]["stage"] == 1}
+        if fits:   # the schedules measured their own; the others get the mean of their fits
+            hops.append(statistics.fmean(fits.values()))
+            for k, v in fits.items():
+                by_schedule.setdefault(k, []).append(v)
+    return hops, by_schedule
+
+
+def _fit_contention(cal: Dict[str, Any], spec, gathered: List[Dict[str, Any]]) -> None:
+    """contention_factor: one block on every rank at once vs on rank 0 alone."""
+    alone = (gathered[0].get("contention") or {}).get("alone_s")
+    together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
+    if not (alone and together and len(gathered) > 1):
+        return
+    compute = med(together) / alone
+    rounds = [r["contention"] for r in gathered if (r.get("contention") or {}).get("together_rounds_s")]
+    n = min(len(r["together_rounds_s"]) for r in rounds) if rounds else 0
+    if n and len(gathered[0]["contention"].get("alone_rounds_s") or []) >= n:
+        # the ratio within each round (ranks' median), then the median over rounds
+        tog = [med(r["together_rounds_s"][i] for r in rounds) for i in range(n)]
+        compute = med(t / a for t, a in zip(tog, gathered[0]["contention"]["alone_rounds_s"]))
+    cores = gathered[0]["contention"].get("cpu_cores")
+    if cores:
+        # The job's own ranks share the cores: at most ranks/cores slower (x CONTENTION_SLACK for
+        # memory bandwidth). More than that is other jobs' load, which comes and goes: not the plan's.
+        node = spec.devices[0].node
+        local = sum(1 for d in spec.devices if d.node == node)
+        compute = min(compute, max(1.0, local / cores) * CONTENTION_SLACK)
+    # "paired" stays 1 (kept for readers of older calibrations): the pair micro-benchmarks run
+    # on every pair at once, with every rank busy, so their figures need no scaling
+    cal["contention_factor"] = {"compute": max(1.0, compute), "paired": 1.0}
+
+
+def _fit_step_collectives(cal: Dict[str, Any], spec, gathered: List[Dict[str, Any]]) -> None:
+    """The step's small all-reduces as a pipelined step pays them: on the rank that finishes last
+    (the first stage, under 1F1B and GPipe), after the pipeline (see measure_pipeline_hop); and
+    all-reduces over groups of every size (allreduce_by_ranks)."""
+    tails = [h for r in gathered for h in (r.get("pipeline_hop") or {}).values()
+             if h and h.get("stage") == 0 and h.get("tail_allreduce_s") is not None]
+    if tails:
+        cal["allreduce_latency_s"] = med(h["tail_allreduce_s"] for h in tails)
+        tied = [h["tail_tied_allreduce_s"] for h in tails if h.get("tail_tied_allreduce_s") is not None]
+        if tied:
+            cal["tied_allreduce_s"] = med(tied)
+    if len(gathered) > 1 and all(r.get("allreduce") for r in gathered):
+        one_clock = len({d.hostname for d in spec.devices}) == 1
+        fits = fit_allreduce([r["allreduce"] for r in gathered], len(gathered), one_clock)
+        if fits:
+            cal["allreduce_by_ranks"] = fits
+
+
+def fit_reference_step(cal: Dict[str, Any], spec, meta, train: Dict[str, Any], rounds: Sequence[tuple],
+                       gathered: List[Dict[str, Any]], seq_len: int) -> Tuple[float, float, List[Dict[str, Any]]]:
+    """From the one reference step (measure_step, interleaved with blocks timed alone: `rounds` of
+    (step, blocks)), on rank 0 alone: step_overhead_s, what the step costs beyond the fitted terms;
+    optimizer_in_step_scale; with contention, the alone figures of compute; pipeline_compute_factor.
+    Its compute is predicted from blocks measured alone too, so the contention the concurrent fit
+    includes does not land in the overhead. `train`: the reference step's (its batch). Returns
+    (measured step s, predicted without step_overhead_s, the blocks alone)."""
+    measured = statistics.median(r[0]["step_s"] for r in rounds)
+    optimizer_in_step = statistics.median(r[0]["optimizer_s"] for r in rounds)
+    alone = [dict(tokens=r0["tokens"], fwd_s=statistics.median(r[1][i]["fwd_s"] for r in rounds),
+                  bwd_s=statistics.median(r[1][i]["bwd_s"] for r in rounds))
+             for i, r0 in enumerate(rounds[0][1])]
+    ref = copy.deepcopy(spec)
+    ref.calibration = dict(cal)
+    d0 = spec.devices[0]
+    fit0 = fit_compute(alone, meta.block_flops_fwd_per_token[0] * meta.block_repeats, cal["peak_flops"][d0.name])
+    ref.calibration.update(compute_efficiency={d0.name: fit0["compute_efficiency"]},
+                           half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]},
+                           contention_factor=None)   # the reference step ran alone
+    predicted = predict_one_process_step(meta, ref, train)
+    if predicted["optimizer_s"] > 0:
+        # Clipping + AdamW as a real step pays them (its caches cold after the backward), not as the
+        # micro-benchmark's warm loop does: the plain optimizer's figures scaled to the step's.
+        scale = optimizer_in_step / predicted["optimizer_s"]
+        for key in ("optimizer_s_per_block", "optimizer_fixed_s"):
+            cal[key] = dict(cal[key], plain=cal[key]["plain"] * scale)
+        cal["optimizer_in_step_scale"] = scale
+        ref.calibration.update({k: cal[k] for k in ("optimizer_s_per_block", "optimizer_fixed_s")})
+        predicted = predict_one_process_step(meta, ref, train)
+    predicted = predicted["step_time_s"]
+    cal["step_overhead_s"] = max(measured - predicted, 0.0)
+    if cal.get("contention_factor"):
+        # CPU work is then costed as measured alone, times the contention factor; so is the split
+        # of a block's time into forward and backward (with ranks time-sliced, a backward measured
+        # right after its forward loses more of its slices: 4.1x the forward at 512 tokens with 4
+        # ranks on 2 cores, 1.4x alone)
+        cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
+        cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
+                                             **ref.calibration["half_saturation_tokens"])
+        cal["backward_forward_ratio"] = [{"tokens": a["tokens"], "ratio": a["bwd_s"] / a["fwd_s"]}
+                                         for a in alone]
+    # the blocks inside the real two-stage pipeline vs the same blocks alone (fit_pipeline_compute)
+    hops = [h for r in gathered for h in (r.get("pipeline_hop") or {}).values() if h]
+    if hops:
+        cal["pipeline_compute_factor"] = fit_pipeline_compute(
+            hops, alone, seq_len, cal.get("op_overhead_s") or {},
+            float((cal.get("contention_factor") or {}).get("compute", 1.0)))
+    return measured, predicted, alone
+
+
+def measurements(meta, seq_len: int, train: Dict[str, Any], gathered: List[Dict[str, Any]], msg_bytes: int,
+                 p2p: Optional[Dict[str, float]], **reference: Any) -> Dict[str, Any]:
+    """calibration["measurements"]: the raw figures behind the record, for inspection; `reference`:
+    the reference step's (one_process_step_s=None without one)."""
+    return {"model": meta.name, "seq_len": seq_len, "dtype": str(train.get("dtype", "float32")),
+            "ranks": gathered, "p2p_bytes": msg_bytes, "p2p": p2p, **reference}
+
+
+def predict_plan(plan, meta, spec, train: Dict[str, Any]) -> Dict[str, Any]:
+    """The simulator's step time, bubble and memory per rank for any plan the runtime runs
+    (hrlplan.cost.plans.predict_any_plan: heterogeneous plans include the cross-replica reduce)."""
+    r = predict_any_plan(plan, meta, spec, options_for_train(train))
+    return {"step_time_s": r["step_time_s"], "bubble_fraction": r["bubble_fraction"],
+            "memory_bytes_per_rank": r["memory_bytes_per_rank"], "breakdown": r["breakdown"]}

@@ -1,0 +1,206 @@
+"""Calibration in a running job: every rank runs the micro-benchmarks at once, rank 0 fits the record
+(.record) and broadcasts it. The orchestration on top of the package: it imports .compute, .comm,
+.collectives and .record, none of them imports it."""
+from __future__ import annotations
+
+import gc
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hrlplan.model_meta import introspect
+from hrlplan.runtime.calibrate.blocks import REPEATS
+from hrlplan.runtime.calibrate.collectives import (DP_SCALING_BLOCKS, allreduce_partitions, measure_allreduce,
+                                                   measure_data_parallel, pool_allreduce_passes)
+from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_p2p, measure_pipeline_hop, measure_tensor_parallel,
+                                            pool_hop_passes)
+from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_contention,
+                                               measure_optimizer, measure_pipeline_ops, measure_step,
+                                               measure_tp_optimizer, measure_zb_split)
+from hrlplan.runtime.calibrate.record import fit_calibration, fit_reference_step, measurements
+from hrlplan.runtime.distributed import all_gather_object, broadcast_object, local_device
+
+REFERENCE_ROUNDS = 5        # reference steps, interleaved with block timings: a shared machine's load drifts
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)   # hrlplan.search.config's default candidates
+
+
+def _pairs(world: int) -> List[List[int]]:
+    return [[r, r + 1] for r in range(0, world - 1, 2)]
+
+
+def largest_microbatch(global_batch: int, microbatches: Any = "auto", wanted: Optional[List[int]] = None) -> int:
+    """The largest micro-batch the planner may pick: global / train.microbatches when that is fixed,
+    else the largest candidate (planner.microbatch_sizes) dividing the global batch (dp 1)."""
+    if microbatches not in (None, "auto"):
+        return max(1, global_batch // int(microbatches))
+    wanted = list(wanted or DEFAULT_MICROBATCH_SIZES)
+    fits = [d for d in wanted if 0 < d <= global_batch and global_batch % d == 0]
+    return max(fits) if fits else global_batch
+
+
+def memory_cap(cap: int, seq: int, block_bytes_per_token: float, free_bytes: Optional[float],
+               blocks: int = 1, fixed_bytes: float = 0.0, headroom: float = 0.5) -> int:
+    """Halve `cap` until `blocks` blocks' activations at cap x seq tokens, plus fixed_bytes (weights,
+    optimizer states), fit in headroom x free_bytes (probed free memory); 0 when nothing fits.
+    None free_bytes (CPU): cap unchanged."""
+    if free_bytes is None:
+        return cap
+    while cap >= 1 and fixed_bytes + cap * seq * block_bytes_per_token * blocks > headroom * free_bytes:
+        cap //= 2
+    return cap
+
+
+def calibration_sizes(global_batch: int, cap: int) -> tuple:
+    """(micro-batch sizes of the block fits, of the compute fit): 1, a quarter, a half and the whole
+    of the batch, none above cap (the largest micro-batch the planner may pick, or what fits)."""
+    g = max(1, min(global_batch, cap))
+    sizes = sorted({1, max(1, g // 4), g})
+    return sizes, sorted(set(sizes) | {max(1, g // 2)})
+
+
+def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any],
+                     planner: Optional[Dict[str, Any]] = None):
+    """Collective: every rank of an initialised process group calls it; every rank returns the
+    ClusterSpec with `calibration` filled. Every rank runs the micro-benchmarks at once (on a shared
+    machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts.
+    Everything runs on the training device (the current GPU under NCCL); with
+    train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes. Sizes stop
+    at the largest micro-batch the planner (planner.microbatch_sizes) may pick and what fits."""
+    device = local_device()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("dtype") == "bfloat16"):
+        spec = _calibrate_in_job(spec, arch, train, data, device, planner or {})
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return spec
+
+
+def _sizes(meta, train: Dict[str, Any], seq: int, device: torch.device,
+           planner: Dict[str, Any]) -> Tuple[List[int], List[int], int]:
+    """(micro-batch sizes, those of the compute fit, the reference step's batch: 0 when the whole
+    model does not fit one device)."""
+    g = int(train["global_batch_size"])
+    free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    act = meta.block_activation_bytes_per_token[0] * (1 if train.get("dtype") == "bfloat16" else 2)
+    cap = memory_cap(largest_microbatch(g, train.get("microbatches", "auto"), planner.get("microbatch_sizes")),
+                     seq, act, free)
+    # the compute fit also at half the batch: its line through three sizes put a 256-token block
+    # (the micro-batch the planner then picked here) 8% below its measured time
+    sizes, block_sizes = calibration_sizes(g, max(cap, 1))
+    # the one-process reference step holds the whole model and its AdamW states (16 B/parameter)
+    step_batch = memory_cap(max(sizes), seq, act, free, blocks=meta.n_layer, fixed_bytes=16.0 * meta.total_params)
+    return sizes, block_sizes, step_batch
+
+
+def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device,
+                      planner: Dict[str, Any]):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = broadcast_object(spec)   # the probe returns the spec on rank 0 only
+    seq = int(data["seq_len"])
+    meta = introspect(arch, seq_len=seq)
+    sizes, block_sizes, step_batch = _sizes(meta, train, seq, device, planner)
+    g = max(sizes)
+    samples = measure_block(arch, seq, block_sizes, device)
+    zb_split = measure_zb_split(arch, seq, sizes, device)
+    # groups are created collectively, in one order on every rank
+    singles = [dist.new_group([r]) for r in range(world)]
+    pairs = _pairs(world)
+    pair_groups = [dist.new_group(p) for p in pairs]
+    # The pipeline library's per-op overhead is an alone figure (contention_factor scales it): rank 0
+    # measures it with the others waiting. Measured on every rank at once, ranks time-sliced on
+    # shared cores put their slices into the slope of the longer schedule: 0.3-2.7 ms per backward
+    # with 4 ranks on 2 cores (0.01-0.1 ms with 2), and every plan's backward costed that much more.
+    ops = None
+    if rank == 0:
+        alone_one = measure_block(arch, seq, [1], device)[0]
+        ops = measure_pipeline_ops(arch, seq, device, singles[0], alone_one["fwd_s"], alone_one["bwd_s"])
+    dist.barrier()
+    optim = measure_optimizer(arch, train, device)
+    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
+                  for k, lists in allreduce_partitions(world)]
+    # The all-reduces and the pipeline hops are measured in passes at different moments and pooled:
+    # a burst of another tenant's load then inflates one pass, not the figure (a 2-rank all-reduce
+    # once measured 2.5 ms instead of 0.25 ms, every pipelined plan predicted 25% slow).
+    allreduce_passes = [measure_allreduce(device, partitions, repeats=REPEATS)]
+    dist.barrier()
+    paired = _pair_benchmarks(arch, seq, train, device, meta, sizes, pairs, pair_groups)
+    allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
+    msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
+    p2p = measure_p2p(msg, device)
+    contention = measure_contention(arch, seq, max(1, g // 4), device)
+    allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
+    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, **paired,
+             "contention": contention, "allreduce": pool_allreduce_passes(allreduce_passes)}
+    gathered = all_gather_object(local)
+    cal: Optional[Dict[str, Any]] = None
+    if rank == 0:
+        cal = _fit_record(spec, meta, gathered, p2p, msg, step_batch, dict(arch=arch, train=train, data=data),
+                          block_sizes, device)
+    dist.barrier()
+    spec.calibration = broadcast_object(cal)
+    for group in singles + pair_groups + [g for _, _, groups in partitions for g in groups if g is not None]:
+        dist.destroy_process_group(group)
+    return spec
+
+
+def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: Dict[str, Any], device: torch.device, meta,
+                     sizes: List[int], pairs: List[List[int]], pair_groups: List[Any]) -> Dict[str, Any]:
+    """Collective: the two-rank micro-benchmarks, every pair at once and a rank left over kept busy (a
+    step has every rank working too, so what they measure needs no scaling for ranks sharing cores).
+    {data_parallel, pipeline_hop, tensor_parallel, tp_optimizer}: None on a rank left over."""
+    g = max(sizes)
+    rank = dist.get_rank()
+    out: Dict[str, Any] = dict(data_parallel=None, pipeline_hop=None, tensor_parallel=None, tp_optimizer=None)
+    mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
+    if mine is None:
+        busy_until_barrier(arch, seq, max(1, g // 4), device)
+        return out
+    group = pair_groups[mine]
+    tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
+    hop_passes: Dict[str, List[Dict[str, Any]]] = {sched: [] for sched in HOP_SCHEDULES}
+
+    def hop_pass() -> None:
+        # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
+        # hop no better here and, with more ranks than cores, twice as long as pp2 x dp2 pays it
+        for sched in HOP_SCHEDULES:
+            hop_passes[sched].append(measure_pipeline_hop(arch, seq, device, group, pairs[mine],
+                                                          schedule=sched, repeats=REPEATS, tied_numel=tied_numel))
+
+    hop_pass()
+    dp = measure_data_parallel(arch, seq, train, device, group)
+    hop_pass()
+    # the same stage at other depths: how the collectives' exposed time grows per unit (each
+    # unit's reduce-scatter overlaps the backward of the units after it) vs the stage's tail
+    dp["by_blocks"] = [{k: d[k] for k in ("n_blocks", "allgather_total", "reduce_total", "optimizer_total")}
+                       for d in [dp] + [measure_data_parallel(arch, seq, train, device, group, n_blocks=nb)
+                                        for nb in DP_SCALING_BLOCKS]]
+    hop_pass()
+    out["data_parallel"] = dp
+    out["pipeline_hop"] = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
+    out["tensor_parallel"] = measure_tensor_parallel(arch, seq, sizes, device, group)
+    out["tp_optimizer"] = measure_tp_optimizer(arch, train, device, group)
+    dist.barrier()
+    return out
+
+
+def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_batch: int, config: Dict[str, Any],
+                block_sizes: List[int], device: torch.device) -> Dict[str, Any]:
+    """Rank 0: the calibration record, with the reference step's figures when the whole model fits
+    one device. The reference step runs on rank 0 alone (the others wait), in interleaved rounds with
+    the blocks timed alone (medians: a shared machine's load drifts between two measurements)."""
+    seq = int(config["data"]["seq_len"])
+    cal = fit_calibration(spec, meta, gathered, p2p, msg)
+    if step_batch < 1:
+        cal["step_overhead_s"] = 0.0   # the whole model does not fit one device: no reference step
+        cal["measurements"] = measurements(meta, seq, config["train"], gathered, msg, p2p, one_process_step_s=None)
+        return cal
+    train = dict(config["train"], global_batch_size=step_batch)   # the reference step's batch, predicted alike
+    step_config = {"arch": config["arch"], "train": train, "data": dict(config["data"])}
+    rounds = [(measure_step(step_config, device), measure_block(config["arch"], seq, block_sizes, device))
+              for _ in range(REFERENCE_ROUNDS)]
+    measured, predicted, alone = fit_reference_step(cal, spec, meta, train, rounds, gathered, seq)
+    cal["measurements"] = measurements(meta, seq, train, gathered, msg, p2p, one_process_step_s=measured,
+                                       block_alone=alone,
+                                       one_process_step_predicted_without_step_overhead_s=predicted)
+    return cal
