@@ -1,7 +1,8 @@
 """`hrlplan` command line: train | doctor | probe-cluster | introspect-model | train-hrl | plan-hrl | show-plan | memory-guide | ...
 
 Each subcommand is a thin shell over a library function; errors a user can fix print one line
-(`hrlplan: error: ...`) and exit 2, without a traceback.
+(`hrlplan: error: ...`) and exit 2, without a traceback. The entries' layer: it may import any
+module, and imports each one inside its subcommand, so `hrlplan --help` starts without torch.
 """
 from __future__ import annotations
 
