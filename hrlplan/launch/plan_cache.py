@@ -14,7 +14,9 @@ run, under calibration-<key> in $HRLPLAN_CALIBRATION_CACHE, else $HRLPLAN_PLAN_C
 $XDG_CACHE_HOME/hrlplan (~/.cache/hrlplan): their key is the cluster's shape, the model, the
 sequence length and the training settings calibration reads, so the README's command, a requeued
 job and the jobs of a sweep over other settings (lr, steps, the planner) measure the devices once.
-planner.calibrate=refresh measures afresh and replaces the entry.
+planner.calibrate=refresh measures afresh and replaces the entry. Sweep points that start together
+measure once too: the first to miss a key holds a lock on it while it measures, the others wait and
+read its entry (load_calibration / store_calibration).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -120,7 +123,15 @@ def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
     _store_entry(cache_dir(config), key, write)
 
 
-def load_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+# ---------------------------------------------------------------- calibrations, measured once per key
+# Jobs of a sweep may start together (submitit/SLURM arrays run points in parallel): the first to miss
+# an entry takes an advisory lock on it (flock, released by the kernel if that job dies), measures and
+# stores; the others wait on the lock and then read the stored entry instead of measuring again.
+CALIBRATION_WAIT_S = 15 * 60
+_held: Dict[str, Any] = {}   # lock path -> open file, for the locks this process holds
+
+
+def _read_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
     try:
         cal = json.loads((calibration_dir(config) / key / "calibration.json").read_text())
     except (OSError, ValueError):
@@ -128,6 +139,60 @@ def load_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any
     return cal if isinstance(cal, dict) else None
 
 
+def _lock_calibration(config: Dict[str, Any], key: str, wait_s: float) -> None:
+    """Hold key's lock (waiting for a job that holds it, up to wait_s), or go on without one where the
+    cache cannot lock (a read-only directory, a filesystem without flock)."""
+    import fcntl
+
+    path = calibration_dir(config) / f".{key}.lock"
+    if str(path) in _held:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+    except OSError:
+        return
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _held[str(path)] = handle
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                break
+            if not said:
+                print(f"[hrlplan] another job is calibrating {calibration_dir(config) / key}: waiting for it (at "
+                      f"most {wait_s / 60:.0f} min) to plan from its measurements", flush=True)
+                said = True
+            time.sleep(0.5)
+        except OSError:
+            break
+    handle.close()
+
+
+def _unlock_calibration(config: Dict[str, Any], key: str) -> None:
+    handle = _held.pop(str(calibration_dir(config) / f".{key}.lock"), None)
+    if handle is not None:
+        handle.close()   # closing the file releases its flock
+
+
+def load_calibration(config: Dict[str, Any], key: str,
+                     wait_s: float = CALIBRATION_WAIT_S) -> Optional[Dict[str, Any]]:
+    """The stored calibration for key, or None: then this process holds key's lock until it calls
+    store_calibration (another job of the sweep that misses waits for that entry instead of measuring)."""
+    cal = _read_calibration(config, key)
+    if cal is None:
+        _lock_calibration(config, key, wait_s)
+        cal = _read_calibration(config, key)   # stored by the job we waited for
+        if cal is not None:
+            _unlock_calibration(config, key)
+    return cal
+
+
 def store_calibration(config: Dict[str, Any], key: str, calibration: Dict[str, Any], replace: bool = False) -> None:
-    _store_entry(calibration_dir(config), key,
-                 lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)), replace)
+    try:
+        _store_entry(calibration_dir(config), key,
+                     lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)), replace)
+    finally:
+        _unlock_calibration(config, key)

@@ -1,0 +1,84 @@
+"""planner.calibrate=true in a sweep measures once per cluster/model key: the points that follow (one
+after another with Hydra's basic launcher, or started together by submitit/SLURM) plan from the
+first point's measurements, and the console says "calibrating" on its own line, apart from the probe."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One job of a sweep, reduced to the cache calls rank 0 makes (hrlplan/launch/planning.py calibrated()):
+# look the key up; on a miss "measure" (sleep) and store.
+JOB = textwrap.dedent("""
+    import json, sys, time
+    from hrlplan.launch import plan_cache
+    name, measure_s = sys.argv[1], float(sys.argv[2])
+    cal = plan_cache.load_calibration({}, "calibration-k", wait_s=60)
+    if cal is None:
+        print("measuring", flush=True)
+        open(sys.argv[3], "w").close()   # tells the test this job holds the key
+        time.sleep(measure_s)
+        plan_cache.store_calibration({}, "calibration-k", {"by": name})
+        cal = {"by": name}
+    print("result", json.dumps(cal), flush=True)
+""")
+
+
+def _job(name, measure_s, flag, env):
+    return subprocess.Popen([sys.executable, "-c", JOB, name, str(measure_s), str(flag)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sweep_points_started_together_measure_once(tmp_path):
+    env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
+    first = _job("first", 3, tmp_path / "first-measures", env)
+    deadline = time.time() + 120
+    while not (tmp_path / "first-measures").exists():
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.1)
+    second = _job("second", 0, tmp_path / "second-measures", env)
+    outs = [p.communicate(timeout=180) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    (out1, _), (out2, _) = outs
+    assert "measuring" in out1 and "measuring" not in out2, outs
+    assert "another job is calibrating" in out2 and 'result {"by": "first"}' in out2, outs
+    assert json.loads((tmp_path / "cache" / "calibration-k" / "calibration.json").read_text()) == {"by": "first"}
+
+
+def test_a_job_that_dies_while_measuring_does_not_block_the_next(tmp_path):
+    env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
+    first = _job("first", 600, tmp_path / "first-measures", env)
+    deadline = time.time() + 120
+    while not (tmp_path / "first-measures").exists():
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.1)
+    first.kill()   # the kernel drops its lock with it
+    first.communicate()
+    second = _job("second", 0, tmp_path / "second-measures", env)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0 and "measuring" in out and 'result {"by": "second"}' in out, (out, err)
+
+
+@pytest.mark.slow
+def test_a_two_point_sweep_calibrates_once(tmp_path):
+    env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
+    env.pop("HRLPLAN_PLAN_CACHE", None)
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "-m", "train.lr=1e-3,2e-3", "mode=plan",
+                          "planner.calibrate=true", "logger.mode=disabled", "arch.n_layer=2", "data.seq_len=32",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    console = out.stdout + out.stderr
+    assert out.returncode == 0, console[-4000:]
+    assert all((tmp_path / "sweep" / str(i) / "plan.yaml").is_file() for i in (0, 1)), console[-4000:]
+    calibrating = [ln for ln in console.splitlines() if ln.startswith("[hrlplan] calibrating")]
+    assert len(calibrating) == 1, console[-4000:]
+    assert "~" in calibrating[0] and " s" in calibrating[0] and "probe" not in calibrating[0]
+    assert console.count("[hrlplan] planning from the cached calibration") == 1, console[-4000:]
+    entries = [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith("calibration-")]
+    assert len(entries) == 1, entries
