@@ -19,6 +19,7 @@ from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported
 from hrlplan.plan import stage_to_group
 
 from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
+from hrlplan.devices import peak_flops
 
 GiB = 2 ** 30
 
@@ -233,7 +234,6 @@ def _matmul_peak(device, bytes_per_value: int) -> float:
     datasheet's TF32/bf16 ratio (hrlplan.devices), half when the device is not in the table."""
     if bytes_per_value <= 2:
         return device.peak_flops
-    from hrlplan.devices import peak_flops
 
     half, tf32 = peak_flops(device.name, "bf16") or peak_flops(device.name, "fp16"), peak_flops(device.name, "tf32")
     return device.peak_flops * (tf32 / half if half and tf32 else 0.5)

@@ -27,6 +27,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import PipelinePlan, Plan
@@ -214,8 +217,6 @@ def _full_numel(g) -> int:
 
 
 def _local_shard(full: torch.Tensor, like, tp_index: int, tp: int) -> torch.Tensor:
-    from torch.distributed.tensor import Shard
-
     for placement in like.placements:
         if isinstance(placement, Shard):
             return torch.chunk(full, tp, dim=placement.dim)[tp_index]
@@ -270,8 +271,6 @@ class HeteroPipelineEngine:
         self.loss_reporter = self.last and self.tp_index == 0
 
     def _tp_meshes(self):
-        from torch.distributed.device_mesh import DeviceMesh
-
         mine = None
         for pipe in self.pipes:
             for st in pipe.stages:
@@ -393,8 +392,6 @@ class HeteroPipelineEngine:
 
 def _param_units(part: nn.Module, embed_units: List[str], tied_unit: Optional[str]) -> Dict[str, Tuple[str, str]]:
     """Parameter name -> (unit, canonical name); a tied head's weight is the embedding's."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
     units: Dict[str, Tuple[str, str]] = {}
     blocks = f"{part.prefix}.{part.blocks_attr}."
     for name, _ in part.named_parameters(remove_duplicate=False):

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hrlplan.plan import Plan
 
@@ -42,12 +44,9 @@ def apply_data_parallel(part: nn.Module, dp_mesh: DeviceMesh, mode: str, block_c
     if dp_mesh.size() == 1:
         return part
     if mode == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         return replicate(part, mesh=dp_mesh)
     if mode != "fsdp":
         raise ValueError(f"train.dp_mode={mode!r}: choose fsdp or replicate")
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
     if block_container is not None:

@@ -17,6 +17,9 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
 _STOP = threading.Event()
 _REASON: list = [None]
 
@@ -53,9 +56,6 @@ def clear() -> None:
 def stop_agreed(device=None, group=None) -> bool:
     """Collective: True on every rank when any rank's flag is set. Call on all ranks at the same
     step boundary. Without an initialised process group it is the local flag."""
-    import torch
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return stop_requested()
     flag = torch.tensor([1.0 if stop_requested() else 0.0], device=device or "cpu")

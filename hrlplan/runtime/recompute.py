@@ -14,6 +14,8 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hrlplan.plan import RECOMPUTE_MODES
 
@@ -27,8 +29,6 @@ def _attention_core_ops():
 
 
 def _core_policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.PREFER_RECOMPUTE if func in _CORE else CheckpointPolicy.MUST_SAVE
 
 
@@ -36,15 +36,11 @@ _CORE = _attention_core_ops()
 
 
 def _selective_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_core_policy)
 
 
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:
     """The block, checkpointed as `mode` asks (none: unchanged)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     if mode == "none":

@@ -21,6 +21,8 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 LLAMA_STYLE = {"llama", "mistral", "qwen2", "qwen3"}
 log = logging.getLogger(__name__)
@@ -28,16 +30,12 @@ _said_whole: set = set()   # (vocab, tp) already reported as kept whole, so a pr
 
 
 def _llama_plan() -> Dict[str, object]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
 
 
 def _gpt2_plan() -> Dict[str, object]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
 
@@ -79,8 +77,6 @@ def _prepare_gpt2_block(block: nn.Module, tp: int) -> None:
 def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> nn.Module:
     """Shard every block of an HFStage over `tp_mesh` (in place), and its embedding and head unless
     vocab_parallel is False (see shard_vocabulary); returns the part."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     part.loss_mesh = None
     tp = tp_mesh.size()
     if tp == 1:
@@ -127,9 +123,6 @@ def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh) -> bool:
     then the mesh the loss runs over (stage_loss). A head tied to the embedding in this part stays
     one Parameter. False (and the part left whole, said once) when the vocabulary does not split
     evenly over tp; a part with neither is left alone."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     embedding = _token_embedding(part)
     head = part.lm_head if part.last else None
     if embedding is None and head is None:
@@ -165,8 +158,6 @@ def _as_sharded_grad(grad: torch.Tensor) -> torch.Tensor:
     communication), so the gradient is laid out as the weight is: the tied-weight all-reduce across
     stages and the optimizer then see vocab/tp rows. FSDP2 does the same slicing for its own
     parameters, so this hook matters where no FSDP wraps the stage."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if isinstance(grad, DTensor) and grad.placements != (Shard(0),):
         return grad.redistribute(placements=[Shard(0)])
     return grad
@@ -176,8 +167,6 @@ def loss_context(parts) -> object:
     """torch's loss_parallel() where one of `parts` ends in a vocabulary-sharded head: the cross
     entropy's forward and its backward must both run inside it (whole steps are wrapped: it is not
     reentrant), else a nullcontext."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     sharded = any(getattr(p, "loss_mesh", None) is not None for p in parts)
     return loss_parallel() if sharded else nullcontext()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
+from hrlplan.errors import UserError
 
 
 @dataclass
@@ -33,8 +34,6 @@ def calibration_mode(planner_cfg) -> str:
     value = planner_cfg.get("calibrate", "auto")
     mode = str(value).lower() if not isinstance(value, bool) else ("true" if value else "false")
     if mode not in CALIBRATE_CHOICES:
-        from hrlplan.errors import UserError
-
         raise UserError(f"planner.calibrate={value!r} is not one of {', '.join(CALIBRATE_CHOICES)}")
     return mode
 

@@ -15,6 +15,8 @@ from hrlplan.cost.model import Layout
 from hrlplan.errors import UserError
 from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan, stage_to_group
 from hrlplan.search.placement import place_on_ranks
+from hrlplan.cluster import node_bandwidth, node_orders
+from hrlplan.search.splits import in_flight
 
 MAX_TYPE_ORDERS = 24
 
@@ -107,7 +109,6 @@ class SearchSpace:
         out = [(t, ()) for t in self.type_orders(pool)]
         if len(pool.nodes) <= 2 or not self._link_aware():
             return out
-        from hrlplan.cluster import node_bandwidth, node_orders
 
         if self._chains is None:   # up to 8! permutations: once per space, not per pool
             self._chains = node_orders(self.cluster), node_bandwidth(self.cluster)
@@ -210,7 +211,6 @@ class SearchSpace:
         modes = self.recompute_modes
         if self.sim is None or modes == ("none",):
             return (modes[0],) * len(spans)
-        from hrlplan.search.splits import in_flight
 
         sim, n = self.sim, len(spans)
         flight = in_flight(c.schedule, c.pp, c.stages_per_rank, c.num_microbatches)
