@@ -35,8 +35,7 @@ def _collectives_worker(setting: str, nbytes: int) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hrlplan.cluster import _ping_pong
-    from hrlplan.runtime.calibrate_comm import now
+    from hrlplan.measure import now, ping_pong
     from hrlplan.runtime.distributed import all_gather_object, init_distributed, shutdown
 
     choice = init_distributed(setting)
@@ -50,7 +49,7 @@ def _collectives_worker(setting: str, nbytes: int) -> Dict[str, Any]:
         for _ in range(reps):
             dist.all_reduce(x)
         t = (now(dev) - t0) / reps
-        p2p = _ping_pong(rank, 1 - rank, [2**10, nbytes // 4, nbytes], reps, dev) if rank < 2 else None
+        p2p = ping_pong(rank, 1 - rank, [2**10, nbytes // 4, nbytes], reps, dev) if rank < 2 else None
         devices = all_gather_object((rank, socket.gethostname(), str(dev), choice.physical_id))
         return {"ok": ok, "allreduce_busbw": 2 * (world - 1) / world * nbytes / t, "p2p": p2p, "devices": devices}
     finally:
@@ -83,7 +82,7 @@ def _gpt2_templates(overrides: List[str]):
 
 
 def check_pipeline(schedule: str, device: str, arch: List[str]) -> Result:
-    from hrlplan.runtime.local_run import compare_with_one_process
+    from hrlplan.launch.local_run import compare_with_one_process
     from hrlplan.runtime.template import build_plan
 
     model, modules, Template = _gpt2_templates(arch)
@@ -103,7 +102,7 @@ def check_hetero_1f1b(device: str) -> Result:
     pipeline on torch's schedules at the same batch. (Not against one process: at this batch the
     one-process reference differs from every pipeline by ~4e-3 in the first loss; see the report.)"""
     from hrlplan.config import compose
-    from hrlplan.runtime.local_run import train_plan
+    from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.template import build_plan
 
     arch = ["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=1e-5"]
@@ -134,7 +133,7 @@ def check_gpt2_step() -> Result:
     from hrlplan import devices
     from hrlplan.config import compose
     from hrlplan.model_meta import introspect
-    from hrlplan.runtime.calibrate_compute import measure_step
+    from hrlplan.runtime.calibrate import measure_step
 
     dev = devices.use_device("cuda").device
     config = compose(["arch=gpt2", "train.dtype=bfloat16", "train.global_batch_size=8", "data.seq_len=1024"])

@@ -36,7 +36,7 @@ from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
 from hrlplan.runtime import preempt
 from hrlplan.runtime.checkpoint import latest_checkpoint
-from hrlplan.runtime.distributed import shutdown
+from hrlplan.runtime.distributed import cpu_group, shutdown
 from hrlplan.runtime.hrm_trainer import train_hrm
 from hrlplan.runtime.trainer import PipelineTrainer
 from hrlplan.validate import check_environment
@@ -190,7 +190,7 @@ def _measure(config: Dict[str, Any], device) -> Tuple[Any, float]:
     """Collective: the cluster as probed (or loaded), with measured block/p2p times replacing the
     peak-FLOP estimates when calibration is wanted."""
     t_probe = time.time()
-    spec = load_or_probe_in_job(config["cluster"], device=device, dtype=config["train"]["dtype"])
+    spec = load_or_probe_in_job(config["cluster"], device=device, dtype=config["train"]["dtype"], group=cpu_group())
     probe_s = time.time() - t_probe
     if wants_calibration(config):
         try:
