@@ -50,4 +50,4 @@ def test_torchrun_launch_uses_the_ranks_it_is_given(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "2 rank(s)" in log and "AdamATan2" in log
     assert sum("train/lm_loss" in m for m in read_metrics(run_dir)) == 4   # one job's 4 steps, logged once
-    assert (run_dir / "checkpoints" / "step_4" / "model.pt").exists()   # 2 epochs x 8 puzzles / batch 4
+    assert (run_dir / "checkpoints" / "step_000004" / ".metadata").exists()   # 2 epochs x 8 puzzles / batch 4

@@ -5,9 +5,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from hrlplan.data.sudoku import SudokuPreset, build_sudoku_dataset
-from hrlplan.runtime.hrm_trainer import evaluate_cli, find_checkpoint, lr_at, train_hrm
+from hrlplan.runtime.hrm_trainer import evaluate_cli, find_checkpoint, train_hrm
+from hrlplan.runtime.train_core import warmup_cosine
 
 ARCH = dict(name="hrm", family="hrm", hidden_size=16, H_layers=1, L_layers=1, num_heads=1, expansion=2,
             puzzle_emb_ndim=16, H_cycles=2, L_cycles=2, halt_max_steps=2, halt_exploration_prob=0.1)
@@ -57,13 +59,17 @@ def test_train_hrm_few_steps_writes_a_checkpoint(sudoku_dir, tmp_path, process_g
     evals = [m for _, m in logger.records if "eval/exact_accuracy" in m]
     assert evals and 0.0 <= evals[-1]["eval/exact_accuracy"] <= 1.0
     ckpt = result["checkpoint"]
-    assert os.path.basename(ckpt) == "step_6" and find_checkpoint(str(tmp_path)) == ckpt
-    for name in ("model.pt", "optimizer.pt", "train_state.json", "all_config.yaml", "hrm.py"):
-        assert os.path.isfile(os.path.join(ckpt, name))
+    assert os.path.basename(ckpt) == "step_000006" and find_checkpoint(str(tmp_path)) == ckpt
+    # the training core's format: DCP shards (model and optimizer by name), per-rank extra state
+    for name in (".metadata", "extra_rank0.pt", "all_config.yaml", "hrm.py"):
+        assert os.path.isfile(os.path.join(ckpt, name)), name
+    keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+    assert "model.model.inner.puzzle_emb.weights" in keys
+    assert any(k.startswith("optim.state.") and k.endswith("exp_avg") for k in keys)
+    extra = torch.load(os.path.join(ckpt, "extra_rank0.pt"), weights_only=True)
+    assert extra["position"]["iteration"] == 1 and extra["position"]["batch"] == 2   # 4 batches per iteration
     assert os.path.isfile(os.path.join(tmp_path, "checkpoints", "all_config.yaml"))
-    state = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
-    assert "model.inner.puzzle_emb.weights" in state
-    assert not any(n.endswith(".tmp-" + str(os.getpid())) for n in os.listdir(os.path.join(tmp_path, "checkpoints")))
+    assert not any(n.endswith(".tmp") for n in os.listdir(os.path.join(tmp_path, "checkpoints")))
 
     # resume continues from step 6 to the end of the 4 epochs
     logger2 = RecordingLogger()
@@ -95,11 +101,14 @@ def test_missing_data_and_bad_batch_are_user_errors(sudoku_dir, tmp_path, proces
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_ratio():
-    assert lr_at(0, 1.0, 10, 100, 0.1) == 0.0
-    assert lr_at(5, 1.0, 10, 100, 0.1) == 0.5
-    assert lr_at(10, 1.0, 10, 100, 0.1) == pytest.approx(1.0)
-    assert lr_at(100, 1.0, 10, 100, 0.1) == pytest.approx(0.1)
-    assert lr_at(50, 1.0, 0, 100, 1.0) == 1.0   # HRM's lr_min_ratio=1.0: constant after warm-up
+    """HRM's counting (the update being taken from 1) on the core's one warm-up + cosine lambda."""
+    f = warmup_cosine(10, 100, 0.1, hrm_counting=True)   # f(n): the n-th update, 0-based
+    assert f(4) == 0.5                                   # update 5 of a 10-update warm-up
+    assert f(9) == pytest.approx(1.0)
+    assert f(99) == pytest.approx(0.1)
+    assert warmup_cosine(0, 100, 1.0, hrm_counting=True)(49) == 1.0   # HRM's lr_min_ratio=1.0: constant
+    lm = warmup_cosine(10, 100, 0.1)   # language models hold the peak one update longer
+    assert lm(9) == lm(10) == 1.0 and f(10) < 1.0
 
 
 def test_preemption_flag_checkpoints_and_stops(sudoku_dir, tmp_path, process_group):
@@ -111,7 +120,7 @@ def test_preemption_flag_checkpoints_and_stops(sudoku_dir, tmp_path, process_gro
     finally:
         preempt.clear()
     assert result["preempted"] and result["step"] == 1
-    assert os.path.basename(result["checkpoint"]) == "step_1"
+    assert os.path.basename(result["checkpoint"]) == "step_000001"
 
 
 def test_hrm_1k_recipe_step_count_follows_the_reference():
@@ -158,8 +167,8 @@ def test_iterations_checkpoint_path_and_nested_loss(sudoku_dir, tmp_path, proces
     # 8 groups per epoch, batch 3: 2 full batches per iteration (2 rows dropped), 2 iterations.
     assert result["step"] == 4 and result["total_steps"] == 5
     assert [s for s, m in logger.records if "eval/exact_accuracy" in m] == [2, 4]
-    assert sorted(os.listdir(tmp_path / "ckpts")).count("step_4") == 1
-    assert not (tmp_path / "ckpts" / "step_2").exists()   # checkpoint_every_eval=False: the last one only
+    assert sorted(os.listdir(tmp_path / "ckpts")).count("step_000004") == 1
+    assert not (tmp_path / "ckpts" / "step_000002").exists()   # checkpoint_every_eval=False: the last one only
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert any("forward in float32 (arch.forward_dtype=bfloat16 on cpu)" in n for n in logger.notes)
 
@@ -174,3 +183,21 @@ def test_nested_loss_type_and_forward_dtype_resolve():
     assert resolve_forward_dtype("auto", "cuda") == "bfloat16" and resolve_forward_dtype("auto", "cpu") == "float32"
     assert _forward_dtype({"forward_dtype": "bfloat16"}, torch.device("cpu")) == "float32"
     assert _forward_dtype({"forward_dtype": "bfloat16"}, torch.device("cuda", 0)) == "bfloat16"
+
+
+@pytest.mark.parametrize("stop", [3, 4])   # inside an iteration, and at its end (before its evaluation's checkpoint)
+def test_resume_continues_the_same_loss_curve(sudoku_dir, tmp_path, process_group, stop):
+    """Weights, AdamATan2 state, LR schedules, RNG, data position and the ACT carry are all in the
+    checkpoint: a stopped and resumed run repeats the uninterrupted run's losses exactly."""
+    def losses(logger):
+        return {s: m["train/lm_loss"] for s, m in logger.records if "train/lm_loss" in m}
+
+    whole = RecordingLogger()
+    train_hrm(_cfg(sudoku_dir), str(tmp_path / "whole"), None, whole)
+    first, second = RecordingLogger(), RecordingLogger()
+    train_hrm(_cfg(sudoku_dir, stop_after=stop), str(tmp_path / "split"), None, first)
+    result = train_hrm(_cfg(sudoku_dir, resume="auto"), str(tmp_path / "split"), None, second)
+    assert result["step"] == 8 and sorted(losses(second)) == list(range(stop + 1, 9))
+    assert {**losses(first), **losses(second)} == losses(whole)
+    evals = [s for s, m in whole.records + first.records + second.records if "eval/exact_accuracy" in m]
+    assert evals.count(4) == 2 and evals.count(8) == 2   # iteration 0's evaluation ran once in the split run

@@ -18,7 +18,7 @@ import random
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,12 @@ def describe_layout(layout: List[Dict[str, Any]]) -> str:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.nn.Module],
-                    optimizers: Dict[int, torch.optim.Optimizer], extra: Dict[str, Any]) -> Path:
-    """Collective. `parts`/`optimizers` map this rank's stage indices to modules/optimizers."""
+                    optimizers: Dict[int, torch.optim.Optimizer], extra: Dict[str, Any],
+                    keep_last: Optional[int] = KEEP_LAST,
+                    write_files: Optional[Callable[[Path], None]] = None) -> Path:
+    """Collective. `parts`/`optimizers` map this rank's stage indices to modules/optimizers.
+    keep_last: the newest checkpoints kept (None: all); write_files(directory): rank 0 adds files of
+    its own (a config, sources) to the checkpoint before it is renamed into place."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -120,6 +124,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.n
     torch.save({**extra, "rng": rng_state(), "step": step}, tmp / f"extra_rank{_rank()}.pt")
     if _rank() == 0:
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout))
+        if write_files is not None:
+            write_files(tmp)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -127,8 +133,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.n
         pointer = root / "latest.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, root / "latest")
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-KEEP_LAST]:
+        for old in (list_checkpoints(root)[:-keep_last] if keep_last else []):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

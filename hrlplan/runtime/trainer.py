@@ -10,71 +10,61 @@ and, at the end, writes plan-vs-measured into plan_info.json.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from hrlplan import devices
+from hrlplan.config import typed
 from hrlplan.data.lm import build_lm_data
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
-from hrlplan.runtime import checkpoint as ckpt
-from hrlplan.runtime import distributed, preempt, timing
+from hrlplan.runtime import distributed, timing
 from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.torch_engine import SCHEDULES, build_schedule  # noqa: F401  (re-exported)
+from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, pick_device,  # noqa: F401  (re-exported)
+                                        train_config, warmup_cosine)
 
 
-def lr_lambda(train: Dict[str, Any], total_steps: int):
-    warmup, min_ratio = int(train["warmup_steps"]), float(train["min_lr_ratio"])
-
-    def factor(step: int) -> float:  # step counts from 0 (the first update)
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
+def lr_lambda(train: Any, total_steps: int):
+    """The language models' lr factor per update (train_core.warmup_cosine)."""
+    t = train_config(train)
+    return warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio)
 
 
-def grad_clip(train: Dict[str, Any]) -> float:
+def grad_clip(train: Any) -> float:
     """train.grad_clip as a float; null or 0 means no clipping (0.0: the engines then only measure the norm)."""
-    value = train.get("grad_clip")
+    value = train_config(train).grad_clip
     return float(value) if value else 0.0
 
 
-def make_optimizer(module: torch.nn.Module, train: Dict[str, Any], owned: Optional[set] = None) -> torch.optim.Optimizer:
+def make_optimizer(module: torch.nn.Module, train: Any, owned: Optional[set] = None) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices (incl. embeddings), none on biases and norms (nanoGPT's rule).
 
-    `owned` (ids of parameters another optimizer of this rank already steps) is skipped and
-    extended: a tied embedding whose first and last stage sit on one rank (ZBV's V shape) is one
-    Parameter in two stage modules and must be updated once.
+    `train`: a TrainConfig or the plain train mapping. `owned` (ids of parameters another
+    optimizer of this rank already steps) is skipped and extended: a tied embedding whose first
+    and last stage sit on one rank (ZBV's V shape) is one Parameter in two stage modules and must
+    be updated once.
     """
+    t = train_config(train)
     owned = set() if owned is None else owned
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in owned]
     owned.update(id(p) for p in params)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": float(train["weight_decay"])},
+    groups = [{"params": decay, "weight_decay": float(t.weight_decay)},
               {"params": no_decay, "weight_decay": 0.0}]
     device = params[0].device if params else torch.device("cpu")
     sharded = any(hasattr(p, "placements") for p in params)
-    return torch.optim.AdamW(groups, lr=float(train["lr"]), betas=(float(train["beta1"]), float(train["beta2"])),
+    return torch.optim.AdamW(groups, lr=float(t.lr), betas=(float(t.beta1), float(t.beta2)),
                              **devices.optimizer_impl(device, dtensor=sharded))
-
-
-def pick_device(setting: str, local_rank: Optional[int] = None) -> torch.device:
-    """This rank's device (hrlplan.devices.choose_device: a valid ordinal under per-task GPU
-    binding), made current. local_rank overrides LOCAL_RANK."""
-    env = dict(os.environ)
-    if local_rank is not None:
-        env["LOCAL_RANK"] = str(local_rank)
-    return devices.activate(devices.choose_device(setting, env)).device
 
 
 def build_full_model(arch: Dict[str, Any], seed: int, materialized: bool = True):
@@ -95,71 +85,70 @@ def runs_on_torch_schedules(plan: Plan) -> bool:
     return not plan.heterogeneous and plan.uniform_tp
 
 
-class PipelineTrainer:
+class PipelineTrainer(TrainAdapter):
+    """The language-model adapter of the training core (runtime/train_core.py): a Plan's stages on
+    this rank, their optimizers, the LM data stream, one pipelined step, evaluation and the
+    plan-vs-measured report. `fit()` runs it on the core."""
+
     def __init__(self, plan: Plan, cfg: Dict[str, Any], run_dir: str, logger=None, device: Optional[torch.device] = None):
-        self.plan, self.cfg, self.logger = plan, cfg, logger
-        self.train = cfg["train"]
+        self.plan, self.plain, self.logger = plan, cfg, logger
+        self.cfg = typed(cfg)
+        self.train = self.cfg.train
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
         if self.device.type == "cuda":   # fp32 matmuls on TF32 unless train.tf32=false / HRLPLAN_TF32=0
-            devices.set_tf32(devices.tf32_setting(self.train))
+            devices.set_tf32(devices.tf32_setting(cfg["train"]))
         self.recorder = timing.StepRecorder(self.device)
-        full = build_full_model(cfg["arch"], int(self.train["seed"]), materialized=False)
+        full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         if runs_on_torch_schedules(plan):
             from hrlplan.runtime.torch_engine import TorchPipelineEngine as Engine
         else:
             from hrlplan.runtime.hetero import HeteroPipelineEngine as Engine
-        self.engine = Engine(plan, self.train, self.device, full, self.recorder)
+        self.engine = Engine(plan, cfg["train"], self.device, full, self.recorder)   # the engines read the plain dict
         del full
         self.parts: Dict[int, torch.nn.Module] = self.engine.parts
         owned: set = set()
         self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
-        total = int(self.train["steps"])
-        self.lr_factor = lr_lambda(self.train, total)
-        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, self.lr_factor)
-                           for i, o in self.optimizers.items()}
-        vocab = full_vocab(cfg["arch"])
-        self.data = build_lm_data(cfg["data"], vocab, int(self.train["seed"]))
-        self.step = 0
+        self.lr = LRSchedule({f"stage{i}": o for i, o in self.optimizers.items()},
+                             lr_lambda(self.train, int(self.train.steps)))
+        self.data = build_lm_data(cfg["data"], full_vocab(self.cfg.arch), int(self.train.seed))
         self.phase_times: List[Dict[str, float]] = []
-        self.ckpt_root = self.run_dir / "checkpoints"
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        stop_after = self.train.stop_after
+        self.stop_at = min(int(self.train.steps), int(stop_after)) if stop_after is not None else int(self.train.steps)
+        self.log_interval = int(self.train.log_interval)
+        self.checkpoint_interval = int(self.train.checkpoint_interval or 0)
         # peak memory and its split: the live-tensor tracker runs on the first steps only (see runtime/memory.py)
         self.meter = MemoryMeter(self.device, lambda: (list(self.parts.values()), list(self.optimizers.values())),
-                                 enabled=bool(self.train.get("measure_memory", True)))
+                                 enabled=bool(self.train.measure_memory))
         self._memory_prediction: Optional[List[Dict[str, float]]] = None
+
+    def fit(self) -> Dict[str, Any]:
+        return TrainCore(self, self.logger).fit()
+
+    def start(self, step: int, resumed_from: Optional[Path]) -> None:
+        # peaks from here on: the probe's and calibration's buffers are freed and not counted
+        timing.reset_peak_memory(self.device)
 
     def _predicted_memory(self) -> Optional[List[float]]:
         """Rank 0: the predicted tensor bytes per rank (computed once); None elsewhere or unknown."""
         if self._memory_prediction is None:
-            self._memory_prediction = predicted_memory(self.plan, self.cfg, self.run_dir) if self.rank == 0 else []
+            self._memory_prediction = predicted_memory(self.plan, self.plain, self.run_dir) if self.rank == 0 else []
         return [row["tensors"] for row in self._memory_prediction] or None
 
-    # ------------------------------------------------------------ state
-    def maybe_resume(self) -> None:
-        path = ckpt.resolve_resume(str(self.train.get("resume", "none")), self.ckpt_root)
-        if path is None:
-            return
-        extra = ckpt.load_checkpoint(path, self.parts, self.optimizers)
-        for i, sched in self.schedulers.items():
-            sched.load_state_dict(extra["schedulers"][f"stage{i}"])
-        self.step = int(extra["step"])
-        if self.rank == 0:
-            print(f"[hrlplan] resumed from {path} at step {self.step}", flush=True)
+    # ------------------------------------------------------------ the core's hooks
+    def resume_setting(self) -> str:
+        return str(self.train.resume)
 
-    def save(self) -> Path:
-        extra = {"schedulers": {f"stage{i}": s.state_dict() for i, s in self.schedulers.items()},
-                 "data_position": self.step}
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.parts, self.optimizers, extra)
+    def position(self) -> Dict[str, Any]:
+        return {"data_position": self.core.step}   # the LM stream is a function of the step
 
-    # ------------------------------------------------------------ one step
-    def local_batch(self, step: int):
-        inputs, targets = self.data.batch(step, int(self.plan.global_batch_size))
-        rows = self.engine.local_rows()
-        return inputs[rows].to(self.device), targets[rows].to(self.device)
+    def batches(self, step: int) -> Iterator[int]:
+        return iter(range(step, int(self.train.steps)))
 
-    def train_step(self, step: int) -> Dict[str, float]:
-        inputs, targets = self.local_batch(step)
+    def train_step(self, batch: int, step: int) -> Dict[str, float]:
+        inputs, targets = self.local_batch(batch)   # the stream's batch `step`
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         dist.barrier()   # a common start, so every rank's timeline shares one origin
@@ -172,9 +161,7 @@ class PipelineTrainer:
             t2 = self._now()
             for opt in self.optimizers.values():
                 opt.step()
-        lr = float(self.train["lr"]) * self.lr_factor(step)
-        for sched in self.schedulers.values():
-            sched.step()
+        lr = self.lr.lr()
         t3 = self._now()
         dist.all_reduce(loss)   # each rank holds its share of the global loss (zero off the last stage)
         dt = self._now() - t0
@@ -182,6 +169,49 @@ class PipelineTrainer:
         self.phase_times.append({"schedule": t1 - t0, "sync_and_clip": t2 - t1, "optimizer": t3 - t2,
                                  "loss_allreduce": t0 + dt - t3})
         return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
+
+    def step_metrics(self, step: int, out: Dict[str, float], logging_now: bool) -> Dict[str, float]:
+        seq = int(self.cfg.data.seq_len)
+        tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
+        metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
+                   "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
+        flops_per_token, peak = self.plain.get("_flops_per_token"), self.plain.get("_peak_flops")
+        if flops_per_token and peak:
+            metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
+        if logging_now:
+            gathered = self._gather({"compute": self.recorder.compute_by_stage(),
+                                     "memory": {**timing.memory_stats(self.device), **self.meter.result()}})
+            for i, st in timing.stage_stats(gathered, out["step_time_s"]).items():
+                metrics[f"stage/{i}/compute_s"] = st["compute_s"]
+                metrics[f"stage/{i}/idle_s"] = st["idle_s"]
+            metrics.update(memory_metrics([g["memory"] for g in gathered], self._predicted_memory()))
+        eval_every = self.train.eval_interval
+        if (eval_every and step % int(eval_every) == 0) or step == int(self.train.steps):
+            # after the stage statistics: evaluation's forwards must not count as training
+            metrics.update(self.evaluate())
+        return metrics
+
+    def profiler(self):
+        """train.profile=true: a torch.profiler trace per rank (TensorBoard / chrome://tracing)."""
+        if not self.train.profile:
+            return nullcontext(None)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        return profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(self.run_dir / "profile"),
+                                                                worker_name=f"rank{self.rank}"),
+                       record_shapes=False)
+
+    def finish(self, summary: Dict[str, Any], step_times: List[float]) -> Dict[str, Any]:
+        measured = self.report_plan_vs_measured(step_times)
+        if self.train.profile and self.logger is not None:
+            self.logger.note(f"profiler traces: {self.run_dir / 'profile'} (tensorboard --logdir, or chrome://tracing)")
+        return {k: summary[k] for k in ("final_step", "history", "first_step_at", "preempted")} | {"measured": measured}
+
+    # ------------------------------------------------------------ one step
+    def local_batch(self, step: int):
+        inputs, targets = self.data.batch(step, int(self.plan.global_batch_size))
+        rows = self.engine.local_rows()
+        return inputs[rows].to(self.device), targets[rows].to(self.device)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -210,73 +240,6 @@ class PipelineTrainer:
 
     def _gather(self, payload: Dict[str, Any]) -> List[Dict[str, Any]]:
         return distributed.all_gather_object(payload)
-
-    def _profiler(self):
-        """train.profile=true: a torch.profiler trace per rank (TensorBoard / chrome://tracing)."""
-        if not self.train.get("profile"):
-            return nullcontext(None)
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        return profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(str(self.run_dir / "profile"),
-                                                                worker_name=f"rank{self.rank}"),
-                       record_shapes=False)
-
-    def fit(self) -> Dict[str, Any]:
-        self.maybe_resume()
-        total = int(self.train["steps"])
-        stop_after = self.train.get("stop_after")
-        interval = int(self.train["checkpoint_interval"])
-        seq = int(self.cfg["data"]["seq_len"])
-        flops_per_token = self.cfg.get("_flops_per_token")
-        peak = self.cfg.get("_peak_flops")
-        history, step_times = [], []
-        first_step_at = None
-        preempted = False
-        # peaks from here on: the probe's and calibration's buffers are freed and not counted
-        timing.reset_peak_memory(self.device)
-        with self._profiler() as prof:
-            while self.step < total:
-                out = self.train_step(self.step)
-                self.step += 1
-                if prof is not None:
-                    prof.step()
-                first_step_at = first_step_at or time.time()
-                step_times.append(out["step_time_s"])
-                tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
-                metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
-                           "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
-                if flops_per_token and peak:
-                    metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
-                logging_now = self.step % int(self.train["log_interval"]) == 0 or self.step == total
-                if logging_now:
-                    gathered = self._gather({"compute": self.recorder.compute_by_stage(),
-                                             "memory": {**timing.memory_stats(self.device), **self.meter.result()}})
-                    stats = timing.stage_stats(gathered, out["step_time_s"])
-                    for i, st in stats.items():
-                        metrics[f"stage/{i}/compute_s"] = st["compute_s"]
-                        metrics[f"stage/{i}/idle_s"] = st["idle_s"]
-                    metrics.update(memory_metrics([g["memory"] for g in gathered], self._predicted_memory()))
-                eval_every = self.train.get("eval_interval")
-                if (eval_every and self.step % int(eval_every) == 0) or self.step == total:
-                    # after the stage statistics: evaluation's forwards must not count as training
-                    metrics.update(self.evaluate())
-                if logging_now and self.logger is not None:
-                    self.logger.log(metrics, step=self.step)
-                history.append({"step": self.step, **metrics})
-                # preempt.stop_agreed is collective: every rank stops at the same step, with a checkpoint
-                preempted = preempt.stop_agreed(self.device)
-                stopping = preempted or (stop_after is not None and self.step >= int(stop_after))
-                if (interval and self.step % interval == 0) or self.step == total or stopping:
-                    self.save()
-                if stopping:
-                    break
-        measured = self.report_plan_vs_measured(step_times)
-        if prof is not None and self.logger is not None:
-            self.logger.note(f"profiler traces: {self.run_dir / 'profile'} (tensorboard --logdir, or chrome://tracing)")
-        return {"final_step": self.step, "history": history, "first_step_at": first_step_at, "measured": measured,
-                "preempted": preempted}
 
     def report_plan_vs_measured(self, step_times: List[float]) -> Optional[Dict[str, Any]]:
         """Collective. Rank 0 writes measured values beside the predicted ones in plan_info.json."""

@@ -1,0 +1,318 @@
+"""One training core for every model family, as torchtitan's train_spec: the loop is here, what
+differs per family is an adapter (hrlplan/runtime/trainer.py: pipelined language models;
+hrlplan/runtime/hrm_trainer.py: HRM on puzzles).
+
+The core owns
+- the step loop and the stop/resume position: `stop_at`, the steps done, and the adapter's own
+  data position (HRM: iteration and batch inside it), saved in every checkpoint and handed back
+  on resume;
+- the learning rate: one warm-up + cosine-to-`min_lr_ratio` lambda (`warmup_cosine`) driving a
+  torch.optim.lr_scheduler.LambdaLR per optimizer (`LRSchedule`), saved and restored with the run;
+- the device (`pick_device`, through hrlplan.devices);
+- checkpoints: torch.distributed.checkpoint, sharded and written atomically (runtime/checkpoint.py),
+  RNG included; a resume that changes the layout is logged (console, replans.jsonl, W&B);
+- metrics and progress: the logger's progress total, one log call per logged step, the history;
+- preemption: hrlplan.runtime.preempt's collective stop flag at every step boundary, then a
+  checkpoint on all ranks and `preempted: True` in the summary.
+
+An adapter (see `TrainAdapter`) builds the model, optimizers and data, takes one step, says which
+metrics a step logs and what happens at its boundaries (evaluation, extra checkpoints).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from hrlplan import devices
+from hrlplan.config import TrainConfig
+from hrlplan.errors import UserError
+from hrlplan.runtime import checkpoint as ckpt
+from hrlplan.runtime import preempt
+
+DCP_METADATA = ".metadata"   # what torch.distributed.checkpoint writes beside its shards
+
+
+# ---------------------------------------------------------------- settings and device
+def train_config(train: Any) -> TrainConfig:
+    """The train settings as a TrainConfig: as they are, or from a plain mapping (missing keys take
+    TrainConfig's defaults, unknown ones are left out)."""
+    if isinstance(train, TrainConfig):
+        return train
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in dict(train).items() if k in names})
+
+
+def pick_device(setting: str, local_rank: Optional[int] = None) -> torch.device:
+    """This rank's device (hrlplan.devices.choose_device: a valid ordinal under per-task GPU binding),
+    made current. local_rank overrides LOCAL_RANK. Under a process group that is not NCCL a GPU
+    cannot train with the others: `auto` then means the CPU, `cuda` is refused."""
+    env = dict(os.environ)
+    if local_rank is not None:
+        env["LOCAL_RANK"] = str(local_rank)
+    choice = devices.choose_device(str(setting), env)
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+    if choice.is_cuda and backend is not None and "nccl" not in backend:
+        if str(setting) == "cuda":
+            raise UserError(f"train.device=cuda needs an NCCL process group (this one is {backend}); "
+                            "use train.device=cpu or auto")
+        return torch.device("cpu")
+    return devices.activate(choice).device
+
+
+# ---------------------------------------------------------------- learning rate
+def warmup_cosine(warmup: int, total: int, min_ratio: float, hrm_counting: bool = False) -> Callable[[int], float]:
+    """The lr factor of update n (0-based, LambdaLR's count): a linear warm-up to 1 over `warmup`
+    updates, then a cosine down to min_ratio at update `total`.
+
+    Language models start the cosine at update `warmup` + 1 (nanoGPT); HRM's pretrain.py counts
+    the update being taken from 1 and starts it one update earlier (hrm_counting=True)."""
+    warmup, total, min_ratio = int(warmup), int(total), float(min_ratio)
+    shift = 0 if hrm_counting else 1
+
+    def factor(n: int) -> float:
+        taken = n + 1
+        if taken < warmup or (taken == warmup and not hrm_counting):
+            return taken / warmup
+        progress = min(1.0, max(0.0, (taken - shift - warmup) / max(1, total - warmup)))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+class LRSchedule:
+    """One LambdaLR per optimizer, all on the same lambda; `step()` after every update."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer], factor: Callable[[int], float]):
+        self.factor = factor
+        self.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, factor) for name, opt in optimizers.items()}
+
+    def lr(self, name: Optional[str] = None) -> float:
+        """The lr the next update of `name` (default: the first optimizer) takes."""
+        sched = self.schedulers[name] if name is not None else next(iter(self.schedulers.values()))
+        return float(sched.get_last_lr()[0])
+
+    def step(self) -> None:
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {name: s.state_dict() for name, s in self.schedulers.items()}
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        if not states:
+            return
+        for name, sched in self.schedulers.items():
+            # every schedule is the same function of the update: a missing one takes any other's state
+            sched.load_state_dict(states.get(name) or next(iter(states.values())))
+            # the lr of the next update, also for an optimizer whose state the checkpoint does not hold
+            for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
+
+
+# ---------------------------------------------------------------- the adapter contract
+class TrainAdapter:
+    """What the core needs from a model family. Attributes set by the adapter's constructor:
+
+    rank, device; parts / optimizers (this rank's modules and their optimizers, keyed by stage
+    index: checkpointed through torch.distributed.checkpoint under the model's parameter names);
+    lr (an LRSchedule); stop_at (the step the run stops at); log_interval; checkpoint_interval
+    (0: none between the others); checkpoint_root; keep_last (checkpoints kept, None: all);
+    history_limit (None: every logged step's metrics kept in the summary)."""
+
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+    parts: Dict[int, torch.nn.Module]
+    optimizers: Dict[int, torch.optim.Optimizer]
+    lr: LRSchedule
+    stop_at: int = 0
+    log_interval: int = 1
+    checkpoint_interval: int = 0
+    checkpoint_root: Path
+    keep_last: Optional[int] = ckpt.KEEP_LAST
+    history_limit: Optional[int] = None
+
+    def resume_setting(self) -> str:
+        return "none"
+
+    def batches(self, step: int) -> Iterator[Any]:
+        """The training batches from the resume position on (the adapter's position restored)."""
+        raise NotImplementedError
+
+    def train_step(self, batch: Any, step: int) -> Dict[str, Any]:
+        """One update; `step` updates were taken before it. The core steps the LR schedule after it."""
+        raise NotImplementedError
+
+    def step_metrics(self, step: int, out: Dict[str, Any], logging_now: bool) -> Dict[str, float]:
+        """Collective when logging_now. The metrics of update `step` (1-based) for history and logger."""
+        return {}
+
+    def after_step(self, step: int) -> None:
+        """Collective; after the step's metrics (e.g. memory figures)."""
+
+    def boundary(self, step: int, stopping: bool) -> Dict[str, float]:
+        """Collective; after the stop flag was agreed, unless preempted (e.g. an evaluation). Its
+        metrics are logged at `step`."""
+        return {}
+
+    def position(self) -> Dict[str, Any]:
+        """Where the data stands after the steps taken (saved with every checkpoint)."""
+        return {}
+
+    def restore(self, extra: Dict[str, Any]) -> None:
+        """On resume: the extra dict of the checkpoint (position, adapter state)."""
+
+    def extra_state(self) -> Dict[str, Any]:
+        """This rank's adapter state for a checkpoint (plain tensors and numbers only)."""
+        return {}
+
+    def checkpoint_files(self, directory: Path) -> None:
+        """Rank 0 writes files of its own into a checkpoint being written (before it is renamed in)."""
+
+    def checkpoint_written(self, path: Path, step: int, periodic: bool) -> None:
+        """After every checkpoint (all ranks)."""
+
+    def profiler(self):
+        return nullcontext(None)
+
+    def start(self, step: int, resumed_from: Optional[Path]) -> None:
+        """Before the first step (all ranks): announcements."""
+
+    def finish(self, summary: Dict[str, Any], step_times: List[float]) -> Dict[str, Any]:
+        """Collective, after the loop: the adapter's part of the summary."""
+        return summary
+
+
+# ---------------------------------------------------------------- the core
+def log_replan(logger, replan: Optional[Dict[str, str]], step: int) -> None:
+    """A resume under another layout, for the human log and W&B: a note (an alert where the logger
+    has one) and the summary keys replan/old, replan/new, replan/reason."""
+    if not replan or logger is None:
+        return
+    text = (f"re-plan on resume at step {step}: {replan['reason']}; checkpoint layout: {replan['old']}; "
+            f"new layout: {replan['new']}")
+    for name in ("note", "alert"):
+        call = getattr(logger, name, None)
+        if callable(call):
+            call(text) if name == "note" else call("hrlplan: re-plan on resume", text)
+    summary = getattr(logger, "summary", None)
+    if callable(summary):
+        summary({"replan/old": replan["old"], "replan/new": replan["new"], "replan/reason": replan["reason"],
+                 "replan/step": step})
+
+
+class TrainCore:
+    """Runs an adapter: resume, the step loop, checkpoints, metrics, preemption."""
+
+    def __init__(self, adapter: TrainAdapter, logger=None):
+        self.adapter, self.logger = adapter, logger
+        adapter.core = self   # an adapter's boundary may write a checkpoint (core.save_once)
+        self.step = 0
+        self.last_checkpoint: Optional[Path] = None
+        self.saved_step: Optional[int] = None
+
+    # ------------------------------------------------------------ checkpoints
+    def resume(self) -> Optional[Path]:
+        """Collective. Loads the checkpoint train.resume names (none | auto | a directory), if any."""
+        a = self.adapter
+        path = ckpt.resolve_resume(a.resume_setting(), a.checkpoint_root)
+        if path is None:
+            return None
+        if not (path / DCP_METADATA).exists():
+            raise UserError(f"train.resume: {path} holds no torch.distributed.checkpoint checkpoint ({DCP_METADATA} is "
+                            "missing; one written by an older hrlplan (model.pt) can still be evaluated, not resumed); "
+                            "start fresh with train.resume=none")
+        extra = ckpt.load_checkpoint(path, a.parts, a.optimizers)
+        a.lr.load_state_dict(extra.get("schedulers") or {})
+        self.step = int(extra["step"])
+        a.restore(extra)
+        if a.rank == 0:
+            print(f"[hrlplan] resumed from {path} at step {self.step}", flush=True)
+            log_replan(self.logger, extra.get("replan"), self.step)
+        self.last_checkpoint, self.saved_step = path, self.step
+        return path
+
+    def save(self, periodic: bool = False) -> Path:
+        """Collective: a checkpoint of this step (model, optimizer, LR schedule, RNG, position)."""
+        a = self.adapter
+        extra = {"schedulers": a.lr.state_dict(), "position": a.position(), "adapter": a.extra_state(),
+                 "world": dist.get_world_size() if dist.is_initialized() else 1}
+        path = ckpt.save_checkpoint(a.checkpoint_root, self.step, a.parts, a.optimizers, extra,
+                                    keep_last=a.keep_last, write_files=a.checkpoint_files)
+        self.last_checkpoint, self.saved_step = path, self.step
+        a.checkpoint_written(path, self.step, periodic)
+        return path
+
+    def save_once(self, periodic: bool = False) -> Path:
+        """A checkpoint of this step unless one was written at it."""
+        if self.saved_step == self.step and self.last_checkpoint is not None:
+            return self.last_checkpoint
+        return self.save(periodic)
+
+    # ------------------------------------------------------------ the loop
+    def log(self, metrics: Dict[str, float]) -> None:
+        if metrics and self.logger is not None and self.adapter.rank == 0:
+            self.logger.log(metrics, step=self.step)
+
+    def _after_update(self, out: Dict[str, Any], history: List[Dict[str, Any]]) -> bool:
+        """Metrics, checkpoints and the stop flag after update `self.step`; True: stop here."""
+        a = self.adapter
+        logging_now = self.step % max(1, int(a.log_interval)) == 0 or self.step == a.stop_at
+        metrics = a.step_metrics(self.step, out, logging_now)
+        if metrics:
+            history.append({"step": self.step, **metrics})
+            if a.history_limit is not None:
+                del history[:-a.history_limit]
+            self.latest.update(metrics)
+        if logging_now:
+            self.log(metrics)
+        a.after_step(self.step)
+        if a.checkpoint_interval and self.step % int(a.checkpoint_interval) == 0:
+            self.save_once(periodic=True)
+        # collective (preempt's contract): every rank stops at the same step, with a checkpoint
+        self.preempted = preempt.stop_agreed(a.device)
+        stopping = self.preempted or self.step >= a.stop_at
+        if not self.preempted:
+            extra = a.boundary(self.step, stopping)
+            self.latest.update(extra)
+            self.log(extra)
+        if stopping:
+            self.save_once()
+        return stopping
+
+    def fit(self) -> Dict[str, Any]:
+        a = self.adapter
+        resumed_from = self.resume()
+        if a.rank == 0 and hasattr(self.logger, "set_total"):
+            self.logger.set_total(a.stop_at, initial=self.step)   # the progress bar, from the resumed step
+        a.start(self.step, resumed_from)
+        history: List[Dict[str, Any]] = []
+        step_times: List[float] = []
+        self.latest: Dict[str, float] = {}
+        self.preempted = False
+        first_step_at, started, start_step = None, time.time(), self.step
+        with a.profiler() as prof:
+            batches: Iterable[Any] = a.batches(self.step) if self.step < a.stop_at else ()
+            for batch in batches:
+                out = a.train_step(batch, self.step)
+                a.lr.step()
+                self.step += 1
+                if prof is not None:
+                    prof.step()
+                first_step_at = first_step_at or time.time()
+                if "step_time_s" in out:
+                    step_times.append(out["step_time_s"])
+                if self._after_update(out, history):
+                    break
+        elapsed = time.time() - started
+        summary = {"final_step": self.step, "history": history, "first_step_at": first_step_at,
+                   "preempted": self.preempted, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                   "latest": dict(self.latest),
+                   "steps_per_second": (self.step - start_step) / elapsed if elapsed > 0 else 0.0}
+        return a.finish(summary, step_times)
