@@ -7,6 +7,7 @@ Then hrlplan.launch.job runs probe -> plan -> train. Living in the package (not 
 an installed hrlplan run it from any directory and lets submitit pickle the task by its module name.
 """
 import os
+import re
 import sys
 import warnings
 
@@ -38,6 +39,10 @@ def precheck(argv):
 
     argv = normalize_overrides(argv)
     args, _ = get_args_parser().parse_known_args(argv)
+    modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                   ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:   # Hydra says so in a traceback
+        _refuse(ConfigError("command line", message=f"{' and '.join(modes)} cannot be combined: use one of them"))
     own_config = args.config_name or args.config_path or args.config_dir
     if args.help or args.hydra_help or args.info or args.shell_completion or own_config:
         return argv
@@ -88,7 +93,18 @@ def main(cfg: DictConfig):
     return run_from_hydra(OmegaConf.create(plain))  # the submitit launcher hands rank 0's summary back to the sweep
 
 
+def _completion_line() -> None:
+    """Hydra's completion drops the first word of the command line (`hrlplan`, or `python pretrain.py`):
+    for `hrlplan train <TAB>` the subcommand goes too, or Hydra would read `train` as an override."""
+    line = os.environ.get("COMP_LINE")
+    if line is not None:
+        os.environ["COMP_LINE"] = re.sub(r"^(\s*\S*hrlplan)\s+train(\s|$)", r"\1\2", line)
+
+
 def run(argv=None) -> None:
     """`python pretrain.py [overrides]` and `hrlplan train [overrides]`: check every override, then run."""
-    sys.argv = [sys.argv[0], *precheck(sys.argv[1:] if argv is None else list(argv))]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-sc", "--shell-completion") or a.startswith("--shell-completion=") for a in argv):
+        _completion_line()
+    sys.argv = [sys.argv[0], *precheck(argv)]
     main()

@@ -396,9 +396,38 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("hrlplan_groups"):
         # conf/config.yaml's --help lists the groups through this: the *_schema entries stay hidden
         OmegaConf.register_new_resolver("hrlplan_groups", config_groups_help)
+    _hide_schemas_from_listings()
 
 
 SCHEMA_SUFFIX = "_schema"
+
+
+def is_internal_config(name: str) -> bool:
+    """A schema the yaml files extend (`- gpt2_schema`), not an option a user picks."""
+    return name.endswith(SCHEMA_SUFFIX) or name == "base_config"
+
+
+def _hide_schemas_from_listings() -> None:
+    """Hydra has one way to list a group's options, ConfigLoader.get_group_options, and it lists every
+    config stored in the group, the schemas of the Hydra-documented schema pattern included: tab
+    completion (`arch=<TAB>`), Hydra's own help and glob sweeps (`-m 'planner=glob(*)'`) would offer
+    gpt2_schema and friends. No config source or name is hidden by Hydra's listing (it skips only
+    __pycache__ and __init__.py), so the one listing method leaves them out; composing, which reads the
+    repository directly, still finds them."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.object_type import ObjectType
+
+    listed = ConfigLoaderImpl.get_group_options
+    if getattr(listed, "hides_schemas", False):
+        return
+
+    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
+        return [o for o in listed(self, group_name, results_filter, config_name, overrides)
+                if not is_internal_config(o)]
+
+    get_group_options.hides_schemas = True
+    get_group_options.__doc__ = listed.__doc__
+    ConfigLoaderImpl.get_group_options = get_group_options
 
 
 def group_options(group: str) -> List[str]:
@@ -411,7 +440,7 @@ def group_options(group: str) -> List[str]:
         options = GlobalHydra.instance().config_loader().get_group_options(group)
     else:
         options = [p.stem for p in (conf_dir() / group).glob("*.yaml")]
-    return sorted(o for o in options if not o.endswith(SCHEMA_SUFFIX))
+    return sorted(o for o in options if not is_internal_config(o))
 
 
 def config_groups_help() -> str:

@@ -429,7 +429,7 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
     """Compose each point a (multirun) override list describes, one sweep value at a time, so a bad
     value anywhere in a sweep is refused before the first job starts. Returns the composed configs."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Transformer
+    from hydra.core.override_parser.types import Glob, Transformer
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -444,8 +444,15 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
                 raise ConfigError(o.get_key_element(), text.partition("=")[2], message=f"{text} lists several "
                                   "values: add -m (--multirun) to run one job per value")
             try:
-                values = list(o.sweep_iterator(transformer=Transformer.encode))
+                if isinstance(o.value(), Glob):   # `-m 'arch=glob(gpt2*)'`: the group's options it matches
+                    from hrlplan.config import group_options
+
+                    values = o.value().filter(group_options(o.key_or_group))
+                else:
+                    values = list(o.sweep_iterator(transformer=Transformer.encode))
             except Exception:  # an interval sweep (a sweeper plugin samples it): nothing to list
+                continue
+            if not values:
                 continue
             sweeps.append((o.get_key_element(), values))
         else:

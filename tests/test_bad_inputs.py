@@ -134,6 +134,7 @@ CASES = [
     ("no-equals", "override", ["train.steps"], ["train.steps"]),
     ("sweep-without-m", "override", ["train.steps=1,2"], ["train.steps=1,2", "-m"]),
     ("sweep-bad-point", "override", ["-m", "train.steps=2,-3"], ["train.steps", "-3"]),
+    ("flags-multirun-and-cfg", "override", ["-m", "--cfg", "job", "train.lr=1e-3,2e-3"], ["--multirun", "--cfg"]),
     ("cli-command", "cli", ["nosuch"], ["nosuch", "show-plan"]),
     ("cli-show-plan-missing", "cli", ["show-plan", "{tmp}/nowhere.yaml"], ["nowhere.yaml"]),
     ("cli-show-plan-string-tp", "cli", ["show-plan", "{tmp}/string_tp.yaml"], ["stages[0].tp", "'two'"]),

@@ -237,3 +237,40 @@ def test_hrlplan_conf_is_the_tree_train_and_the_commands_read(tmp_path):
                          cwd=run, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert '"n_layer": 3' in out.stdout
+
+
+def _complete(line, entry):
+    import os
+
+    env = dict(os.environ, COMP_LINE=line, COMP_POINT=str(len(line)))
+    out = subprocess.run([*entry, "-sc", "query=bash"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("line,entry,group", [
+    ("python pretrain.py arch=", "pretrain", "arch"),
+    ("python pretrain.py planner=", "pretrain", "planner"),
+    ("hrlplan train cluster=", "train", "cluster"),   # the installed command: `train` is not an override
+], ids=["pretrain-arch", "pretrain-planner", "hrlplan-train-cluster"])
+def test_tab_completion_offers_the_options_without_internal_schemas(line, entry, group):
+    entry = [sys.executable, str(ROOT / "pretrain.py")] if entry == "pretrain" else \
+        [sys.executable, "-m", "hrlplan.cli", "train"]
+    offered = _complete(line, entry)
+    assert offered == [f"{group}={o}" for o in options(group)], offered
+    assert not [o for o in offered if "schema" in o or "base_config" in o]
+
+
+def test_glob_sweeps_and_hydra_listings_skip_the_schemas(tmp_path):
+    from hrlplan.validate import precheck_overrides
+
+    points = precheck_overrides(["planner=glob(*,exclude=[exact,hrl])", "cluster=a100x8-1n"], lambda o: o)
+    assert points == [["cluster=a100x8-1n", "planner=manual"], ["cluster=a100x8-1n", "planner=random"]]
+    # Hydra's own sweep expands the glob through the same listing: one job, not one per *_schema config
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "-m", "planner=glob(*,exclude=[exact,hrl,manual])",
+                          "cluster=a100x8-1n", "mode=plan", "logger.mode=disabled", f"hydra.sweep.dir={tmp_path}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Launching 1 jobs" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0"]
