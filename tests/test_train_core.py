@@ -50,7 +50,7 @@ def test_resume_under_another_layout_reaches_the_metrics_logger(tmp_path):
     assert summary["replan/old"].startswith("2 rank(s) on 1 node(s) (node-a)")
     assert summary["replan/new"].startswith("1 rank(s)")
     assert "now runs on 1 node(s)" in summary["replan/reason"] and summary["replan/step"] == 4
-    assert "re-plan on resume at step 4" in (tmp_path / "train.log").read_text()
+    assert "re-plan on resume from step_000004: the job now runs on 1 node(s)" in (tmp_path / "train.log").read_text()
     assert json.loads((root / ckpt.REPLAN_LOG).read_text().splitlines()[-1])["step"] == 4
 
 

@@ -217,11 +217,17 @@ def _replan_note(path: Path, parts) -> Optional[Dict[str, str]]:
     return {"old": describe_layout(old), "new": describe_layout(now), "reason": reason}
 
 
+def replan_line(checkpoint_name: str, replan: Dict[str, str]) -> str:
+    return (f"re-plan on resume from {checkpoint_name}: {replan['reason']}; checkpoint layout: {replan['old']}; "
+            f"new layout: {replan['new']}; weights and optimizer state resharded by torch.distributed.checkpoint")
+
+
 def load_checkpoint(path: str | os.PathLike, parts: Dict[int, torch.nn.Module],
-                    optimizers: Dict[int, torch.optim.Optimizer]) -> Dict[str, Any]:
+                    optimizers: Dict[int, torch.optim.Optimizer], announce: bool = True) -> Dict[str, Any]:
     """Collective. Loads model and optimizer in place, resharded onto this job's layout when it
     differs from the writer's; returns this rank's extra dict (RNG restored). extra["replan"]
-    holds the old and new layout and the reason when the layout changed (rank 0 also logs it)."""
+    holds the old and new layout and the reason when the layout changed (rank 0 appends it to
+    replans.jsonl, and with announce=True also prints and logs replan_line)."""
     path = Path(path)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     replan = _replan_note(path, parts)
@@ -248,11 +254,9 @@ def load_checkpoint(path: str | os.PathLike, parts: Dict[int, torch.nn.Module],
     if replan:
         extra["replan"] = replan
         if _rank() == 0:
-            line = (f"re-plan on resume from {path.name}: {replan['reason']}; checkpoint layout: {replan['old']}; "
-                    f"new layout: {replan['new']}; weights and optimizer state resharded by "
-                    "torch.distributed.checkpoint")
-            log.warning(line)
-            print(f"[hrlplan] {line}", flush=True)
+            if announce:
+                log.warning(replan_line(path.name, replan))
+                print(f"[hrlplan] {replan_line(path.name, replan)}", flush=True)
             with open(path.parent / REPLAN_LOG, "a") as f:
                 f.write(json.dumps({"step": int(extra.get("step", 0)), "checkpoint": path.name, **replan}) + "\n")
     return extra

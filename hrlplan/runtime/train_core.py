@@ -190,18 +190,20 @@ class TrainAdapter:
 
 
 # ---------------------------------------------------------------- the core
-def log_replan(logger, replan: Optional[Dict[str, str]], step: int) -> None:
-    """A resume under another layout, for the human log and W&B: a note (an alert where the logger
-    has one) and the summary keys replan/old, replan/new, replan/reason."""
-    if not replan or logger is None:
+def log_replan(logger, replan: Optional[Dict[str, str]], step: int, checkpoint_name: str) -> None:
+    """A resume under another layout: one line on the console and in train.log (the logger's note;
+    printed without a logger), a W&B alert where the logger has one, and the summary keys
+    replan/old, replan/new, replan/reason and replan/step."""
+    if not replan:
         return
-    text = (f"re-plan on resume at step {step}: {replan['reason']}; checkpoint layout: {replan['old']}; "
-            f"new layout: {replan['new']}")
-    for name in ("note", "alert"):
-        call = getattr(logger, name, None)
-        if callable(call):
-            call(text) if name == "note" else call("hrlplan: re-plan on resume", text)
-    summary = getattr(logger, "summary", None)
+    line = ckpt.replan_line(checkpoint_name, replan)
+    note, alert, summary = (getattr(logger, name, None) for name in ("note", "alert", "summary"))
+    if callable(note) and getattr(logger, "enabled", True):
+        note(line)
+    else:
+        print(f"[hrlplan] {line}", flush=True)
+    if callable(alert):
+        alert("hrlplan: re-plan on resume", line)
     if callable(summary):
         summary({"replan/old": replan["old"], "replan/new": replan["new"], "replan/reason": replan["reason"],
                  "replan/step": step})
@@ -228,13 +230,13 @@ class TrainCore:
             raise UserError(f"train.resume: {path} holds no torch.distributed.checkpoint checkpoint ({DCP_METADATA} is "
                             "missing; one written by an older hrlplan (model.pt) can still be evaluated, not resumed); "
                             "start fresh with train.resume=none")
-        extra = ckpt.load_checkpoint(path, a.parts, a.optimizers)
+        extra = ckpt.load_checkpoint(path, a.parts, a.optimizers, announce=False)
         a.lr.load_state_dict(extra.get("schedulers") or {})
         self.step = int(extra["step"])
         a.restore(extra)
         if a.rank == 0:
             print(f"[hrlplan] resumed from {path} at step {self.step}", flush=True)
-            log_replan(self.logger, extra.get("replan"), self.step)
+            log_replan(self.logger, extra.get("replan"), self.step, path.name)
         self.last_checkpoint, self.saved_step = path, self.step
         return path
 

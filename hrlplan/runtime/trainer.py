@@ -6,6 +6,9 @@ Every rank builds only its stage(s) and runs the plan's schedule on one of two e
 - hetero.py: heterogeneous replicas and stages of unequal tp on hrlplan's own p2p executor (gpipe, 1f1b).
 Both record a per-micro-batch timeline, from which the trainer reports per-stage compute/idle time
 and, at the end, writes plan-vs-measured into plan_info.json.
+
+PipelineTrainer is the language-model adapter of the training core (runtime/train_core.py), which
+runs the step loop, the LR schedule, checkpoints, preemption and the metrics' logging.
 """
 from __future__ import annotations
 
