@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-sc"], ["--shell-completion"]) or (argv and argv[0].startswith("--shell-completion=")):
+        # `eval "$(hrlplan train -sc install=bash)"` makes bash call `hrlplan -sc query=bash`
+        import os
+
+        words = os.environ.get("COMP_LINE", "").split()
+        if "query=" not in " ".join(argv) or words[1:2] == ["train"]:
+            from hrlplan.app import run
+
+            return run(argv)
+        return   # other subcommands: the shell's own file completion
     if argv[:1] == ["train"]:   # the Hydra app itself: Hydra parses the overrides (and --help, -m)
         from hrlplan.app import run
 

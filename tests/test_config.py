@@ -253,13 +253,20 @@ def _complete(line, entry):
     ("python pretrain.py arch=", "pretrain", "arch"),
     ("python pretrain.py planner=", "pretrain", "planner"),
     ("hrlplan train cluster=", "train", "cluster"),   # the installed command: `train` is not an override
-], ids=["pretrain-arch", "pretrain-planner", "hrlplan-train-cluster"])
+    # what bash runs after `eval "$(hrlplan train -sc install=bash)"`: `hrlplan -sc query=bash`
+    ("hrlplan train planner=", "hrlplan", "planner"),
+], ids=["pretrain-arch", "pretrain-planner", "hrlplan-train-cluster", "installed-hook"])
 def test_tab_completion_offers_the_options_without_internal_schemas(line, entry, group):
-    entry = [sys.executable, str(ROOT / "pretrain.py")] if entry == "pretrain" else \
-        [sys.executable, "-m", "hrlplan.cli", "train"]
+    entry = {"pretrain": [sys.executable, str(ROOT / "pretrain.py")],
+             "train": [sys.executable, "-m", "hrlplan.cli", "train"],
+             "hrlplan": [sys.executable, "-m", "hrlplan.cli"]}[entry]
     offered = _complete(line, entry)
     assert offered == [f"{group}={o}" for o in options(group)], offered
     assert not [o for o in offered if "schema" in o or "base_config" in o]
+
+
+def test_completion_of_other_subcommands_is_left_to_the_shell():
+    assert _complete("hrlplan show-plan ", [sys.executable, "-m", "hrlplan.cli"]) == []
 
 
 def test_glob_sweeps_and_hydra_listings_skip_the_schemas(tmp_path):
