@@ -17,12 +17,14 @@ leaves a result (or an error) that the requeued job would contradict.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from hrlplan.runtime import preempt
 
@@ -211,3 +213,150 @@ def submit(config: Dict[str, Any], folder: str | os.PathLike, **params: Any):
     if not config["run_dir"]:
         config["run_dir"] = str(Path(folder).resolve() / "run")
     return make_executor(folder, **params).submit(SubmititTask(config))
+
+
+# ---------------------------------------------------------------- a node lost mid-step (launch/sbatch/elastic.sbatch)
+# elastic.sbatch runs every task under a wrapper that writes "<exit code>" to <records>/<procid>.<node> when
+# its task ends. When the step fails, `python -m hrlplan.launch.slurm step-failed` decides: a node whose
+# task was killed by SIGKILL (the node going away, the OOM killer, kill -9), or whose task left no record
+# and whose slurmd no longer answers, is lost; the job is requeued without it and re-plans for the nodes
+# it gets. Any other failure (an exception, a crash) fails the job as before: a requeue would repeat it.
+LOST_SIGNAL = signal.SIGKILL
+_BAD_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "*")
+MAX_NODE_LOSSES = 3    # requeues after a lost node per run directory (HRLPLAN_MAX_NODE_LOSSES)
+
+
+def task_exits(records: Path) -> Dict[str, int]:
+    """{node: exit status} from the wrapper's records (the highest status when a node ran several tasks)."""
+    exits: Dict[str, int] = {}
+    for path in Path(records).glob("*.*"):
+        node = path.name.split(".", 1)[1]
+        try:
+            rc = int(path.read_text().split()[0])
+        except (ValueError, IndexError):
+            continue
+        exits[node] = max(rc, exits.get(node, rc))
+    return exits
+
+
+def lost_nodes(nodes: List[str], exits: Dict[str, int], responds: Callable[[str], Optional[str]]
+               ) -> Dict[str, str]:
+    """{node: why} for the nodes of a failed step that are gone. A task killed by srun because another
+    one failed (--kill-on-bad-exit) leaves no record (its wrapper dies with it), so a node without a
+    record is asked about: responds(node) is None when it still runs a step, else why not."""
+    lost = {}
+    for node in nodes:
+        rc = exits.get(node)
+        if rc is not None and rc == 128 + LOST_SIGNAL:
+            lost[node] = f"its task was killed by {LOST_SIGNAL.name}"
+        elif rc is None:
+            why = responds(node)
+            if why:
+                lost[node] = why
+    return lost
+
+
+def node_state(node: str) -> str:
+    out = _scontrol("show", "node", "-o", node).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("State=")), "")
+
+
+def node_responds(node: str, timeout_s: float = 20) -> Optional[str]:
+    """None when SLURM still sees the node up and it runs a trivial step, else why not."""
+    state = node_state(node)
+    if any(bad in state for bad in _BAD_STATES):
+        return f"SLURM reports it {state}"
+    try:
+        proc = subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--time=1", "true"],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"a test step on it did not finish in {timeout_s:.0f} s"
+    if proc.returncode:
+        return f"a test step on it failed: {one_line_of(proc.stderr) or f'exit {proc.returncode}'}"
+    return None
+
+
+def one_line_of(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _job_field(job_id: str, field: str) -> str:
+    out = _scontrol("show", "job", "-o", job_id).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith(f"{field}=")), "")
+
+
+def _scontrol(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+
+
+def requeue_without(job_id: str, lost: List[str]) -> Optional[str]:
+    """Requeue the job held, add the lost nodes to its excluded nodes, release it; None when done,
+    else why not. The requeue ends this batch script: SIGTERM is ignored here, and SLURM's KillWait
+    leaves seconds for the two calls after it. SLURM may have requeued the job already (a node that
+    stopped answering: its own node-failure requeue); the exclusion is still added then."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    excluded = _job_field(job_id, "ExcNodeList")
+    nodes = ([] if excluded in ("", "(null)") else [excluded]) + lost
+    hold = _scontrol("requeuehold", job_id)
+    if hold.returncode:
+        if _job_field(job_id, "JobState") != "PENDING":
+            return f"scontrol requeuehold failed: {one_line_of(hold.stderr)}"
+        print(f"[sbatch] SLURM requeued job {job_id} itself (node failure)", file=sys.stderr, flush=True)
+    update = _scontrol("update", f"jobid={job_id}", f"ExcNodeList={','.join(nodes)}")
+    if update.returncode:   # it then may land on the lost node again
+        print(f"[sbatch] warning: could not exclude {','.join(lost)}: {one_line_of(update.stderr)}",
+              file=sys.stderr, flush=True)
+    if not hold.returncode:
+        release = _scontrol("release", job_id)
+        if release.returncode:
+            return f"requeued held, but scontrol release failed (release it by hand): {one_line_of(release.stderr)}"
+    return None
+
+
+def step_failed(records: Path, exit_code: int, run_dir: Path) -> int:
+    """After a failed step of elastic.sbatch: requeue the job without its lost nodes (returns 0; the
+    requeue ends the script meanwhile) or return the step's exit code (the job fails as it would have)."""
+    from submitit.slurm.slurm import _parse_node_list
+
+    job_id = os.environ["SLURM_JOB_ID"]
+    nodes = _parse_node_list(os.environ["SLURM_JOB_NODELIST"])
+    lost = lost_nodes(nodes, task_exits(records), node_responds)
+    if not lost:
+        print(f"[sbatch] step failed (exit {exit_code}) and no node was lost: not requeued", file=sys.stderr,
+              flush=True)
+        return exit_code
+    told = "; ".join(f"{n}: {why}" for n, why in lost.items())
+    history = Path(run_dir) / "node_losses.jsonl"
+    limit = int(os.environ.get("HRLPLAN_MAX_NODE_LOSSES", MAX_NODE_LOSSES))
+    seen = len(history.read_text().splitlines()) if history.exists() else 0
+    if len(lost) == len(nodes) or seen >= limit:
+        why = "every node of the job" if len(lost) == len(nodes) else f"{seen} node loss(es) already"
+        print(f"[sbatch] lost {told}; not requeued: {why} (HRLPLAN_MAX_NODE_LOSSES={limit})",
+              file=sys.stderr, flush=True)
+        return exit_code
+    with history.open("a") as f:
+        f.write(json.dumps({"time": time.time(), "job": job_id, "restart": restart_count(), "lost": lost}) + "\n")
+    print(f"[sbatch] lost {told}: requeue job {job_id} without {','.join(lost)}", file=sys.stderr, flush=True)
+    failure = requeue_without(job_id, sorted(lost))
+    if failure:
+        print(f"[sbatch] not requeued: {failure}", file=sys.stderr, flush=True)
+        return exit_code
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m hrlplan.launch.slurm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("step-failed", help="after a failed srun step: requeue without the lost nodes, if any")
+    p.add_argument("--records", required=True, type=Path, help="the task wrappers' exit records")
+    p.add_argument("--exit-code", required=True, type=int, help="srun's exit status")
+    p.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    return step_failed(args.records, args.exit_code, args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-# Shared by start.sh and stop.sh (sourced, not run).
+# Shared by start.sh, stop.sh, start-multinode.sh and stop-multinode.sh (sourced, not run).
 
 say() { echo "[local-slurm $(date +%T)] $*" >&2; }
 
@@ -25,4 +25,33 @@ install_slurm() {
   apt-get update -q >/dev/null || { say "ERROR: apt-get update failed"; return 1; }
   apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
     || { say "ERROR: apt-get install slurm failed"; return 1; }
+}
+
+# slurm_conf_common: the slurm.conf lines both boxes share (start.sh: one node on localhost;
+# start-multinode.sh: one network namespace per node). Short waits, so that a requeued job starts
+# again in seconds: backfill every 2 s, and each script's AuthInfo=...cred_expire=5 (a requeued job
+# may start only once its credential expired, 120 s by default).
+slurm_conf_common() {
+  cat <<'EOF'
+MpiDefault=none
+# No cgroups (a container; all nodes in one kernel and cgroup tree): /proc based tracking, no binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+# No slurmdbd, so no accounting: sacct does not work (submitit then reports state UNKNOWN).
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MailProg=/bin/true
+MinJobAge=300
+KillWait=5
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmctldDebug=info
+SlurmdDebug=info
+EOF
 }

@@ -22,6 +22,8 @@
 # delay/jitter/loss need the kernel's sch_netem; without it they are skipped with a warning (the
 # rate still applies; MN_SHAPE_STRICT=1 makes it an error). LINK_SHAPE="" leaves links unshaped.
 # `start-multinode.sh --shape-only` re-applies LINK_SHAPE to the running cluster.
+# `start-multinode.sh --node-up nodeK` brings a lost node back: starts its slurmd again if it is not
+# running (a test killed every process of the node) and returns it to service (state=resume).
 #
 # Knobs (environment, defaults in brackets):
 #   N / $1           nodes [3]                   SLURM_MN_DIR   config/state/logs [/tmp/hrlplan-mn]
@@ -39,8 +41,9 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/common.sh"
 die() { say "ERROR: $*"; exit 1; }
 
-SHAPE_ONLY=0
+SHAPE_ONLY=0 NODE_UP=""
 if [[ "${1:-}" == --shape-only ]]; then SHAPE_ONLY=1; shift; fi
+if [[ "${1:-}" == --node-up ]]; then NODE_UP="${2:?--node-up needs a node name}"; shift 2; fi
 N="${1:-${N:-3}}"
 DIR="${SLURM_MN_DIR:-/tmp/hrlplan-mn}"
 SUBNET="${MN_SUBNET:-10.213.57}"
@@ -142,9 +145,30 @@ apply_shapes() {
 }
 if [[ $SHAPE_ONLY == 1 ]]; then
   [[ -s "$DIR/cluster.env" ]] || die "no cluster in $DIR"
-  N=$(sed -n 's/^MN_N=//p' "$DIR/cluster.env")
+  N=$(sed -n 's/^MN_N=//p' "$DIR/cluster.env"); P=$(sed -n 's/^MN_PREFIX=//p' "$DIR/cluster.env"); SW="${P}sw"
+  SUBNET=$(sed -n 's/^MN_SUBNET=//p' "$DIR/cluster.env")
   apply_shapes
   exit 0
+fi
+
+start_slurmd() { mkdir -p "$DIR/state/slurmd.$1"; in_ns "$P$1" "$1" /usr/sbin/slurmd -f "$CONF" -N "$1"; }
+if [[ -n "$NODE_UP" ]]; then
+  [[ -s "$DIR/cluster.env" ]] || die "no cluster in $DIR"
+  N=$(sed -n 's/^MN_N=//p' "$DIR/cluster.env"); P=$(sed -n 's/^MN_PREFIX=//p' "$DIR/cluster.env"); LOGIN="${P}login"
+  valid_node "$NODE_UP"
+  if ! running "$DIR/run/slurmd.$NODE_UP.pid" slurmd; then
+    start_slurmd "$NODE_UP" || die "slurmd on $NODE_UP did not start (see $DIR/log/slurmd.$NODE_UP.log)"
+    say "started slurmd on $NODE_UP again"
+  fi
+  for _ in $(seq $((WAIT_S * 4))); do
+    state=$(SLURM_CONF="$CONF" in_login sinfo -h -N -n "$NODE_UP" -o %t 2>/dev/null | head -1)
+    case "$state" in
+      idle|alloc|mix) say "$NODE_UP is $state"; exit 0 ;;
+      down*|drain*|drng*|fail*) SLURM_CONF="$CONF" in_login scontrol update nodename="$NODE_UP" state=resume 2>/dev/null || true ;;
+    esac
+    sleep 0.25
+  done
+  die "$NODE_UP did not return to service (state '$state', see $DIR/log/slurmd.$NODE_UP.log)"
 fi
 
 T0=$(date +%s.%N)
@@ -239,25 +263,11 @@ AuthType=auth/munge
 CredType=cred/munge
 # Our munged's socket; cred_expire=5: a requeued job starts again after ~5 s instead of 120 s.
 AuthInfo=socket=$SOCK,cred_expire=5
-MpiDefault=none
-# One kernel and cgroup tree for all nodes: /proc based tracking, no binding.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,bf_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MailProg=/bin/true
-MinJobAge=300
-KillWait=5
-InactiveLimit=0
-SlurmctldTimeout=30
 # A node whose slurmd stops answering is marked DOWN after 10 s and its jobs requeued.
 SlurmdTimeout=10
+EOF
+  slurm_conf_common
+  cat <<EOF
 StateSaveLocation=$DIR/state/slurmctld
 # %n: all slurmd share this filesystem, so spool, pid and log files are per node.
 SlurmdSpoolDir=$DIR/state/slurmd.%n
@@ -265,8 +275,6 @@ SlurmdPidFile=$DIR/run/slurmd.%n.pid
 SlurmdLogFile=$DIR/log/slurmd.%n.log
 SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmctldDebug=info
-SlurmdDebug=info
 EOF
   for k in $(seq 1 "$N"); do
     n="node$k"; c="${CPU_LIST[$((k-1))]:-${CPU_LIST[-1]}}"
@@ -281,8 +289,7 @@ for _ in $(seq $((WAIT_S * 4))); do SLURM_CONF="$CONF" in_login scontrol ping 2>
 SLURM_CONF="$CONF" in_login scontrol ping 2>/dev/null | grep -q UP \
   || { tail -20 "$DIR/log/slurmctld.log" >&2; die "slurmctld is not answering"; }
 for n in "${NODES[@]}"; do
-  mkdir -p "$DIR/state/slurmd.$n"
-  in_ns "$P$n" "$n" /usr/sbin/slurmd -f "$CONF" -N "$n" || die "slurmd on $n did not start (see $DIR/log/slurmd.$n.log)"
+  start_slurmd "$n" || die "slurmd on $n did not start (see $DIR/log/slurmd.$n.log)"
 done
 apply_shapes
 

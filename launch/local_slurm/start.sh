@@ -94,25 +94,7 @@ ${AUTH_LINES}
 # A requeued job may only start again once its credential expired (default 120 s): 5 s keeps the
 # preemption/requeue tests short.
 AuthInfo=cred_expire=5
-MpiDefault=none
-# No cgroups in a container: /proc based tracking, no task binding.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-# No slurmdbd, so no accounting: sacct does not work (submitit then reports state UNKNOWN).
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SchedulerType=sched/backfill
-# Start batch jobs at once and run backfill every 2 s, so a requeued job restarts in ~15 s.
-SchedulerParameters=batch_sched_delay=0,bf_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MailProg=/bin/true
-MinJobAge=300
-KillWait=5
-InactiveLimit=0
-SlurmctldTimeout=30
+$(slurm_conf_common)
 SlurmdTimeout=30
 StateSaveLocation=${STATE}/slurmctld
 SlurmdSpoolDir=${STATE}/slurmd
@@ -120,8 +102,6 @@ SlurmctldPidFile=${RUN}/slurmctld.pid
 SlurmdPidFile=${RUN}/slurmd.pid
 SlurmctldLogFile=${LOG}/slurmctld.log
 SlurmdLogFile=${LOG}/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
 NodeName=${NODE} NodeAddr=127.0.0.1 NodeHostname=${NODE} CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 PartitionName=${PART} Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP
 CONF
