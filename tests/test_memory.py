@@ -231,3 +231,97 @@ def test_training_logs_measured_memory_per_rank(tmp_path):
             assert r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
             # the whole peak within 10% (issue 19.3): the block's activations are measured at introspection
             assert r["relative_error"] == pytest.approx(0.0, abs=0.10), (name, r["rank"])
+
+
+# ---------------------------------------------------------------- a backward's working set (issue 19.3)
+def _cost_patch_applied() -> bool:
+    """The simulator counts stage_transient and the receive buffers (the cost-model patch of issue 19)."""
+    meta = _toy_meta()
+    c = Simulator(meta, cpu_cluster(), CostOptions()).costs.stage(0, 4, True, True, [0], 1, 1, 1, 1)
+    return "buffers" in (c.memory or {})
+
+
+def test_position_peak_puts_one_backward_on_the_most_held():
+    assert cm.position_peak_bytes(100.0, 20.0, 50.0, 10.0) == 130.0     # before the first backward
+    assert cm.position_peak_bytes(100.0, 20.0, 10.0, 10.0) == 110.0     # gradients beside what is held
+    assert cm.position_peak_bytes(100.0, 20.0, 50.0, 10.0, transient=5.0) == 135.0
+    # full recomputation: a rebuilt block beside the gradients and the inputs still held
+    assert cm.position_peak_bytes(100.0, 20.0, 5.0, 0.0, transient=1.0, rebuilt=30.0) == 135.0
+    meta = _toy_meta()
+    block = cm.stage_transient(meta, 1, 1, 16.0, 1.0, "none", 2, last=False)
+    assert block == 16 * 2 * cm.BACKWARD_FFN_TENSORS * 4 * 64 + 4 * 4 * 64 * 64
+    assert cm.stage_transient(meta, 1, 1, 16.0, 1.0, "none", 0, last=False) == 0.0
+    assert cm.stage_transient(meta, 1, 1, 16.0, 1.0, "none", 0, last=True) == 16 * 8 * meta.vocab_size
+    assert cm.receive_buffer_bytes(10.0, 4, first=False, last=False) == 80.0
+    assert cm.receive_buffer_bytes(10.0, 4, first=True, last=True) == 0.0
+
+
+@pytest.mark.parametrize("arch", ["gpt2-tiny", "llama-tiny"])
+def test_block_backward_working_set_as_measured(arch):
+    """One block's backward (a second micro-batch: its weight gradient is made before being added to
+    the first's) adds what block_backward_per_token and weight_gradient_temporary say, over what the
+    forward saved -- live tensor storages."""
+    from hrlplan.config import compose
+    from hrlplan.model_meta import introspect
+    from hrlplan.models.hf import hf_layout
+    from hrlplan.runtime.trainer import build_full_model
+
+    cfg = compose([f"arch={arch}"])
+    model = build_full_model(cfg["arch"], 0)
+    layout = hf_layout(model)
+    block = getattr(layout.base, layout.blocks_attr)[0]
+    seq = int(cfg["data"]["seq_len"])
+    box = {}
+    hook = block.register_forward_pre_hook(lambda m, a, kw: box.update(args=a, kw=kw), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, seq)), use_cache=False)
+    hook.remove()
+    args = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor)
+            else None if type(a).__name__.endswith("Cache") else a for a in box["args"]]
+    kw = {k: v for k, v in box["kw"].items() if k not in ("past_key_values", "layer_past", "past_key_value")
+          and not type(v).__name__.endswith("Cache")}
+
+    def forward():
+        out = block(*args, **kw)
+        return out[0] if isinstance(out, tuple) else out
+    forward().sum().backward()     # gradients exist: the measured backward accumulates into them
+    tracker = LiveStorageTracker("cpu", lambda: ([block], []))
+    with tracker:
+        y = forward()
+        g = torch.ones_like(y)
+        start = tracker.peak = tracker.current
+        y.backward(g)
+    meta = introspect(cfg["arch"], seq_len=seq)
+    tokens = 2 * seq
+    predicted = tokens * cm.block_backward_per_token(meta, 1) * 2.0 + cm.weight_gradient_temporary(meta, 1)  # fp32
+    # GPT-2's composite GELU: the three tokens x ffn tensors exactly; Llama's SwiGLU frees one sooner (0.71x)
+    assert 0.65 * predicted <= tracker.peak - start <= 1.05 * predicted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp4", "pp2-interleaved", "pp2-zbv"])
+def test_pipelined_ranks_within_10pct(tmp_path, name):
+    """Ranks holding one block or a second virtual stage, where a backward's working set and zero
+    bubble's kept gradients weigh most (+16..26% before they were modelled): 2 steps each."""
+    from hrlplan.config import compose
+    from hrlplan.cost.plans import options_for_train
+    from hrlplan.launch.local_run import train_plan
+    from hrlplan.model_meta import introspect
+
+    if not _cost_patch_applied():
+        pytest.xfail("needs the cost-model patch of issue 19 (model.py/simulator.py call memory.stage_transient)")
+    quarter = [(0, 2), (2, 3), (3, 5), (5, 6)]
+    spans, schedule, v = {"pp4": ([(0, 3), (3, 4), (4, 5), (5, 6)], "1f1b", 1),
+                          "pp2-interleaved": (quarter, "interleaved_1f1b", 2),
+                          "pp2-zbv": (quarter, "zero_bubble", 2)}[name]
+    plan = homogeneous_plan("gpt2-tiny", 6, spans, dp=1, tp=1, microbatch_size=2, num_microbatches=4,
+                            schedule=schedule, stages_per_rank=v)
+    cfg = compose(["arch=gpt2-tiny", "train.global_batch_size=8", "logger.mode=disabled", "train.steps=2",
+                   "train.checkpoint_interval=0"])
+    summary = train_plan(plan, cfg, tmp_path / name)
+    measured = [m["peak"] for m in summary["measured"]["memory_split_per_rank"]]
+    meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
+    predicted = [row["tensors"] for row in cm.plan_memory(plan, meta, cpu_cluster(plan.world_size),
+                                                          options_for_train(cfg["train"]))]
+    errors = [(m - p) / p for m, p in zip(measured, predicted)]
+    assert len(errors) == plan.world_size and all(abs(e) <= 0.10 for e in errors), errors
