@@ -75,116 +75,26 @@ class Simulator:
         mean field). Default, where ranks outnumber cores: each operation slowed by the ranks busy
         while it runs (simulate_shared_timeline)."""
         self.evaluations += 1
-        meta, o = self.meta, self.opts
-        n = len(layout.spans)
-        last = n - 1
-        groups = [layout.groups[layout.stage_group(k)] for k in range(n)]
-        msg = self.costs.activation_message(layout.microbatch_size)
-        sends = [self.costs.p2p(groups[k], groups[k + 1], msg, layout.schedule) if k < last else 0.0 for k in range(n)]
-        zb = layout.schedule == "zero_bubble"
-        ov = self.devices.overheads
-        hop_handshake = ov.hop(layout.schedule)[1]
-        handshake = [hop_handshake] * n if hop_handshake else None
+        run = _StepRun(self, layout)
+        run.simulate_pipeline(contention)
+        totals = run.position_totals()
+        step, finish, exposed = run.step_time(totals)
+        pos_need = [mem.peak_bytes(totals.static[p], totals.grads[p], run.tl.peak_before_grads[p],
+                                   run.tl.peak_with_grads[p], totals.transient[p]) for p in range(layout.pp)]
+        memory, reason = self._memory_check(layout, pos_need)
+        if reason:
+            return SimResult(False, float("inf"), reason=reason, memory_bytes=memory)
+        tl = run.tl
+        bubble = 1.0 - sum(tl.busy) / (tl.makespan * layout.pp) if tl.makespan > 0 else 0.0
+        res = SimResult(True, step, bubble_fraction=max(bubble, 0.0), memory_bytes=memory)
+        if detail:
+            res.breakdown = run.breakdown(step, finish, exposed, totals, memory, res.bubble_fraction)
+            res.stages = run.stage_details(pos_need)
+        return res
 
-        def stage_costs_at(contention: Optional[float], shared_cores: bool = False):
-            # each stage at its own tp degree and recompute mode (Layout.tp_of / recompute_of)
-            return [self.costs.stage(start, end, k == 0, k == last, groups[k], layout.tp_of(k), layout.dp,
-                                     layout.microbatch_size, layout.pp,
-                                     links=self.links(groups[k], layout.tp_of(k), layout.dp),
-                                     contention=contention, shared_cores=shared_cores,
-                                     recompute=layout.recompute_of(k), microbatches=layout.num_microbatches)
-                    for k, (start, end) in enumerate(layout.spans)]
-
-        def durations(costs):
-            fwd = [c.fwd for c in costs]
-            factors = ov.zb_backward_factors(layout.microbatch_size * meta.seq_len) if zb else None
-            if factors is not None:
-                # as torch runs the split: B (d/dx, 0 on the first stage, whose input is token ids) and
-                # W cost these multiples of a plain backward; the first stage's W is one plain backward
-                fin, fw = factors
-                return (fwd, [0.0 if k == 0 else c.bwd * fin for k, c in enumerate(costs)],
-                        [c.bwd if k == 0 else c.bwd * fw for k, c in enumerate(costs)])
-            if zb:
-                shares = zb_input_shares(n, ov.zb_input_grad_share)
-                return (fwd, [c.bwd * sh for c, sh in zip(costs, shares)],
-                        [c.bwd * (1.0 - sh) for c, sh in zip(costs, shares)])
-            return fwd, [c.bwd for c in costs], [0.0] * n
-
-        def timeline(costs, durs):
-            fwd, bwd, wgt = durs
-            return simulate_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
-                                     fwd, bwd, wgt, sends, sends, [c.activation for c in costs],
-                                     [c.first_fwd_extra for c in costs], [0.0] * n, handshake)
-
-        shared_cores = contention is None and ov.contention > 1.0
-        if shared_cores:
-            # More ranks than cores (CPU): contention_factor is the slowdown with every rank busy, but
-            # a pipeline's ranks idle in its bubbles. Operations are costed alone and slowed by the ranks
-            # busy while they run (simulate_shared_timeline); the pipeline hop, a wake-up more than
-            # work, by the mean field: the factor times the busy share, from the timeline at full speed.
-            at_full_speed = stage_costs_at(1.0)
-            alone = timeline(at_full_speed, durations(at_full_speed))
-            busy_share = sum(alone.busy) / (alone.makespan * layout.pp) if alone.makespan > 0 else 1.0
-            contention = max(1.0, ov.contention * min(busy_share, 1.0))
-            stage_costs = stage_costs_at(1.0, shared_cores=True)
-        else:
-            stage_costs = stage_costs_at(contention)
-        derate = ov.busy_derate(contention)
-        if derate < 1.0:   # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
-            sends = [x * derate for x in sends]
-            handshake = [x * derate for x in handshake] if handshake else None
-        fwd, bwd, wgt = durations(stage_costs)
-        if shared_cores:
-            tl = simulate_shared_timeline(layout.schedule, layout.pp, layout.stages_per_rank, layout.num_microbatches,
-                                          fwd, bwd, wgt, sends, sends, [c.activation for c in stage_costs],
-                                          [c.first_fwd_extra for c in stage_costs], handshake,
-                                          ranks=[len(g) for g in layout.groups], contention=ov.contention,
-                                          all_ranks=max(self.cluster.world_size, sum(len(g) for g in layout.groups)))
-        else:
-            tl = timeline(stage_costs, (fwd, bwd, wgt))
-
-        # Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
-        # Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
-        # after a stage's last backward has sent its gradient on, so they delay the position's own end,
-        # not the earlier stages' remaining backward (which they overlap).
-        pos_reduce = [0.0] * layout.pp
-        for k, c in enumerate(stage_costs):
-            pos_reduce[layout.stage_group(k)] += c.last_bwd_extra
-        pos_sync = [0.0] * layout.pp
-        pos_static = [0.0] * layout.pp
-        pos_grads = [0.0] * layout.pp
-        pos_reserve = [0.0] * layout.pp
-        pos_transient = [0.0] * layout.pp   # one block rebuilt at a time per rank, whichever stage it is in
-        pos_opt = [0.0] * layout.pp
-        for k, c in enumerate(stage_costs):
-            pos = layout.stage_group(k)
-            pos_sync[pos] += c.dp_sync
-            # the workspace reserve is the rank's, once, however many stages it runs
-            reserve = c.memory["workspace"] if c.memory else 0.0
-            pos_static[pos] += c.static_memory - reserve + max(reserve - pos_reserve[pos], 0.0)
-            pos_reserve[pos] = max(pos_reserve[pos], reserve)
-            pos_grads[pos] += c.memory["gradients"] if c.memory else 0.0
-            pos_transient[pos] = max(pos_transient[pos], c.memory["transient"] if c.memory else 0.0)
-            pos_opt[pos] += c.optimizer
-        # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
-        fixed = ov.optimizer_fixed(layout.dp, layout.tp)
-        pos_opt = [t + fixed for t in pos_opt]
-        finish = []
-        exposed = []
-        for pos in range(layout.pp):
-            hidden = min(pos_sync[pos], tl.last_backward[pos]) if o.dp_overlap else 0.0
-            exposed.append(pos_sync[pos] - hidden)
-            finish.append(tl.end[pos] + exposed[-1] + pos_reduce[pos])
-        # Calibrated per-step costs after the pipeline: the small all-reduces every step makes (tied
-        # embedding gradient, gradient norm over the pipeline, the loss), the optimizer, the rest.
-        collectives = self.step_collectives(layout)
-        scale = self.devices.time_scale
-        step = (max(f + collectives + opt for f, opt in zip(finish, pos_opt)) + ov.step) * scale
-
-        # Memory: static + activations the schedule holds + the largest transient (one block's forward);
-        # gradients only from a position's first backward on (cost.memory.peak_bytes)
-        pos_need = [mem.peak_bytes(pos_static[p], pos_grads[p], tl.peak_before_grads[p], tl.peak_with_grads[p],
-                                   pos_transient[p]) for p in range(layout.pp)]
+    def _memory_check(self, layout: Layout, pos_need: List[float]):
+        """Peak bytes per device; the reason naming the most over-committed device, if any is."""
+        o = self.opts
         memory: Dict[int, float] = {}
         worst: Optional[tuple] = None
         for pos, group in enumerate(layout.groups):
@@ -194,64 +104,196 @@ class Simulator:
                 limit = self.devices.memory_limit(d, o.memory_margin)
                 if need > limit and (worst is None or need / limit > worst[0]):
                     worst = (need / limit, pos, d, need, limit)
-        if worst is not None:
-            _, pos, d, need, limit = worst
-            dev = self.cluster.devices[d]
-            stage_ids = [k for k in range(n) if layout.stage_group(k) == pos]
-            reason = (f"out of memory on device {d} ({dev.name}, {dev.hostname} local {dev.local_rank}): "
-                      f"stage(s) {stage_ids} need {need / GiB:.2f} GiB > {o.memory_margin:g} x "
-                      f"{dev.memory_bytes / GiB:.2f} GiB")
-            return SimResult(False, float("inf"), reason=reason, memory_bytes=memory)
+        if worst is None:
+            return memory, ""
+        _, pos, d, need, limit = worst
+        dev = self.cluster.devices[d]
+        stage_ids = [k for k in range(len(layout.spans)) if layout.stage_group(k) == pos]
+        return memory, (f"out of memory on device {d} ({dev.name}, {dev.hostname} local {dev.local_rank}): "
+                        f"stage(s) {stage_ids} need {need / GiB:.2f} GiB > {o.memory_margin:g} x "
+                        f"{dev.memory_bytes / GiB:.2f} GiB")
 
-        pipeline = tl.makespan
-        bubble = 1.0 - sum(tl.busy) / (pipeline * layout.pp) if pipeline > 0 else 0.0
-        res = SimResult(True, step, bubble_fraction=max(bubble, 0.0), memory_bytes=memory)
-        if detail:
-            m = layout.num_microbatches
-            crit = max(range(layout.pp), key=lambda p: tl.busy[p])
-            crit_stages = [k for k in range(n) if layout.stage_group(k) == crit]
-            res.breakdown = {
-                "step_time_s": step,
-                "pipeline_s": pipeline * scale,
-                "pipeline_end_s": max(finish) * scale,
-                "compute_s": sum(3 * m * stage_costs[k].compute_fwd for k in crit_stages) * scale,
-                "tp_comm_s": sum(m * (stage_costs[k].tp_comm_fwd + stage_costs[k].tp_comm_bwd) for k in crit_stages) * scale,
-                "p2p_comm_s": 2 * sum(sends) * scale,
-                "dp_comm_s": max(pos_sync) * scale,
-                "dp_comm_exposed_s": max(exposed) * scale,
-                "dp_collectives_s": max(sum(stage_costs[k].first_fwd_extra + stage_costs[k].last_bwd_extra
-                                            for k in range(n) if layout.stage_group(k) == p)
-                                        for p in range(layout.pp)) * scale,
-                "optimizer_s": max(pos_opt) * scale,
-                "step_collectives_s": collectives * scale,
-                "step_overhead_s": ov.step * scale,
-                "bubble_s": (pipeline - tl.busy[crit]) * scale,
-                "bubble_fraction": res.bubble_fraction,
-                "bottleneck_position": crit,
-                "memory_bytes_per_device": {str(d): v for d, v in sorted(memory.items())},
-            }
-            for k, c in enumerate(stage_costs):
-                res.stages.append({
-                    "stage": k, "layers": list(layout.spans[k]), "position": layout.stage_group(k),
-                    "devices": list(groups[k]), "device_type": self.cluster.devices[groups[k][0]].name,
-                    "tp": layout.tp_of(k), "recompute": layout.recompute_of(k),
-                    "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": sends[k] * scale,
-                    # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
-                    "bwd_input_s": bwd[k] * scale, "bwd_weight_s": wgt[k] * scale,
-                    "recv_handshake_s": (handshake[k] if handshake else 0.0) * scale,
-                    "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
-                    "dp_sync_s": c.dp_sync * scale, "params": c.params,
-                    "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
-                    "static_split_bytes": {key: float(v) for key, v in (c.memory or {}).items()},
-                    "busy_s": tl.busy[layout.stage_group(k)] * scale,
-                    # > 0: the durations above are alone, slowed by the ranks busy (simulate_shared_timeline)
-                    "shared_cores_contention": ov.contention if shared_cores else 0.0,
-                    "peak_memory_bytes": pos_need[layout.stage_group(k)],
-                    # the position's activations held before its first backward and after it (beside gradients)
-                    "activation_peak_before_grads": tl.peak_before_grads[layout.stage_group(k)],
-                    "activation_peak_with_grads": tl.peak_with_grads[layout.stage_group(k)],
-                })
-        return res
+
+@dataclass
+class _PositionTotals:
+    """Per pipeline position (a rank's group), summed over the virtual stages it runs."""
+    sync: List[float]        # data-parallel gradient sync
+    reduce: List[float]      # calibrated FSDP/replicate reduces after the last backward
+    static: List[float]      # weights, optimizer state, the workspace reserve (once per rank)
+    grads: List[float]
+    transient: List[float]   # one block rebuilt at a time per rank, whichever stage it is in
+    optimizer: List[float]   # the optimizer step, its per-call cost once per rank
+
+
+class _StepRun:
+    """One evaluation's working state: stage costs, the durations the timeline runs, the timeline."""
+
+    def __init__(self, sim: Simulator, layout: Layout):
+        self.sim, self.layout = sim, layout
+        self.ov = sim.devices.overheads
+        self.n = len(layout.spans)
+        self.groups = [layout.groups[layout.stage_group(k)] for k in range(self.n)]
+        msg = sim.costs.activation_message(layout.microbatch_size)
+        last = self.n - 1
+        self.sends = [sim.costs.p2p(self.groups[k], self.groups[k + 1], msg, layout.schedule) if k < last else 0.0
+                      for k in range(self.n)]
+        hop_handshake = self.ov.hop(layout.schedule)[1]
+        self.handshake = [hop_handshake] * self.n if hop_handshake else None
+        self.shared_cores = False
+
+    def stage_costs_at(self, contention: Optional[float], shared_cores: bool = False):
+        # each stage at its own tp degree and recompute mode (Layout.tp_of / recompute_of)
+        lay, sim, last = self.layout, self.sim, self.n - 1
+        return [sim.costs.stage(start, end, k == 0, k == last, self.groups[k], lay.tp_of(k), lay.dp,
+                                lay.microbatch_size, lay.pp, links=sim.links(self.groups[k], lay.tp_of(k), lay.dp),
+                                contention=contention, shared_cores=shared_cores,
+                                recompute=lay.recompute_of(k), microbatches=lay.num_microbatches)
+                for k, (start, end) in enumerate(lay.spans)]
+
+    def durations(self, costs):
+        """(forward, backward, weight-gradient) per stage as the schedule runs them."""
+        fwd, n = [c.fwd for c in costs], self.n
+        if self.layout.schedule != "zero_bubble":
+            return fwd, [c.bwd for c in costs], [0.0] * n
+        factors = self.ov.zb_backward_factors(self.layout.microbatch_size * self.sim.meta.seq_len)
+        if factors is not None:
+            # as torch runs the split: B (d/dx, 0 on the first stage, whose input is token ids) and
+            # W cost these multiples of a plain backward; the first stage's W is one plain backward
+            fin, fw = factors
+            return (fwd, [0.0 if k == 0 else c.bwd * fin for k, c in enumerate(costs)],
+                    [c.bwd if k == 0 else c.bwd * fw for k, c in enumerate(costs)])
+        shares = zb_input_shares(n, self.ov.zb_input_grad_share)
+        return (fwd, [c.bwd * sh for c, sh in zip(costs, shares)],
+                [c.bwd * (1.0 - sh) for c, sh in zip(costs, shares)])
+
+    def _timeline(self, costs, durs):
+        fwd, bwd, wgt = durs
+        lay = self.layout
+        return simulate_timeline(lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches,
+                                 fwd, bwd, wgt, self.sends, self.sends, [c.activation for c in costs],
+                                 [c.first_fwd_extra for c in costs], [0.0] * self.n, self.handshake)
+
+    def simulate_pipeline(self, contention: Optional[float]) -> None:
+        """Sets stage_costs, the (fwd, bwd, wgt) durations and the timeline tl."""
+        lay, ov = self.layout, self.ov
+        self.shared_cores = contention is None and ov.contention > 1.0
+        if self.shared_cores:
+            # More ranks than cores (CPU): contention_factor is the slowdown with every rank busy, but
+            # a pipeline's ranks idle in its bubbles. Operations are costed alone and slowed by the ranks
+            # busy while they run (simulate_shared_timeline); the pipeline hop, a wake-up more than
+            # work, by the mean field: the factor times the busy share, from the timeline at full speed.
+            at_full_speed = self.stage_costs_at(1.0)
+            alone = self._timeline(at_full_speed, self.durations(at_full_speed))
+            busy_share = sum(alone.busy) / (alone.makespan * lay.pp) if alone.makespan > 0 else 1.0
+            contention = max(1.0, ov.contention * min(busy_share, 1.0))
+            self.stage_costs = self.stage_costs_at(1.0, shared_cores=True)
+        else:
+            self.stage_costs = self.stage_costs_at(contention)
+        derate = ov.busy_derate(contention)
+        if derate < 1.0:   # the pipeline hop, calibrated with every rank busy, shrinks with the busy share too
+            self.sends = [x * derate for x in self.sends]
+            self.handshake = [x * derate for x in self.handshake] if self.handshake else None
+        self.fwd, self.bwd, self.wgt = self.durations(self.stage_costs)
+        if not self.shared_cores:
+            self.tl = self._timeline(self.stage_costs, (self.fwd, self.bwd, self.wgt))
+            return
+        costs = self.stage_costs
+        self.tl = simulate_shared_timeline(
+            lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches, self.fwd, self.bwd, self.wgt,
+            self.sends, self.sends, [c.activation for c in costs], [c.first_fwd_extra for c in costs],
+            self.handshake, ranks=[len(g) for g in lay.groups], contention=ov.contention,
+            all_ranks=max(self.sim.cluster.world_size, sum(len(g) for g in lay.groups)))
+
+    def position_totals(self) -> _PositionTotals:
+        lay = self.layout
+        t = _PositionTotals(*([0.0] * lay.pp for _ in range(6)))
+        reserved = [0.0] * lay.pp
+        for k, c in enumerate(self.stage_costs):
+            pos = lay.stage_group(k)
+            t.reduce[pos] += c.last_bwd_extra
+            t.sync[pos] += c.dp_sync
+            # the workspace reserve is the rank's, once, however many stages it runs
+            reserve = c.memory["workspace"] if c.memory else 0.0
+            t.static[pos] += c.static_memory - reserve + max(reserve - reserved[pos], 0.0)
+            reserved[pos] = max(reserved[pos], reserve)
+            t.grads[pos] += c.memory["gradients"] if c.memory else 0.0
+            t.transient[pos] = max(t.transient[pos], c.memory["transient"] if c.memory else 0.0)
+            t.optimizer[pos] += c.optimizer
+        # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
+        fixed = self.ov.optimizer_fixed(lay.dp, lay.tp)
+        t.optimizer = [x + fixed for x in t.optimizer]
+        return t
+
+    def step_time(self, t: _PositionTotals):
+        """(step time, each position's end, its exposed gradient sync).
+
+        Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
+        Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
+        after a stage's last backward has sent its gradient on, so they delay the position's own end,
+        not the earlier stages' remaining backward (which they overlap). Then the per-step costs after
+        the pipeline: the small all-reduces every step makes (tied embedding gradient, gradient norm
+        over the pipeline, the loss), the optimizer, the rest."""
+        finish, exposed = [], []
+        for pos in range(self.layout.pp):
+            hidden = min(t.sync[pos], self.tl.last_backward[pos]) if self.sim.opts.dp_overlap else 0.0
+            exposed.append(t.sync[pos] - hidden)
+            finish.append(self.tl.end[pos] + exposed[-1] + t.reduce[pos])
+        self.collectives = self.sim.step_collectives(self.layout)
+        step = (max(f + self.collectives + opt for f, opt in zip(finish, t.optimizer)) + self.ov.step)
+        return step * self.sim.devices.time_scale, finish, exposed
+
+    def breakdown(self, step, finish, exposed, t: _PositionTotals, memory, bubble_fraction) -> Dict[str, Any]:
+        lay, tl, costs, scale = self.layout, self.tl, self.stage_costs, self.sim.devices.time_scale
+        m = lay.num_microbatches
+        crit = max(range(lay.pp), key=lambda p: tl.busy[p])
+        crit_stages = [k for k in range(self.n) if lay.stage_group(k) == crit]
+        return {
+            "step_time_s": step,
+            "pipeline_s": tl.makespan * scale,
+            "pipeline_end_s": max(finish) * scale,
+            "compute_s": sum(3 * m * costs[k].compute_fwd for k in crit_stages) * scale,
+            "tp_comm_s": sum(m * (costs[k].tp_comm_fwd + costs[k].tp_comm_bwd) for k in crit_stages) * scale,
+            "p2p_comm_s": 2 * sum(self.sends) * scale,
+            "dp_comm_s": max(t.sync) * scale,
+            "dp_comm_exposed_s": max(exposed) * scale,
+            "dp_collectives_s": max(sum(costs[k].first_fwd_extra + costs[k].last_bwd_extra
+                                        for k in range(self.n) if lay.stage_group(k) == p)
+                                    for p in range(lay.pp)) * scale,
+            "optimizer_s": max(t.optimizer) * scale,
+            "step_collectives_s": self.collectives * scale,
+            "step_overhead_s": self.ov.step * scale,
+            "bubble_s": (tl.makespan - tl.busy[crit]) * scale,
+            "bubble_fraction": bubble_fraction,
+            "bottleneck_position": crit,
+            "memory_bytes_per_device": {str(d): v for d, v in sorted(memory.items())},
+        }
+
+    def stage_details(self, pos_need: List[float]) -> List[Dict[str, Any]]:
+        lay, tl, scale = self.layout, self.tl, self.sim.devices.time_scale
+        out = []
+        for k, c in enumerate(self.stage_costs):
+            pos = lay.stage_group(k)
+            out.append({
+                "stage": k, "layers": list(lay.spans[k]), "position": pos,
+                "devices": list(self.groups[k]), "device_type": self.sim.cluster.devices[self.groups[k][0]].name,
+                "tp": lay.tp_of(k), "recompute": lay.recompute_of(k),
+                "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": self.sends[k] * scale,
+                # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
+                "bwd_input_s": self.bwd[k] * scale, "bwd_weight_s": self.wgt[k] * scale,
+                "recv_handshake_s": (self.handshake[k] if self.handshake else 0.0) * scale,
+                "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
+                "dp_sync_s": c.dp_sync * scale, "params": c.params,
+                "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
+                "static_split_bytes": {key: float(v) for key, v in (c.memory or {}).items()},
+                "busy_s": tl.busy[pos] * scale,
+                # > 0: the durations above are alone, slowed by the ranks busy (simulate_shared_timeline)
+                "shared_cores_contention": self.ov.contention if self.shared_cores else 0.0,
+                "peak_memory_bytes": pos_need[pos],
+                # the position's activations held before its first backward and after it (beside gradients)
+                "activation_peak_before_grads": tl.peak_before_grads[pos],
+                "activation_peak_with_grads": tl.peak_with_grads[pos],
+            })
+        return out
 
 
 def simulate(meta, cluster, layout: Layout, opts: Optional[CostOptions] = None) -> SimResult:
