@@ -147,8 +147,8 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
         raise
     except Exception as e:
         rank = int(os.environ.get("RANK", 0))
-        if os.environ.get(LOCAL_AGENT_ENV) and is_peer_loss(e):
-            # only another rank's death: the local launcher names that rank and its first error
+        if (os.environ.get(LOCAL_AGENT_ENV) or os.environ.get("SLURM_STEP_ID")) and is_peer_loss(e):
+            # only another rank's death: the local launcher (or srun and elastic.sbatch) names that rank
             print(f"[hrlplan] rank {rank} stopped: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
         else:
             print(f"[hrlplan] rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
