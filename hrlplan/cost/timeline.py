@@ -381,74 +381,91 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     (contention x busy / all ranks, i.e. no other tenants) +11..+15%, this -2..-4% and +2%. Same
     operations, orders, inputs and handshake as simulate_timeline (equal to it when nothing is
     slowed); event-driven, so slower: the simulator uses it only when ranks outnumber cores."""
-    ops = structure(schedule, pp, stages_per_rank, m).position_ops
-    n = pp * stages_per_rank
-    last = n - 1
     ranks = list(ranks) if ranks is not None else [1] * pp
     # `contention` was measured with `all_ranks` busy (the whole job): a plan that leaves ranks
     # idle never reaches it
     total = float(all_ranks if all_ranks is not None else sum(ranks))
-    book = _Ledger(pp, n, m, schedule, activation, None, trace)
-    f_end, b_end, free = book.f_end, book.b_end, book.free
-    seen_f = [False] * n
-    nxt = [0] * pp
-    pending: List[Optional[Tuple[float, Tuple[int, int, int], float]]] = [None] * pp   # (start, op, work)
-    running: List[Optional[List]] = [None] * pp                                    # [op, work left, start]
+    run = _SharedCoresRun(schedule, pp, stages_per_rank, m, (fwd, bwd, wgt), send_fwd, send_bwd, first_fwd_extra,
+                          recv_handshake, _Ledger(pp, pp * stages_per_rank, m, schedule, activation, None, trace))
+    now = 0.0
+    while True:
+        run.start_ready(now)
+        active = sum(ranks[pos] for pos in range(pp) if run.running[pos] is not None)
+        starts = [p[0] for p in run.pending if p is not None]
+        if not active and not starts:
+            break
+        slowdown = 1.0 + (contention - 1.0) * max(active - 1.0, 0.0) / (total - 1.0) if total > 1 else contention
+        later = min([now + r[1] * slowdown for r in run.running if r is not None] + starts)
+        for r in run.running:
+            if r is not None:
+                r[1] -= (later - now) / slowdown
+        now = later
+        run.finish_done(now)
+    if any(run.nxt[pos] < len(run.ops[pos]) for pos in range(pp)):
+        raise RuntimeError(f"shared-cores timeline stalled for {schedule} pp={pp} v={stages_per_rank} m={m}")
+    return run.book.result()
 
-    def plan_next(pos: int) -> None:
+
+class _SharedCoresRun:
+    """simulate_shared_timeline's state: per position the next operation (pending: start, op, work)
+    and the running one (op, work left, start)."""
+
+    def __init__(self, schedule, pp, stages_per_rank, m, durations, send_fwd, send_bwd, first_fwd_extra,
+                 recv_handshake, book: "_Ledger"):
+        self.ops = structure(schedule, pp, stages_per_rank, m).position_ops
+        self.pp, self.last = pp, pp * stages_per_rank - 1
+        self.fwd, self.bwd, self.wgt = durations
+        self.send_fwd, self.send_bwd = send_fwd, send_bwd
+        self.first_fwd_extra, self.recv_handshake = first_fwd_extra, recv_handshake
+        self.book = book
+        self.seen_f = [False] * (pp * stages_per_rank)
+        self.nxt = [0] * pp
+        self.pending: List[Optional[Tuple[float, Tuple[int, int, int], float]]] = [None] * pp
+        self.running: List[Optional[List]] = [None] * pp
+
+    def plan_next(self, pos: int) -> None:
         """The position's next operation, with its start time, once its input exists."""
-        kind, k, j = ops[pos][nxt[pos]]
+        kind, k, j = self.ops[pos][self.nxt[pos]]
+        f_end, b_end = self.book.f_end, self.book.b_end
         receives = False
         if kind == F:
             ready = f_end[k - 1][j] if k > 0 else 0.0
             if ready is not None and k > 0:
-                ready += send_fwd[k - 1]
-                receives = send_fwd[k - 1] > 0
-            work = fwd[k]
+                ready += self.send_fwd[k - 1]
+                receives = self.send_fwd[k - 1] > 0
+            work = self.fwd[k]
         elif kind == B:
-            ready = b_end[k + 1][j] if k < last else f_end[k][j]
-            if ready is not None and k < last:
-                ready += send_bwd[k]
-                receives = send_bwd[k] > 0
-            work = bwd[k]
+            ready = b_end[k + 1][j] if k < self.last else f_end[k][j]
+            if ready is not None and k < self.last:
+                ready += self.send_bwd[k]
+                receives = self.send_bwd[k] > 0
+            work = self.bwd[k]
         else:
-            ready, work = b_end[k][j], wgt[k]
+            ready, work = b_end[k][j], self.wgt[k]
         if ready is None:
             return
-        if kind == F and first_fwd_extra is not None and not seen_f[k]:
-            seen_f[k] = True
-            work += first_fwd_extra[k]
-        at = free[pos] + (recv_handshake[k] if recv_handshake is not None and receives else 0.0)
-        pending[pos] = (max(at, ready), (kind, k, j), work)
+        if kind == F and self.first_fwd_extra is not None and not self.seen_f[k]:
+            self.seen_f[k] = True
+            work += self.first_fwd_extra[k]
+        at = self.book.free[pos] + (self.recv_handshake[k] if self.recv_handshake is not None and receives else 0.0)
+        self.pending[pos] = (max(at, ready), (kind, k, j), work)
 
-    now = 0.0
-    while True:
-        for pos in range(pp):
-            if running[pos] is None and pending[pos] is None and nxt[pos] < len(ops[pos]):
-                plan_next(pos)
-            p = pending[pos]
+    def start_ready(self, now: float) -> None:
+        for pos in range(self.pp):
+            if self.running[pos] is None and self.pending[pos] is None and self.nxt[pos] < len(self.ops[pos]):
+                self.plan_next(pos)
+            p = self.pending[pos]
             if p is not None and p[0] <= now:
                 if p[1][0] == F:
-                    book.start_forward(pos, p[1][1])
-                running[pos], pending[pos] = [p[1], p[2], now], None
-        active = sum(ranks[pos] for pos in range(pp) if running[pos] is not None)
-        starts = [p[0] for p in pending if p is not None]
-        if not active and not starts:
-            break
-        slowdown = 1.0 + (contention - 1.0) * max(active - 1.0, 0.0) / (total - 1.0) if total > 1 else contention
-        later = min([now + r[1] * slowdown for r in running if r is not None] + starts)
-        for r in running:
-            if r is not None:
-                r[1] -= (later - now) / slowdown
-        now = later
-        for pos in range(pp):
-            r = running[pos]
+                    self.book.start_forward(pos, p[1][1])
+                self.running[pos], self.pending[pos] = [p[1], p[2], now], None
+
+    def finish_done(self, now: float) -> None:
+        for pos in range(self.pp):
+            r = self.running[pos]
             if r is None or r[1] > 1e-12 * max(1.0, now):
                 continue
             (kind, k, j), _, start = r
-            running[pos] = None
-            nxt[pos] += 1
-            book.finish(pos, kind, k, j, start, now)
-    if any(nxt[pos] < len(ops[pos]) for pos in range(pp)):
-        raise RuntimeError(f"shared-cores timeline stalled for {schedule} pp={pp} v={stages_per_rank} m={m}")
-    return book.result()
+            self.running[pos] = None
+            self.nxt[pos] += 1
+            self.book.finish(pos, kind, k, j, start, now)
