@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from published import spearman  # noqa: E402  (bench/published.py: rank correlation with ties)
+import _measure  # noqa: E402  (bench/_measure.py: memory per rank and the ranking, shared with runtime.py)
 from runtime import ARCH, specs_for, threads_for  # noqa: E402  (bench/runtime.py: probe + calibrate a job)
 
 
@@ -73,8 +73,6 @@ def main() -> None:
 
     from hrlplan.cluster import default_nproc_per_node
     from hrlplan.config import compose
-    from hrlplan.cost.memory import plan_memory
-    from hrlplan.cost.plans import options_for_train
     from hrlplan.model_meta import introspect
     from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.calibrate import predict_plan
@@ -113,46 +111,28 @@ def main() -> None:
             step = median_step_time([h["train/step_time_s"] for h in summary["history"]])
             # memory per used rank: measured (trained as the compact plan) vs the model's tensor bytes
             used = [r for r in range(plan.world_size) if r not in set(plan.unused_ranks)]
-            pred_mem = plan_memory(plan, meta, calibrated, options_for_train(config["train"]))
-            measured_mem = (summary.get("measured") or {}).get("memory_bytes_per_rank") or []
-            memory = [{"rank": r, "measured": m, "predicted": pred_mem[r]["tensors"]}
-                      for r, m in zip(used, measured_mem) if m]
+            memory = _measure.memory_per_rank(plan, summary, meta, calibrated, config["train"], used=used)
             runs.setdefault(lname, []).append({"measured_s": step, "predicted_s": predicted, "memory": memory})
             print(f"[local-pick]   {lname:20s} {step * 1e3:7.2f} ms (predicted {predicted * 1e3:7.2f} ms)", flush=True)
 
     rows = {}
     for lname, xs in runs.items():
-        m = [x["measured_s"] for x in xs]
-        med, pred = statistics.median(m), statistics.median(x["predicted_s"] for x in xs)
-        rows[lname] = {"layout": candidates[lname].layout(), "idle_ranks": candidates[lname].unused_ranks,
-                       "measured_median_s": med, "measured_min_s": min(m), "measured_max_s": max(m),
-                       "spread": (max(m) - min(m)) / med, "predicted_median_s": pred,
-                       "prediction_inside_measured_range": min(m) <= pred <= max(m), "runs": xs,
-                       "memory_error_per_rank": [(x["measured"] - x["predicted"]) / x["predicted"]
-                                                 for x in xs[-1]["memory"]]}
-    names = sorted(rows, key=lambda n: rows[n]["measured_median_s"])
-    rho = spearman([rows[n]["predicted_median_s"] for n in names], [rows[n]["measured_median_s"] for n in names])
+        rows[lname] = dict(_measure.timing_row([x["measured_s"] for x in xs], [x["predicted_s"] for x in xs]),
+                           layout=candidates[lname].layout(), idle_ranks=candidates[lname].unused_ranks, runs=xs,
+                           memory_per_rank=xs[-1]["memory"],
+                           memory_error_per_rank=[x["error"] for x in xs[-1]["memory"]])
     pick = statistics.mode(picks)
-    fastest = rows[names[0]]
+    rank = _measure.ranking(rows, pick)
     report = {"world": world, "rounds": args.rounds, "steps": args.steps, "layouts": rows, "picks": picks,
-              "pick": pick, "pick_measured_rank": names.index(pick) + 1 if pick in rows else None,
-              "pick_within_fastest_spread": pick in rows and rows[pick]["measured_median_s"] <= fastest["measured_max_s"],
-              "spearman_predicted_vs_measured": rho, "load_average": os.getloadavg()}
-    print(f"\n{'layout':22s} {'measured ms (min-max)':>26s} {'predicted':>10s} in-range  memory measured vs predicted")
-    for n in names:
-        x = rows[n]
-        print(f"{n:22s} {x['measured_median_s'] * 1e3:8.2f} ({x['measured_min_s'] * 1e3:6.2f}-"
-              f"{x['measured_max_s'] * 1e3:6.2f}) {x['predicted_median_s'] * 1e3:10.2f} "
-              f"{'yes' if x['prediction_inside_measured_range'] else 'no':>8s}  "
-              + " ".join(f"{e:+.0%}" for e in x["memory_error_per_rank"]) + ("   <- pick" if n == pick else ""))
-    errors = [abs(e) for x in rows.values() for e in x["memory_error_per_rank"]]
-    report["memory_ranks_within_10pct"] = sum(e <= 0.10 for e in errors)
-    report["memory_ranks"] = len(errors)
-    report["memory_max_abs_error"] = max(errors, default=None)
-    print(f"memory: {report['memory_ranks_within_10pct']} of {len(errors)} ranks within 10% of the prediction "
-          f"(max |error| {report['memory_max_abs_error'] or 0:.0%})")
-    print(f"Spearman(predicted, measured) = {rho:.2f}; the pick {pick} is measured #{report['pick_measured_rank']} "
-          f"of {len(rows)} ({'within' if report['pick_within_fastest_spread'] else 'outside'} the fastest's spread)")
+              "pick": pick, **rank, "load_average": os.getloadavg()}
+    print()
+    print("\n".join(_measure.timing_lines(rows, rank, label="layout")))
+    print("memory per rank (measured peak vs predicted tensor bytes; split MiB measured/predicted):")
+    for n in rank["measured_order"]:
+        print("\n".join(_measure.memory_lines(n, rows[n]["memory_per_rank"])))
+    report.update(_measure.memory_summary({n: x["memory_per_rank"] for n, x in rows.items()}))
+    print(f"memory: {report['memory_ranks_within_10pct']} of {report['memory_ranks']} ranks within 10% of the "
+          f"prediction (max |error| {report['memory_max_abs_error'] or 0:.1%})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=float))
 

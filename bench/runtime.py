@@ -4,6 +4,10 @@ calibration), and the measured bubble vs the analytic and simulated ones.
     python bench/runtime.py [--steps 20] [--repeats 5] [--out bench/results/runtime.json] [--only pp2-1f1b,...]
 
 Every plan is run --repeats times (interleaved with the other plans: round r runs every plan once).
+Reported per plan: each rank's measured peak memory against the memory model's (and both splits:
+weights, gradients, optimizer, activations, other), the measured median step time with its min-max
+over the rounds and whether the prediction falls inside; across plans Spearman(predicted, measured)
+and the measured rank of the plan predicted fastest (bench/_measure.py, shared with local_pick.py).
 In each round, for each world size the plans need, a job of that many CPU workers first probes
 this machine and calibrates (hrlplan.runtime.calibrate.calibrate_in_job) with the same process
 count the plans run with (on a shared 2-core machine the per-rank speed depends on how many ranks
@@ -29,6 +33,9 @@ from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import _measure  # noqa: E402  (bench/_measure.py: memory per rank and the ranking, shared with local_pick)
 
 ARCH = ["arch=gpt2-tiny", "train.lr=3e-3", "train.global_batch_size=8", "logger.mode=disabled",
         "train.checkpoint_interval=0"]
@@ -126,6 +133,36 @@ def rel(measured: float, predicted: float) -> float:
     return (measured - predicted) / predicted if predicted else float("nan")
 
 
+def memory_and_ranking(report: Dict[str, Any], runs: Dict[str, List[Dict[str, Any]]]) -> None:
+    """Per plan and rank the measured peak memory against the model's (with the splits); per plan the
+    measured median step time, its min-max over the rounds and whether the prediction falls inside;
+    across plans Spearman(predicted, measured) and the measured rank of the plan predicted fastest
+    (overall and per world size: what the planner would pick among these)."""
+    memory = {name: next((x["memory"] for x in xs if x.get("memory")), []) for name, xs in runs.items() if xs}
+    print("[bench] memory per rank (measured peak vs predicted tensor bytes; split MiB measured/predicted):")
+    for name, rows in memory.items():
+        report["plans"][name]["memory_per_rank"] = rows
+        print("\n".join(_measure.memory_lines(name, rows)), flush=True)
+    report.update(_measure.memory_summary(memory))
+    print(f"[bench] memory: {report['memory_ranks_within_10pct']} of {report['memory_ranks']} ranks within 10% "
+          f"(max |error| {report['memory_max_abs_error'] or 0:.1%}, "
+          f"median {report['memory_median_abs_error'] or 0:.1%})")
+    timing = {name: _measure.timing_row([x["step"] for x in xs], [x["after"]["step_time_s"] for x in xs])
+              for name, xs in runs.items() if xs}
+    for name, row in timing.items():
+        report["plans"][name]["timing"] = row
+    report["ranking"] = _measure.ranking(timing)
+    print("\n".join(_measure.timing_lines(timing, report["ranking"])), flush=True)
+    report["ranking_per_world"] = {}
+    for world in sorted({report["plans"][n]["world_size"] for n in timing}):
+        sub = {n: row for n, row in timing.items() if report["plans"][n]["world_size"] == world}
+        rank = report["ranking_per_world"][str(world)] = _measure.ranking(sub)
+        if len(sub) > 1:
+            print(f"[bench] {world} worker(s): Spearman {rank['spearman_predicted_vs_measured']:.2f}, "
+                  f"predicted fastest {rank['pick']} measured #{rank['pick_measured_rank']} of {len(sub)} "
+                  f"({'within' if rank['pick_within_fastest_spread'] else 'outside'} the fastest's range)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -177,7 +214,11 @@ def main() -> None:
                     print(f"[bench] round {r + 1}/{args.repeats} {name:16s} FAILED: {str(e)[:300]}", flush=True)
                     report.setdefault("failed", {})[name] = str(e)[:1000]
                     continue
+                # memory is deterministic (fixed shapes): measured against the model on the plan's first run
+                memory = _measure.memory_per_rank(plan, summary, meta, calibrated, config["train"]) \
+                    if not any(x.get("memory") for x in runs[name]) else None
                 runs[name].append({"step": median_step_time([h["train/step_time_s"] for h in summary["history"]]),
+                                   "memory": memory,
                                    "bubble": summary["measured"]["bubble_fraction"],
                                    "loss": summary["history"][-1]["train/lm_loss"],
                                    "phases": summary["measured"].get("phases_s_per_rank", []),
@@ -245,6 +286,7 @@ def main() -> None:
                               "ratio": pipe / plain_med}
         print(f"[bench] overhead: 1-stage pipeline {pipe * 1e3:.2f} ms vs plain loop {plain_med * 1e3:.2f} ms "
               f"(ratio {pipe / plain_med:.3f})", flush=True)
+    memory_and_ranking(report, runs)
     errs = [abs(r["error_calibrated"]) for r in report["plans"].values()]
     errs0 = [abs(r["error_uncalibrated"]) for r in report["plans"].values()]
     report["median_abs_error_uncalibrated"] = statistics.median(errs0) if errs0 else None
