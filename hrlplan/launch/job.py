@@ -12,11 +12,16 @@ beside this file: planning.py (calibration, introspection, the plan and its chec
 groups, idle ranks), report.py (the logger and the report after training), plan_cache.py.
 Preemption (SLURM's USR2) stops training at a step boundary with a checkpoint, then requeues
 (hrlplan/runtime/preempt.py has the contract, hrlplan/launch/slurm.py the signal and requeue side).
+Ctrl-C or SIGTERM outside SLURM does the same without the requeue: every worker's SIGINT/SIGTERM
+handler raises the stop flag (the local launcher passes the signal on, as torchrun does), and the
+launching process says where the checkpoint is and how to continue, then exits 128 + the signal.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,7 +32,7 @@ import torch.distributed as dist
 from hrlplan.cluster import default_nproc_per_node, load_or_probe_in_job
 from hrlplan.errors import UserError
 from hrlplan.launch import slurm
-from hrlplan.launch.local import in_distributed_job, is_peer_loss, launch_workers
+from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, launch_workers
 from hrlplan.launch.planning import (calibrated, check_world, introspect_and_plan, local_device_memory, plan_only,
                                      probes_here, wants_calibration, warn_hrm_memory)
 from hrlplan.launch.ranks import broadcast, init_worker, job_peak_flops, leave_idle_ranks, train_ranks
@@ -35,7 +40,7 @@ from hrlplan.launch.report import make_logger, predicted_step, report
 from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
 from hrlplan.runtime import preempt
-from hrlplan.runtime.checkpoint import latest_checkpoint
+from hrlplan.runtime.checkpoint import checkpoint_problem, latest_checkpoint, list_checkpoints
 from hrlplan.runtime.distributed import cpu_group, shutdown
 from hrlplan.runtime.hrm_trainer import train_hrm
 from hrlplan.runtime.trainer import PipelineTrainer
@@ -67,6 +72,9 @@ def run_from_hydra(cfg) -> Optional[Dict[str, Any]]:
         config["_job_num"] = int(hc.job.num)
     try:
         return run(config)
+    except Interrupted as e:   # Ctrl-C/SIGTERM: where the checkpoint is, and the shell's exit status
+        print(f"[hrlplan] {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except UserError as e:
         if slurm.in_submitit_task() or os.environ.get("SUBMITIT_EXECUTOR"):
             raise  # submitit records it as the job's error; an exit would leave no result at all
@@ -113,6 +121,8 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
         results = launch_workers(worker_main, (config,), nproc)
+    except Interrupted as stop:
+        return _interrupted(run_dir, stop)
     except UserError:
         err = run_dir / ERROR_FILE
         if err.exists():
@@ -125,6 +135,43 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return latest_checkpoint(run_dir / "checkpoints") is not None
 
 
+def _interrupted(run_dir: Path, stop: Interrupted) -> Dict[str, Any]:
+    """After Ctrl-C/SIGTERM: rank 0's summary when the run had finished anyway; else Interrupted with
+    one line saying where the checkpoint is and how to continue."""
+    summary = (stop.results or {}).get(0)
+    if summary is not None and not summary.get("preempted"):
+        return summary   # the signal came with the last step, or before a run that trains nothing
+    how = f"continue with train.resume=auto (in the same run directory, hydra.run.dir={run_dir})"
+    step = summary.get("final_step") if summary is not None else None
+    written = summary.get("checkpoint") if summary is not None else None
+    if step is not None and not written:
+        written = run_dir / "checkpoints" / f"step_{int(step):06d}"   # the trainer checkpoints the step it stops at
+    if written and checkpoint_problem(written) is None:
+        message = (f"stopped by {stop.signal_name} at step {step}, checkpoint {written}; {how} or "
+                   f"train.resume={written}")
+    else:
+        last = next((p for p in reversed(list_checkpoints(run_dir / "checkpoints")) if checkpoint_problem(p) is None),
+                    None)
+        message = f"stopped by {stop.signal_name}: {stop.how}; " + (
+            f"the last complete checkpoint is {last}: {how} or train.resume={last}" if last else
+            "no checkpoint was written: the run starts again from step 0")
+    raise Interrupted(stop.signum, stop.results, stop.how, message=message) from None
+
+
+def _stop_on_signal(signum: int, frame: Any) -> None:
+    """A worker's SIGINT/SIGTERM (Ctrl-C reaches every process of the terminal's group; the local
+    launcher and torchrun pass theirs on): checkpoint at the next step boundary and stop."""
+    preempt.request_stop(f"signal {signal.Signals(signum).name}")
+
+
+def _install_stop_handler() -> Dict[int, Any]:
+    """Outside SLURM (whose tasks have slurm.install_preemption_handler): SIGINT/SIGTERM raise the
+    stop flag. Returns the handlers it replaced."""
+    if slurm.in_submitit_task() or slurm.in_srun_task() or threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 
 # ---------------------------------------------------------------- inside a worker
 def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[Dict[str, Any]]:
@@ -132,6 +179,7 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
 
     raise_errors (submitit tasks): raise the UserError instead of exiting, so submitit stores it as
     the job's result and the submitter sees the message."""
+    replaced = _install_stop_handler()
     try:
         return _worker(config)
     except UserError as e:
@@ -155,6 +203,8 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
         raise
     finally:
         shutdown()
+        for sig, old in replaced.items():
+            signal.signal(sig, old)
 
 
 def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -262,7 +312,7 @@ def _train(config: Dict[str, Any], plan, logger, device, family: str) -> Dict[st
     if summary.get("preempted") and int(summary.get("final_step") or 0) >= total:
         summary["preempted"] = False  # the signal came with the last step: the run is complete
     if summary.get("preempted"):
-        logger.note(f"stopped at step {summary.get('final_step')} for preemption/timeout ({preempt.stop_reason()}), "
+        logger.note(f"stopped at step {summary.get('final_step')} on a stop request ({preempt.stop_reason()}), "
                     "after a checkpoint")
     return summary
 

@@ -9,13 +9,25 @@ SIGKILL after SHUTDOWN_TIMEOUT_S). Rank 0 keeps the console (its progress bar ne
 the other ranks write to <run_dir>/logs/, so one rank's failure is not followed by every other
 rank's "connection closed" traceback. The launcher names the rank that failed first and its first
 error line, preferring a root cause over the communication errors it caused on other ranks.
+
+Ctrl-C (SIGINT) or SIGTERM to this process is a request to stop, not a failure (`StopForwarder`):
+the first one is passed on to the workers, whose handler (hrlplan/launch/job.py) only raises
+hrlplan.runtime.preempt's stop flag, so they checkpoint together at the next step boundary and
+return; the launch then raises `Interrupted` (exit status 128 + the signal's number, as a shell
+reports a process killed by it: 130 for Ctrl-C, 143 for SIGTERM). Workers that have not stopped
+STOP_TIMEOUT_S later are killed, and a second Ctrl-C (or SIGTERM) kills them at once.
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
+import signal
+import sys
 import tempfile
+import threading
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +37,98 @@ from hrlplan.errors import UserError, one_line
 
 SHUTDOWN_TIMEOUT_S = 15   # SIGTERM -> SIGKILL for the surviving workers: well inside a minute
 RDZV_TIMEOUT_S = 60       # local workers rendezvous in seconds; a minute means something is wrong
+STOP_TIMEOUT_S = 60       # Ctrl-C/SIGTERM: how long the workers get to checkpoint and exit before SIGKILL
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TORCH_SIGNALS = "SIGHUP,SIGQUIT"   # torch's agent stops the workers on these; the STOP_SIGNALS are ours
 # A rank whose message is one of these lost its peer: the consequence, not the cause.
 _CASCADE = re.compile(r"connection (closed|reset)|broken pipe|peer|DistBackendError|NCCL communicator was aborted|"
                       r"gloo.*(read|write|recv|send)|timed? ?out|ProcessGroup.*(abort|destroy)", re.I)
 _ERROR_LINE = re.compile(r"^(hrlplan: error: .*|[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:.*)$")
+
+
+class Interrupted(UserError):
+    """The launch stopped on a signal to this process (Ctrl-C, SIGTERM). `results`: the workers' return
+    values when they stopped by themselves (after their checkpoint), else None (they were killed)."""
+
+    def __init__(self, signum: int, results: Optional[Dict[int, Any]], how: str, message: Optional[str] = None):
+        self.signum, self.results, self.how = int(signum), results, how
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + int(signum)
+        super().__init__(message or f"stopped by {self.signal_name}: {how}")
+
+
+class StopForwarder:
+    """While workers run: this process's SIGINT/SIGTERM handler. The first signal is passed on to the
+    workers (again to any started later), a timer kills them STOP_TIMEOUT_S later; a second signal
+    kills them now. torch's elastic agent would otherwise stop them itself (the same signal, then
+    SIGKILL after its shutdown timeout, meant for a failure) and lose their return values."""
+
+    def __init__(self, timeout_s: float = STOP_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self.signum: Optional[int] = None
+        self.killed: Optional[str] = None   # why the workers were killed, when they were
+        self._signalled: set = set()
+        self._done = threading.Event()
+        self._old: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopForwarder":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    @staticmethod
+    def _workers() -> list:
+        try:
+            return [p for p in multiprocessing.active_children() if p.pid]
+        except RuntimeError:   # the set of children changed under us (another thread reaped one)
+            return []
+
+    def _send(self, sig: int) -> None:
+        for proc in self._workers():
+            if sig == signal.SIGKILL or proc.pid not in self._signalled:
+                self._signalled.add(proc.pid)
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            self.killed = f"a second {name} killed the workers before they could checkpoint"
+            _say(f"[hrlplan] {name} again: killing the workers now")
+            self._send(signal.SIGKILL)
+            return
+        self.signum = signum
+        _say(f"[hrlplan] {name}: the workers checkpoint at the end of this step and stop (at most "
+             f"{self.timeout_s:.0f} s; {name} again to kill them now)")
+        self._send(signum)
+        threading.Thread(target=self._watch, args=(signum,), name="hrlplan-stop", daemon=True).start()
+
+    def _watch(self, signum: int) -> None:
+        """Pass the signal on to workers started after it; SIGKILL them all at the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._done.wait(0.5):
+            if time.monotonic() >= deadline:
+                if self._workers():
+                    self.killed = f"the workers had not stopped {self.timeout_s:.0f} s later and were killed"
+                    self._send(signal.SIGKILL)
+                return
+            self._send(signum)
+
+
+def _say(line: str) -> None:
+    """A line on stderr from a signal handler (print could re-enter a buffered stream mid-write)."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (OSError, ValueError):
+        pass
 
 
 def is_peer_loss(error: BaseException | str) -> bool:
@@ -80,7 +180,8 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     """Run entrypoint(*args) in nproc local workers; returns {rank: return value}.
 
     A worker that dies (or raises) stops the others; the failure is reported as one UserError that
-    names the rank, how it ended and its first error line, with where its full output is."""
+    names the rank, how it ended and its first error line, with where its full output is. Ctrl-C or
+    SIGTERM to this process stops the workers (see StopForwarder) and raises Interrupted."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -96,18 +197,26 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": RDZV_TIMEOUT_S},
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        signals_to_handle=TORCH_SIGNALS,   # SIGINT and SIGTERM are ours (StopForwarder)
         logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=quiet, tee={}))
     # Workers report their own failures; the agent's copies of the same traceback would bury them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    # (torch's launch exports TORCHELASTIC_SIGNALS_TO_HANDLE: given back afterwards with the others)
+    env = dict(OMP_NUM_THREADS=threads, HRLPLAN_LOCAL_AGENT="1", TORCHELASTIC_SIGNALS_TO_HANDLE=TORCH_SIGNALS)
+    stop = StopForwarder()
     try:
-        with _environment(OMP_NUM_THREADS=threads, HRLPLAN_LOCAL_AGENT="1"):  # the workers inherit these
+        with _environment(**env), stop:  # the workers inherit these variables
             results = elastic_launch(config, _recorded)(entrypoint, *args)
     except ChildFailedError as e:
+        if stop.signum is not None:
+            raise Interrupted(stop.signum, None, stop.killed or "a worker ended before it could checkpoint") from None
         rank, how, line, where = describe_failure(e.failures, lambda r: _stderr_file(logs, run_id, r))
         raise UserError(f"worker rank {rank} {how}" + (f": {line}" if line else "") +
                         f"; the other workers were stopped{where}. Fix the cause and re-run "
                         "(train.resume=auto continues from the last checkpoint)") from None
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, results, "the workers stopped")
     return results
 
 

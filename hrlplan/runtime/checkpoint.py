@@ -8,6 +8,10 @@ parameter names for the weights and, flattened, for the optimizer state (`state.
 `param_groups.<fqn>.lr`): a checkpoint written by one layout (stage split, dp degree, number of
 ranks) loads under another, torch.distributed.checkpoint resharding it (elastic re-plan on a
 requeue onto fewer nodes, or `train.resume=auto` with another cluster.nproc_per_node).
+
+A checkpoint damaged on disk (a shard cut short, a missing `.metadata` or extra_rank file) is told
+before loading (`checkpoint_problem`, from sizes and headers): `train.resume=<that dir>` is one
+error naming the file; `train.resume=auto` falls back to the newest complete one and says so.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import os
 import random
 import shutil
 import socket
+import zipfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
+from hrlplan.errors import UserError, one_line
+
 KEEP_LAST = 3
+METADATA = ".metadata"            # what torch.distributed.checkpoint writes beside its shards
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 LAYOUT_FILE = "layout.json"       # who wrote the checkpoint: every rank's host and stages
 REPLAN_LOG = "replans.jsonl"      # beside the checkpoints: one line per resume under another layout
@@ -262,20 +270,93 @@ def load_checkpoint(path: str | os.PathLike, parts: Dict[int, torch.nn.Module],
     return extra
 
 
-def resolve_resume(setting: str, checkpoint_root: str | os.PathLike) -> Optional[Path]:
-    """train.resume: none | auto (latest under this run, if any) | an explicit checkpoint directory."""
+def checkpoint_problem(path: str | os.PathLike) -> Optional[str]:
+    """What makes checkpoint directory `path` unusable, naming the file, or None when it is complete.
+    Cheap (no tensor is read): the DCP metadata must load, every shard it points into must be at
+    least as long as the bytes it names, and every extra_rank<r>.pt (rank 0's at least) must be a whole zip."""
+    path = Path(path)
+    meta = path / METADATA
+    if not meta.is_file():
+        older = " (a checkpoint of an older hrlplan: it can be evaluated, not resumed)" if (path / "model.pt").exists() else ""
+        return f"{meta} is missing{older}"
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:   # a truncated pickle: EOFError, UnpicklingError, ...
+        return f"{meta} is unreadable ({type(e).__name__}: {one_line(str(e), 120)})"
+    needed: Dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} is truncated ({file.stat().st_size} bytes, the metadata needs {size})"
+    layout = path / LAYOUT_FILE
+    try:
+        json.loads(layout.read_text()) if layout.exists() else None
+    except (OSError, ValueError) as e:
+        return f"{layout} is unreadable ({one_line(str(e), 120)})"
+    # rank 0's extra state stands in for a rank without its own (see load_checkpoint): it must be there
+    extras = sorted(set(path.glob("extra_rank*.pt")) | {path / "extra_rank0.pt"})
+    for file in extras:
+        if not file.is_file():
+            return f"{file} is missing"
+        try:
+            with zipfile.ZipFile(file) as z:   # torch.save's format: a cut-short file has no directory
+                bad = z.testzip()
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{file} is truncated or damaged ({one_line(str(e), 120)})"
+        if bad is not None:
+            return f"{file} is damaged (its member {bad} fails its checksum)"
+    return None
+
+
+def _newest_complete(root: Path, what: str) -> Tuple[Optional[Path], List[str]]:
+    """The newest complete checkpoint under `root` (from the one `latest` names, down), and a line
+    for each newer one skipped as damaged. None when there is none at all; an error when every
+    checkpoint there is damaged."""
+    found = list_checkpoints(root)
+    latest = latest_checkpoint(root)
+    if latest in found:
+        found = found[:found.index(latest) + 1]   # newer ones are of a run that went on elsewhere
+    skipped: List[Tuple[Path, str]] = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            notes = [f"{what}: checkpoint {p.name} is incomplete ({why}); resuming from {path.name}, the newest "
+                     "complete one" for p, why in skipped]
+            return path, notes
+        skipped.append((path, problem))
+    if skipped:
+        raise UserError(f"{what}: no complete checkpoint in {root}: " +
+                        "; ".join(f"{p.name}: {why}" for p, why in skipped) + "; start fresh with train.resume=none")
+    return None, []
+
+
+def find_resume(setting: Optional[str], checkpoint_root: str | os.PathLike) -> Tuple[Optional[Path], List[str]]:
+    """train.resume: none | auto (the newest complete checkpoint of this run, if any) | a checkpoint
+    directory (or a checkpoints/ directory: its newest complete one). Returns (the checkpoint, lines to
+    tell: damaged checkpoints skipped); a named checkpoint that is damaged is a UserError naming the file."""
     if setting in (None, "", "none"):
-        return None
+        return None, []
     if setting == "auto":
-        return latest_checkpoint(checkpoint_root)
+        return _newest_complete(Path(checkpoint_root), "train.resume=auto")
     path = Path(setting)
-    if (path / "latest").exists() or any(path.glob("step_*")):
-        found = latest_checkpoint(path)
-        if found:
-            return found
+    if (path / "latest").exists() or list_checkpoints(path):
+        return _newest_complete(path, f"train.resume={setting}")
     if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={setting}: no such checkpoint directory; use auto, none or a step_N dir")
-    return path
+        raise UserError(f"train.resume={setting}: no such checkpoint directory; use auto, none or a step_N directory")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UserError(f"train.resume={setting}: the checkpoint cannot be loaded: {problem}; name an earlier one, "
+                        "use train.resume=auto (the newest complete one) or start fresh with train.resume=none")
+    return path, []
+
+
+def resolve_resume(setting: Optional[str], checkpoint_root: str | os.PathLike) -> Optional[Path]:
+    """find_resume's checkpoint alone."""
+    return find_resume(setting, checkpoint_root)[0]
 
 
 def list_checkpoints(root: str | os.PathLike) -> List[Path]:

@@ -37,7 +37,7 @@ from hrlplan.errors import UserError
 from hrlplan.runtime import checkpoint as ckpt
 from hrlplan.runtime import preempt
 
-DCP_METADATA = ".metadata"   # what torch.distributed.checkpoint writes beside its shards
+DCP_METADATA = ckpt.METADATA   # what torch.distributed.checkpoint writes beside its shards
 
 
 # ---------------------------------------------------------------- settings and device
@@ -223,13 +223,13 @@ class TrainCore:
     def resume(self) -> Optional[Path]:
         """Collective. Loads the checkpoint train.resume names (none | auto | a directory), if any."""
         a = self.adapter
-        path = ckpt.resolve_resume(a.resume_setting(), a.checkpoint_root)
+        # a damaged checkpoint (cut short on disk): named in one error, or with auto skipped for an older one
+        path, notes = ckpt.find_resume(a.resume_setting(), a.checkpoint_root)
         if path is None:
             return None
-        if not (path / DCP_METADATA).exists():
-            raise UserError(f"train.resume: {path} holds no torch.distributed.checkpoint checkpoint ({DCP_METADATA} is "
-                            "missing; one written by an older hrlplan (model.pt) can still be evaluated, not resumed); "
-                            "start fresh with train.resume=none")
+        if a.rank == 0:
+            for line in notes:
+                self._tell(line)
         extra = ckpt.load_checkpoint(path, a.parts, a.optimizers, announce=False)
         a.lr.load_state_dict(extra.get("schedulers") or {})
         self.step = int(extra["step"])
@@ -239,6 +239,14 @@ class TrainCore:
             log_replan(self.logger, extra.get("replan"), self.step, path.name)
         self.last_checkpoint, self.saved_step = path, self.step
         return path
+
+    def _tell(self, line: str) -> None:
+        """One line on the console and in train.log (the logger's note), printed without a logger."""
+        if self.logger is not None and callable(getattr(self.logger, "note", None)) and \
+                getattr(self.logger, "enabled", True):
+            self.logger.note(line)
+        else:
+            print(f"[hrlplan] {line}", flush=True)
 
     def save(self, periodic: bool = False) -> Path:
         """Collective: a checkpoint of this step (model, optimizer, LR schedule, RNG, position)."""

@@ -1,0 +1,248 @@
+"""Faults: a rank killed mid-step, Ctrl-C/SIGTERM to the main process, a checkpoint cut short on disk.
+
+The end-to-end tests run `python pretrain.py` on a hand-written two-stage plan (both workers train)
+and compare every step's loss with one uninterrupted run of the same plan and settings: a resume
+must continue the same curve to 1e-6 (the same layout replays the same arithmetic). The runs are
+long (train.steps=200, so a signal lands mid-run and the LR schedule is that of a long run) but
+stop early (train.stop_after) once the compared steps are done.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _runs import ROOT, pretrain
+from hrlplan.errors import UserError
+from hrlplan.plan import homogeneous_plan
+from hrlplan.runtime import checkpoint as ckpt
+
+STEPS = 200     # the configured run: signals land long before its end
+CHECK = 12      # steps compared with the uninterrupted run
+TOL = 1e-6
+EXIT_WITHIN_S = 60
+
+
+# ---------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def common(tmp_path_factory):
+    plan_file = tmp_path_factory.mktemp("plan") / "pp2.yaml"
+    homogeneous_plan("gpt2-tiny", 6, [(0, 4), (4, 6)], dp=1, tp=1, microbatch_size=2, num_microbatches=4,
+                     schedule="1f1b").save(plan_file)
+    return [f"train.steps={STEPS}", "logger.mode=disabled", "planner.calibrate=false", "planner=manual",
+            f"planner.plan_file={plan_file}", "cluster.nproc_per_node=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, common):
+    """The uninterrupted run: its run directory (checkpoints at 8, 10, 12) and its loss per step."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    pretrain(run, *common, "train.checkpoint_interval=2", f"train.stop_after={CHECK}")
+    return run, _losses(run)
+
+
+def _losses(run_dir: Path) -> dict:
+    """Loss per step from metrics.jsonl; a step logged twice (before a failure and after the resume)
+    counts with its last value."""
+    out = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:   # a line being written
+            continue
+        if "train/lm_loss" in entry:
+            out[entry["step"]] = entry["train/lm_loss"]
+    return out
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python pretrain.py ...` in the background, its output in files beside the run directory."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(ROOT / "pretrain.py"), f"hydra.run.dir={run_dir}", *overrides]
+    out = open(run_dir.parent / f"{run_dir.name}.out", "w")
+    err = open(run_dir.parent / f"{run_dir.name}.err", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def _output(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.out").read_text() + (run_dir.parent / f"{run_dir.name}.err").read_text()
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while max(_losses(run_dir), default=0) < step:
+        assert proc.poll() is None, f"pretrain.py ended before step {step}:\n{_output(run_dir)[-4000:]}"
+        assert time.monotonic() < end, f"no step {step} in {timeout} s"
+        time.sleep(0.02)
+
+
+def _workers(agent_pid: int) -> list:
+    """The local launcher's worker processes, in rank order (they are started in rank order)."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    found = []
+    for pid in map(int, children):
+        try:
+            if b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue   # multiprocessing's resource tracker
+            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except FileNotFoundError:
+            continue
+        found.append((started, pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def _ends_within(proc: subprocess.Popen, seconds: float) -> float:
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"pretrain.py still ran {seconds} s after the fault")
+    return time.monotonic() - t0
+
+
+def _assert_same_curve(resumed: dict, full: dict, first: int) -> None:
+    assert sorted(resumed) == list(range(1, CHECK + 1))
+    for step in range(first, CHECK + 1):
+        assert resumed[step] == pytest.approx(full[step], abs=TOL), (step, resumed[step], full[step])
+
+
+# ---------------------------------------------------------------- kill -9 of one rank
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_ends_the_job_and_auto_resume_continues_the_curve(tmp_path, common, straight):
+    run = tmp_path / "killed"
+    proc = _start(run, *common, "train.checkpoint_interval=2")
+    _wait_for_step(run, 3, proc)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    took = _ends_within(proc, EXIT_WITHIN_S)
+    out = _output(run)
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("hrlplan: error:")]
+    assert len(errors) == 1 and errors[0].startswith("hrlplan: error: worker rank 1 was killed by signal SIGKILL"), out
+    print(f"every process ended {took:.1f} s after the kill")
+
+    last = ckpt.latest_checkpoint(run / "checkpoints")
+    assert last is not None and int(last.name.split("_")[1]) < CHECK
+    again = pretrain(run, *common, "train.checkpoint_interval=2", "train.resume=auto", f"train.stop_after={CHECK}")
+    assert f"resumed from {last}" in again.stdout + again.stderr
+    _assert_same_curve(_losses(run), straight[1], 1)
+
+
+# ---------------------------------------------------------------- Ctrl-C / SIGTERM to the main process
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_path, common, straight):
+    run = tmp_path / "signalled"
+    proc = _start(run, *common, "train.checkpoint_interval=0")
+    _wait_for_step(run, 3, proc)
+    os.kill(proc.pid, sig)
+    took = _ends_within(proc, EXIT_WITHIN_S)
+    out = _output(run)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    stops = [line for line in out.splitlines() if re.match(rf"\[hrlplan\] stopped by {sig.name} at step \d+", line)]
+    assert len(stops) == 1, out[-3000:]
+    step = int(re.search(r"at step (\d+)", stops[0]).group(1))
+    path = run / "checkpoints" / f"step_{step:06d}"
+    assert f"checkpoint {path};" in stops[0] and "train.resume=auto" in stops[0] and f"train.resume={path}" in stops[0]
+    print(f"stopped at step {step}, {took:.1f} s after {sig.name}")
+
+    # a complete checkpoint of the step the run stopped at, named by `latest`
+    assert 3 <= step < CHECK and max(_losses(run)) == step
+    assert ckpt.checkpoint_problem(path) is None and ckpt.latest_checkpoint(run / "checkpoints") == path
+    for rank in (0, 1):
+        assert torch.load(path / f"extra_rank{rank}.pt", weights_only=True)["step"] == step
+
+    pretrain(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}")
+    _assert_same_curve(_losses(run), straight[1], step + 1)
+
+
+# ---------------------------------------------------------------- a checkpoint cut short on disk
+@pytest.mark.slow
+def test_auto_resume_skips_a_truncated_checkpoint_for_the_previous_one(tmp_path, common, straight):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(straight[0], run)   # checkpoints 8, 10, 12 of the uninterrupted run
+    shard = run / "checkpoints" / f"step_{CHECK:06d}" / "__1_0.distcp"
+    _truncate(shard)
+    again = pretrain(run, *common, "train.checkpoint_interval=2", "train.resume=auto", f"train.stop_after={CHECK}")
+    out = again.stdout + again.stderr
+    notes = [line for line in out.splitlines() if f"checkpoint step_{CHECK:06d} is incomplete" in line]
+    assert len(notes) == 1 and str(shard) in notes[0] and f"resuming from step_{CHECK - 2:06d}" in notes[0], out[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{CHECK - 2:06d}'}" in out
+    resumed = _losses(run)
+    for step in (CHECK - 1, CHECK):
+        assert resumed[step] == pytest.approx(straight[1][step], abs=TOL)
+
+
+def _truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def _write_checkpoints(root: Path, steps) -> None:
+    """Checkpoints of a small model and its Adam state in this process (no process group)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    for step in steps:
+        ckpt.save_checkpoint(root, step, {0: model}, {0: opt}, {"position": {"step": step}})
+
+
+DAMAGE = {
+    "a shard cut short": ("__0_0.distcp", _truncate),
+    "the metadata missing": (".metadata", Path.unlink),
+    "the metadata cut short": (".metadata", _truncate),
+    "extra_rank0.pt cut short": ("extra_rank0.pt", _truncate),
+}
+
+
+SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@SINGLE_PROCESS
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_or_skipped(damage, tmp_path):
+    root = tmp_path / "checkpoints"
+    _write_checkpoints(root, [2, 4, 6])
+    name, spoil = DAMAGE[damage]
+    spoil(root / "step_000006" / name)
+    file = str(root / "step_000006" / name)
+
+    # named explicitly: one line naming the file
+    with pytest.raises(UserError) as err:
+        ckpt.find_resume(str(root / "step_000006"), root)
+    message = str(err.value)
+    assert "\n" not in message and file in message and message.startswith(f"train.resume={root / 'step_000006'}")
+
+    # auto: the newest complete one, with one line saying so
+    found, notes = ckpt.find_resume("auto", root)
+    assert found == root / "step_000004"
+    assert len(notes) == 1 and "step_000006 is incomplete" in notes[0] and file in notes[0]
+    assert "resuming from step_000004" in notes[0] and "\n" not in notes[0]
+    assert ckpt.checkpoint_problem(root / "step_000004") is None
+
+
+@SINGLE_PROCESS
+def test_auto_resume_with_every_checkpoint_damaged_says_so(tmp_path):
+    root = tmp_path / "checkpoints"
+    _write_checkpoints(root, [2, 4])
+    for step in (2, 4):
+        _truncate(root / f"step_{step:06d}" / "__0_0.distcp")
+    with pytest.raises(UserError, match=r"no complete checkpoint in .*step_000004: .*truncated.*train.resume=none"):
+        ckpt.find_resume("auto", root)
+    assert ckpt.find_resume("auto", tmp_path / "none-yet") == (None, [])
