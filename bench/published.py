@@ -113,7 +113,7 @@ def run() -> Dict:
         cfg = dict(preset, node_groups=[dict(preset["node_groups"][0], count=nodes)])
         cluster = spec_from_preset(cfg)
         opts = CostOptions(bytes_per_value=2, dp_mode="replicate", dp_overlap=(ddp == "torch"), vocab_parallel=True,
-                           fused_attention=False)
+                           fused_attention=False, receive_buffers=False)   # Megatron frees each message
         lay = layout_of(tp, pp, mb, gbs, nodes, layers, per_virtual)
         res = Simulator(gpt_meta(name, heads, h, layers), cluster, opts).evaluate(lay, detail=True)
         row = {"model": name, "tp": tp, "pp": pp, "dp": lay.dp, "gpus": nodes * 8, "microbatch": mb,

@@ -160,16 +160,6 @@ def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, mi
     return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
 
 
-def peak_bytes(static, gradients, activations_before_grads, activations_with_grads, transient=0.0):
-    """A rank's peak as simulator.py computed it before position_peak_bytes: `static` includes its
-    `gradients` and its stages' summed full-recomputation `transient`s. Kept only until simulator.py
-    calls position_peak_bytes (the cost-model patch of issue 19's memory items)."""
-    base = static - gradients
-    if transient:
-        return base + gradients + activations_before_grads
-    return base + max(activations_before_grads, gradients + activations_with_grads)
-
-
 def position_peak_bytes(static, gradients, activations_before_grads, activations_with_grads, transient=0.0,
                         rebuilt=0.0):
     """A rank's peak: its `static` state (weights, optimizer, receive buffers, workspace and its

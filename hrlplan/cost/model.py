@@ -69,6 +69,9 @@ class CostOptions:
     # Megatron's; False: whole on every tp rank, as the runtime's tensor_parallel.py keeps them).
     fused_attention: bool = True
     vocab_parallel: bool = False
+    # torch.distributed.pipelining keeps one receive buffer per micro-batch per stage, from step to step
+    # (memory.receive_buffer_bytes); False: a runtime that frees each message once used (Megatron-LM)
+    receive_buffers: bool = True
 
 
 def interpolate_by_tokens(points: Sequence[Tuple[float, ...]], tokens: float, index: int = 1) -> float:
@@ -480,7 +483,8 @@ class StageCostModel:
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
         workspace = max(self.dev.workspace[d] for d in group)
-        memory = dict(state, workspace=workspace, transient=transient)
+        buffers = mem.receive_buffer_bytes(act_msg, microbatches, first, last) if o.receive_buffers else 0.0
+        memory = dict(state, workspace=workspace, transient=transient, buffers=buffers)
         static = sum(memory.values())
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
@@ -514,11 +518,9 @@ class StageCostModel:
         held = mem.held_per_token(meta, tp, recompute, o.fused_attention) / mean if mean > 0 else 0.0
         head = self.head_activation_per_token(tp) if last else 0.0
         activation = tokens * (span * held + head) * scale
-        transient = 0.0
-        if recompute == "full":
-            # the rebuilt block's activations and, as its backward runs, their gradients beside them
-            live = 2.0 * tokens * mem.live_per_token(meta, tp, o.fused_attention) * scale * meta.block_repeats
-            transient = np.where(n_blocks > 0, live, 0.0) if isinstance(n_blocks, np.ndarray) else (live if n_blocks else 0.0)
+        # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
+        transient = mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, n_blocks, last,
+                                        o.fused_attention)
         return activation, transient
 
     def activation_message(self, microbatch_size: int) -> float:

@@ -79,8 +79,9 @@ class Simulator:
         run.simulate_pipeline(contention)
         totals = run.position_totals()
         step, finish, exposed = run.step_time(totals)
-        pos_need = [mem.peak_bytes(totals.static[p], totals.grads[p], run.tl.peak_before_grads[p],
-                                   run.tl.peak_with_grads[p], totals.transient[p]) for p in range(layout.pp)]
+        pos_need = [mem.position_peak_bytes(totals.static[p], totals.grads[p], run.tl.peak_before_grads[p],
+                                            run.tl.peak_with_grads[p], totals.transient[p], totals.rebuilt[p])
+                    for p in range(layout.pp)]
         memory, reason = self._memory_check(layout, pos_need)
         if reason:
             return SimResult(False, float("inf"), reason=reason, memory_bytes=memory)
@@ -119,9 +120,10 @@ class _PositionTotals:
     """Per pipeline position (a rank's group), summed over the virtual stages it runs."""
     sync: List[float]        # data-parallel gradient sync
     reduce: List[float]      # calibrated FSDP/replicate reduces after the last backward
-    static: List[float]      # weights, optimizer state, the workspace reserve (once per rank)
+    static: List[float]      # weights, optimizer state, receive buffers, the workspace reserve (once per rank)
     grads: List[float]
-    transient: List[float]   # one block rebuilt at a time per rank, whichever stage it is in
+    transient: List[float]   # one backward's working set at a time per rank (memory.stage_transient)
+    rebuilt: List[float]     # the same of its full-recomputation stages (beside the gradients too)
     optimizer: List[float]   # the optimizer step, its per-call cost once per rank
 
 
@@ -206,7 +208,8 @@ class _StepRun:
 
     def position_totals(self) -> _PositionTotals:
         lay = self.layout
-        t = _PositionTotals(*([0.0] * lay.pp for _ in range(6)))
+        t = _PositionTotals(*([0.0] * lay.pp for _ in range(7)))
+        meta, zb = self.sim.meta, lay.schedule == "zero_bubble"
         reserved = [0.0] * lay.pp
         for k, c in enumerate(self.stage_costs):
             pos = lay.stage_group(k)
@@ -214,10 +217,16 @@ class _StepRun:
             t.sync[pos] += c.dp_sync
             # the workspace reserve is the rank's, once, however many stages it runs
             reserve = c.memory["workspace"] if c.memory else 0.0
-            t.static[pos] += c.static_memory - reserve + max(reserve - reserved[pos], 0.0)
+            transient = c.memory["transient"] if c.memory else 0.0   # one backward at a time: the largest
+            t.static[pos] += c.static_memory - reserve - transient + max(reserve - reserved[pos], 0.0)
             reserved[pos] = max(reserved[pos], reserve)
             t.grads[pos] += c.memory["gradients"] if c.memory else 0.0
-            t.transient[pos] = max(t.transient[pos], c.memory["transient"] if c.memory else 0.0)
+            if zb and k > 0:   # the input-gradient pass keeps the weights' input gradients (the first stage has none)
+                lo, hi = lay.spans[k]
+                transient += mem.zero_bubble_transient(meta, lay.tp_of(k), lay.microbatch_size * meta.seq_len,
+                                                       self.sim.opts.bytes_per_value, (hi - lo) * meta.block_repeats)
+            full = lay.recompute_of(k) == "full"
+            (t.rebuilt if full else t.transient)[pos] = max((t.rebuilt if full else t.transient)[pos], transient)
             t.optimizer[pos] += c.optimizer
         # the optimizer's per-call cost, once per rank: one optimizer steps all of a rank's stages
         fixed = self.ov.optimizer_fixed(lay.dp, lay.tp)
