@@ -35,13 +35,17 @@ def _job(name, measure_s, flag, env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_until_measuring(job, flag):
+    deadline = time.time() + 120
+    while not flag.exists():
+        assert job.poll() is None and time.time() < deadline, job.communicate()
+        time.sleep(0.1)
+
+
 def test_sweep_points_started_together_measure_once(tmp_path):
     env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
     first = _job("first", 3, tmp_path / "first-measures", env)
-    deadline = time.time() + 120
-    while not (tmp_path / "first-measures").exists():
-        assert first.poll() is None and time.time() < deadline, first.communicate()
-        time.sleep(0.1)
+    _wait_until_measuring(first, tmp_path / "first-measures")
     second = _job("second", 0, tmp_path / "second-measures", env)
     outs = [p.communicate(timeout=180) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
@@ -54,10 +58,7 @@ def test_sweep_points_started_together_measure_once(tmp_path):
 def test_a_job_that_dies_while_measuring_does_not_block_the_next(tmp_path):
     env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
     first = _job("first", 600, tmp_path / "first-measures", env)
-    deadline = time.time() + 120
-    while not (tmp_path / "first-measures").exists():
-        assert first.poll() is None and time.time() < deadline, first.communicate()
-        time.sleep(0.1)
+    _wait_until_measuring(first, tmp_path / "first-measures")
     first.kill()   # the kernel drops its lock with it
     first.communicate()
     second = _job("second", 0, tmp_path / "second-measures", env)
