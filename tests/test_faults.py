@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import torch
 
 from _runs import ROOT, pretrain
 from hrlplan.errors import UserError
+from hrlplan.launch import local
+from hrlplan.launch.local import Interrupted, launch_workers
 from hrlplan.plan import homogeneous_plan
 from hrlplan.runtime import checkpoint as ckpt
 
@@ -167,6 +170,39 @@ def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_p
 
     pretrain(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}")
     _assert_same_curve(_losses(run), straight[1], step + 1)
+
+
+def _stubborn(marker: str) -> None:
+    """A worker that ignores every stop request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(f"{marker}{os.environ['RANK']}").touch()
+    while True:
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["second", "timeout"])
+def test_workers_that_do_not_stop_are_killed_by_a_second_signal_or_the_deadline(how, tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "STOP_TIMEOUT_S", 60 if how == "second" else 2)
+    marker = str(tmp_path / "started")
+
+    def interrupt_me():
+        end = time.monotonic() + 120
+        while not all(Path(f"{marker}{r}").exists() for r in (0, 1)) and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+        if how == "second":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_me, daemon=True).start()
+    with pytest.raises(Interrupted) as err:
+        launch_workers(_stubborn, (marker,), 2, log_dir=str(tmp_path / "logs"))
+    assert err.value.exit_code == 130 and err.value.results is None
+    expected = "a second SIGINT killed the workers" if how == "second" else "had not stopped 2 s later"
+    assert expected in str(err.value)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # this process's handler is back
 
 
 # ---------------------------------------------------------------- a checkpoint cut short on disk

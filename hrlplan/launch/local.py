@@ -63,8 +63,8 @@ class StopForwarder:
     kills them now. torch's elastic agent would otherwise stop them itself (the same signal, then
     SIGKILL after its shutdown timeout, meant for a failure) and lose their return values."""
 
-    def __init__(self, timeout_s: float = STOP_TIMEOUT_S):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: Optional[float] = None):
+        self.timeout_s = STOP_TIMEOUT_S if timeout_s is None else timeout_s
         self.signum: Optional[int] = None
         self.killed: Optional[str] = None   # why the workers were killed, when they were
         self._signalled: set = set()
