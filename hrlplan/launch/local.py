@@ -5,7 +5,8 @@ agent, and each worker gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT a
 
 Failures end the whole job quickly and are told once: the agent watches the workers every 0.1 s,
 and the moment one dies (an exception, kill -9, out of memory) it stops the others (SIGTERM, then
-SIGKILL after SHUTDOWN_TIMEOUT_S). Rank 0 keeps the console (its progress bar needs the terminal);
+SIGKILL after SHUTDOWN_TIMEOUT_S; a job's workers take SIGTERM as a stop request, but the survivors
+of a dead peer end on their first collective with it, "connection closed"). Rank 0 keeps the console (its progress bar needs the terminal);
 the other ranks write to <run_dir>/logs/, so one rank's failure is not followed by every other
 rank's "connection closed" traceback. The launcher names the rank that failed first and its first
 error line, preferring a root cause over the communication errors it caused on other ranks.
