@@ -168,8 +168,9 @@ def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_p
     for rank in (0, 1):
         assert torch.load(path / f"extra_rank{rank}.pt", weights_only=True)["step"] == step
 
-    pretrain(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}")
-    _assert_same_curve(_losses(run), straight[1], step + 1)
+    if sig == signal.SIGINT:   # the resume is the same for both signals: once keeps the suite short
+        pretrain(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}")
+        _assert_same_curve(_losses(run), straight[1], step + 1)
 
 
 def _stubborn(marker: str) -> None:
