@@ -167,7 +167,9 @@ def _stop_on_signal(signum: int, frame: Any) -> None:
 def _install_stop_handler() -> Dict[int, Any]:
     """Outside SLURM (whose tasks have slurm.install_preemption_handler): SIGINT/SIGTERM raise the
     stop flag. Returns the handlers it replaced."""
-    if slurm.in_submitit_task() or slurm.in_srun_task() or threading.current_thread() is not threading.main_thread():
+    # in_submitit_task() is False once setup_submitit_env set RANK: SLURM's own variables say it
+    in_slurm_task = bool(os.environ.get("SUBMITIT_EXECUTOR") or os.environ.get("SLURM_STEP_ID"))
+    if in_slurm_task or slurm.in_srun_task() or threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -312,8 +314,8 @@ def _train(config: Dict[str, Any], plan, logger, device, family: str) -> Dict[st
     if summary.get("preempted") and int(summary.get("final_step") or 0) >= total:
         summary["preempted"] = False  # the signal came with the last step: the run is complete
     if summary.get("preempted"):
-        logger.note(f"stopped at step {summary.get('final_step')} on a stop request ({preempt.stop_reason()}), "
-                    "after a checkpoint")
+        logger.note(f"stopped at step {summary.get('final_step')} for preemption/timeout or a stop request "
+                    f"({preempt.stop_reason()}), after a checkpoint")
     return summary
 
 
