@@ -227,7 +227,7 @@ def test_reference_job_wandb_folder(straight):
 
 def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path):
     """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart."""
-    steps, interval = 300, 25
+    steps, interval = 120, 10
     config = pp2_config(tmp_path, steps=steps)
     config["train"]["checkpoint_interval"] = interval
     job = submit(config, tmp_path / "job")
