@@ -190,20 +190,22 @@ class TrainAdapter:
 
 
 # ---------------------------------------------------------------- the core
-def log_replan(logger, replan: Optional[Dict[str, str]], step: int, checkpoint_name: str) -> None:
-    """A resume under another layout: one line on the console and in train.log (the logger's note;
-    printed without a logger), a W&B alert where the logger has one, and the summary keys
-    replan/old, replan/new, replan/reason and replan/step."""
-    if not replan:
-        return
-    line = ckpt.replan_line(checkpoint_name, replan)
-    note, alert, summary = (getattr(logger, name, None) for name in ("note", "alert", "summary"))
+def tell(logger, line: str) -> None:
+    """One line on the console and in train.log (the logger's note), printed without a logger."""
+    note = getattr(logger, "note", None)
     if callable(note) and getattr(logger, "enabled", True):
         note(line)
     else:
         print(f"[hrlplan] {line}", flush=True)
-    if callable(alert):
-        alert("hrlplan: re-plan on resume", line)
+
+
+def log_replan(logger, replan: Optional[Dict[str, str]], step: int, checkpoint_name: str) -> None:
+    """A resume under another layout: one line (tell) and the summary keys replan/old, replan/new,
+    replan/reason and replan/step (W&B's run summary)."""
+    if not replan:
+        return
+    tell(logger, ckpt.replan_line(checkpoint_name, replan))
+    summary = getattr(logger, "summary", None)
     if callable(summary):
         summary({"replan/old": replan["old"], "replan/new": replan["new"], "replan/reason": replan["reason"],
                  "replan/step": step})
@@ -229,7 +231,7 @@ class TrainCore:
             return None
         if a.rank == 0:
             for line in notes:
-                self._tell(line)
+                tell(self.logger, line)
         extra = ckpt.load_checkpoint(path, a.parts, a.optimizers, announce=False)
         a.lr.load_state_dict(extra.get("schedulers") or {})
         self.step = int(extra["step"])
@@ -239,14 +241,6 @@ class TrainCore:
             log_replan(self.logger, extra.get("replan"), self.step, path.name)
         self.last_checkpoint, self.saved_step = path, self.step
         return path
-
-    def _tell(self, line: str) -> None:
-        """One line on the console and in train.log (the logger's note), printed without a logger."""
-        if self.logger is not None and callable(getattr(self.logger, "note", None)) and \
-                getattr(self.logger, "enabled", True):
-            self.logger.note(line)
-        else:
-            print(f"[hrlplan] {line}", flush=True)
 
     def save(self, periodic: bool = False) -> Path:
         """Collective: a checkpoint of this step (model, optimizer, LR schedule, RNG, position)."""
