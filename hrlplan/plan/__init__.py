@@ -1,7 +1,8 @@
 """The Plan: what the planner decides and the runtime executes, written to plan.yaml.
 
 Loading validates everything a launch depends on and rejects a bad plan with one message that
-names the field and says what to do (PlanError). The runtime reads nothing but a Plan.
+names the field and says what to do (PlanError; the checks are hrlplan.plan.checks, re-exported
+here). The runtime reads nothing but a Plan.
 """
 from __future__ import annotations
 
@@ -13,17 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from hrlplan.errors import one_line
+from hrlplan.plan.checks import (  # noqa: F401 (re-exported: hrlplan.plan names every plan fact)
+    HETERO_SCHEDULES, MULTI_STAGE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, PlanError, check_fits, validate)
 from hrlplan.validate import YamlBudgetError, parse_yaml_limited
 
 SCHEMA_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-# Activation recomputation per stage: none keeps every activation for backward; selective
-# recomputes attention's core (Korthikanti et al. 2022); full keeps each block's input only and
-# reruns the block's forward in backward (torch.utils.checkpoint per block, as torchtitan does).
-RECOMPUTE_MODES = ("none", "selective", "full")
-# Heterogeneous pipelines (and stages of unequal tp) run on hrlplan's own executor, which offers these.
-HETERO_SCHEDULES = ("gpipe", "1f1b")
 # Keys a heterogeneous plan derives from its first pipeline (for tools that know one pipeline) and
 # therefore does not write.
 _DERIVED_IN_HETERO = ("pp", "microbatch_size", "num_microbatches", "stages", "device_groups", "stages_per_rank")
@@ -42,14 +37,6 @@ def stage_to_group(stage_index: int, pp: int, stages_per_rank: int, schedule: st
     if schedule == "zero_bubble" and stages_per_rank == 2:
         return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
     return stage_index % pp
-
-
-class PlanError(ValueError):
-    """A plan that cannot run; `field` is the dotted path of the offending entry."""
-
-    def __init__(self, field_path: str, message: str, source: str = "plan.yaml"):
-        self.field = field_path
-        super().__init__(f"{source}: {field_path}: {message}")
 
 
 @dataclass
@@ -298,188 +285,6 @@ def _derived_from_first_pipeline(pipelines: List[PipelinePlan]) -> Dict[str, Any
     return {"pp": len(first.stages), "microbatch_size": max(first.microbatch_size, 1),
             "num_microbatches": first.num_microbatches, "stages": first.stages,
             "device_groups": [list(s.ranks) for s in first.stages], "stages_per_rank": 1}
-
-
-def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) -> None:
-    """Every block exactly once and in order; embedding on the first stage, head on the last."""
-    owner: Dict[int, int] = {}
-    for i, s in enumerate(stages):
-        start, end = s.layers
-        if not (0 <= start <= end <= n_layer):
-            raise err(f"{where}[{i}].layers", f"[{start}, {end}) lies outside the model's blocks [0, {n_layer})")
-        for layer in range(start, end):
-            if layer in owner:
-                raise err(f"{where}[{i}].layers", f"block {layer} is also in {where}[{owner[layer]}]; "
-                          "each block must belong to exactly one stage")
-            owner[layer] = i
-        if i > 0 and start < stages[i - 1].layers[1]:
-            raise err(f"{where}[{i}].layers", "stages must follow the model's block order")
-    missing = [layer for layer in range(n_layer) if layer not in owner]
-    if missing:
-        raise err(where, f"blocks {_ranges(missing)} are not covered by any stage; every block must be in one stage")
-    last = len(stages) - 1
-    for i, s in enumerate(stages):
-        if s.embedding and i != 0:
-            raise err(f"{where}[{i}].embedding", f"the embedding must be on the first stage ({where}[0])")
-        if s.head and i != last:
-            raise err(f"{where}[{i}].head", f"the output head must be on the last stage ({where}[{last}])")
-    if not stages[0].embedding:
-        raise err(f"{where}[0].embedding", "the first stage must hold the embedding (embedding: true)")
-    if not stages[-1].head:
-        raise err(f"{where}[{last}].head", "the last stage must hold the output head (head: true)")
-    for i, s in enumerate(stages):
-        if s.tp < 1 or s.dp < 1:
-            raise err(f"{where}[{i}]", f"tp and dp must be >= 1, got tp={s.tp} dp={s.dp}")
-        if len(s.ranks) != s.tp * s.dp:
-            raise err(f"{where}[{i}].ranks", f"{len(s.ranks)} ranks listed but tp*dp = {s.tp}*{s.dp} = {s.tp * s.dp}")
-        if s.recompute not in RECOMPUTE_MODES:
-            raise err(f"{where}[{i}].recompute", f"unknown mode {s.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-
-
-def _check_world(plan: Plan, used: List[int], err) -> None:
-    all_ranks = used + list(plan.unused_ranks)
-    if len(set(all_ranks)) != len(all_ranks):
-        dup = sorted({r for r in all_ranks if all_ranks.count(r) > 1})
-        where = "pipelines" if plan.pipelines else "device_groups"
-        raise err(where, f"ranks {dup} appear in more than one group" + (" (or also in unused_ranks)" if plan.unused_ranks else ""))
-    if sorted(all_ranks) != list(range(plan.world_size)):
-        raise err("world_size", f"the plan's groups use {len(all_ranks)} ranks but world_size is {plan.world_size}; "
-                  "the ranks must be exactly 0..world_size-1 (list idle ones in unused_ranks)")
-
-
-def _check_launch(plan: Plan, err) -> None:
-    """One uniform --nproc-per-node on every node, and a rank -> device map that is a permutation."""
-    launch = plan.meta.get("launch") or {}
-    if not launch:
-        return
-    nnodes, nproc = launch.get("nnodes", 1), launch.get("nproc_per_node", plan.world_size)
-    visible = launch.get("per_node_visible_devices")
-    if visible:
-        counts = [len(str(v).split(",")) for v in visible]
-        if len(set(counts)) != 1:
-            raise err("meta.launch.per_node_visible_devices", f"nodes list {counts} devices; torchrun starts the "
-                      "same --nproc-per-node on every node, so every node must list the same number")
-        if len(visible) != nnodes:
-            raise err("meta.launch.per_node_visible_devices", f"{len(visible)} entries for {nnodes} nodes")
-    if nnodes * nproc != plan.world_size:
-        raise err("meta.launch.nproc_per_node", f"nnodes {nnodes} x nproc_per_node {nproc} = {nnodes * nproc} "
-                  f"!= world_size {plan.world_size}; the launch must start one process per plan rank")
-    mapping = launch.get("rank_to_device")
-    if mapping is not None and sorted(mapping) != sorted(set(mapping)):
-        raise err("meta.launch.rank_to_device", "two ranks map to the same device; give every rank its own device")
-    if mapping is not None and len(mapping) != plan.world_size:
-        raise err("meta.launch.rank_to_device", f"{len(mapping)} entries for world_size {plan.world_size}")
-
-
-def validate(plan: Plan, source: str = "plan.yaml") -> None:
-    """Structural checks that need nothing but the plan."""
-    err = lambda f, m: PlanError(f, m, source)  # noqa: E731
-    if plan.schedule not in SCHEDULES:
-        raise err("schedule", f"unknown schedule '{plan.schedule}'; choose one of {', '.join(SCHEDULES)}")
-    if plan.pipelines:
-        _validate_heterogeneous(plan, err)
-        _check_launch(plan, err)
-        return
-    if plan.stages_per_rank < 1:
-        raise err("stages_per_rank", "must be >= 1")
-    if plan.stages_per_rank > 1 and plan.schedule not in MULTI_STAGE_SCHEDULES:
-        raise err("stages_per_rank", f"{plan.stages_per_rank} stages per rank need schedule "
-                  f"{' or '.join(MULTI_STAGE_SCHEDULES)}, not {plan.schedule}")
-    if plan.pp < 1 or len(plan.device_groups) != plan.pp:
-        raise err("device_groups", f"{len(plan.device_groups)} groups listed but pp is {plan.pp}; list one group per pipeline position")
-    if len(plan.stages) != plan.pp * plan.stages_per_rank:
-        raise err("stages", f"{len(plan.stages)} stages listed; pp={plan.pp} x stages_per_rank={plan.stages_per_rank} "
-                  f"needs {plan.pp * plan.stages_per_rank}")
-    # Groups may differ in size only where their stages' tp degrees differ (per-stage tensor parallel).
-    expected = {plan.stage_group(i): s.tp * s.dp for i, s in enumerate(plan.stages)}
-    if any(len(g) != expected.get(i, len(g)) for i, g in enumerate(plan.device_groups)) \
-            and len({len(g) for g in plan.device_groups}) != 1:
-        raise err("device_groups", f"groups must have equal size (or tp*dp of their stages), got sizes "
-                  f"{sorted({len(g) for g in plan.device_groups})}")
-    _check_stage_layers(plan.stages, plan.n_layer, "stages", err)
-    for i, s in enumerate(plan.stages):
-        group = plan.device_groups[plan.stage_group(i)]
-        if sorted(s.ranks) != sorted(group):
-            raise err(f"stages[{i}].ranks", f"{s.ranks} differ from its device group {group}")
-    _check_world(plan, [r for g in plan.device_groups for r in g], err)
-    dps = {s.dp for s in plan.stages}
-    if len(dps) != 1:
-        raise err("stages", f"stages have different dp degrees {sorted(dps)}; use per-stage tp so tp*dp is equal")
-    if not plan.uniform_tp and plan.stages_per_rank > 1:
-        raise err("stages", "stages of unequal tp need one stage per rank (stages_per_rank: 1)")
-    if not plan.uniform_tp and plan.schedule not in HETERO_SCHEDULES:
-        raise err("schedule", f"stages of unequal tp run on hrlplan's own executor, which offers "
-                  f"{' and '.join(HETERO_SCHEDULES)}, not {plan.schedule}")
-
-    # batch
-    if plan.microbatch_size < 1 or plan.num_microbatches < 1:
-        raise err("num_microbatches", "microbatch_size and num_microbatches must be >= 1")
-    if plan.microbatch_size * plan.num_microbatches * plan.dp != plan.global_batch_size:
-        raise err("num_microbatches", f"microbatch_size {plan.microbatch_size} x num_microbatches "
-                  f"{plan.num_microbatches} x dp {plan.dp} = {plan.microbatch_size * plan.num_microbatches * plan.dp} "
-                  f"does not divide the global batch {plan.global_batch_size} evenly; choose micro-batches so that "
-                  "their product equals global_batch_size")
-    if plan.pp > 1 and plan.num_microbatches < plan.pp:
-        raise err("num_microbatches", f"{plan.num_microbatches} micro-batches are fewer than the {plan.pp} pipeline "
-                  "stages; torch pipelining needs at least one micro-batch per stage")
-    _check_launch(plan, err)
-
-
-def _validate_heterogeneous(plan: Plan, err) -> None:
-    if plan.schedule not in HETERO_SCHEDULES:
-        raise err("schedule", f"heterogeneous pipelines run on hrlplan's own executor, which offers "
-                  f"{' and '.join(HETERO_SCHEDULES)}, not {plan.schedule}")
-    used: List[int] = []
-    for p, pipe in enumerate(plan.pipelines):
-        where = f"pipelines[{p}]"
-        for i, s in enumerate(pipe.stages):
-            if s.dp != 1:
-                raise err(f"{where}.stages[{i}].dp", "a pipeline is one replica (dp 1); list more pipelines for more replicas")
-        _check_stage_layers(pipe.stages, plan.n_layer, f"{where}.stages", err)
-        if pipe.num_microbatches < 1 or pipe.batch_size < 1:
-            raise err(f"{where}.num_microbatches", "num_microbatches and batch_size must be >= 1")
-        if pipe.batch_size % pipe.num_microbatches:
-            raise err(f"{where}.num_microbatches", f"{pipe.num_microbatches} micro-batches do not divide the "
-                      f"pipeline's batch_size {pipe.batch_size} evenly")
-        used += pipe.ranks
-    _check_world(plan, used, err)
-    total = sum(p.batch_size for p in plan.pipelines)
-    if total != plan.global_batch_size:
-        raise err("pipelines", f"the pipelines' batch_size values sum to {total}, not the global batch "
-                  f"{plan.global_batch_size}; every row of the global batch must go to exactly one pipeline")
-
-
-def check_fits(plan: Plan, cluster, source: str = "plan.yaml") -> None:
-    """Checks against the cluster the plan will run on: world size and predicted memory.
-
-    A job (a probed cluster or its cluster.json) must run exactly the plan's ranks; a plan for a
-    preset may use a subset of its devices, through meta.launch.rank_to_device."""
-    live = cluster.source in ("probe", "file")
-    if live and plan.world_size != cluster.world_size:
-        raise PlanError("world_size", f"the plan needs {plan.world_size} ranks but the job has {cluster.world_size}; "
-                        "re-plan for this allocation or change the number of tasks/processes", source)
-    device_of = (plan.meta.get("launch") or {}).get("rank_to_device") or list(range(plan.world_size))
-    if len(device_of) != plan.world_size or max(device_of) >= cluster.world_size:
-        raise PlanError("meta.launch.rank_to_device", f"maps {plan.world_size} ranks onto devices the cluster "
-                        f"'{cluster.name}' ({cluster.world_size} devices) does not have; re-plan for this cluster", source)
-    predicted = (plan.meta.get("predicted") or {}).get("memory_bytes_per_rank")
-    if predicted:
-        for rank, need in enumerate(predicted):
-            dev = cluster.devices[device_of[rank]]
-            if need > dev.memory_bytes:
-                raise PlanError("meta.predicted.memory_bytes_per_rank",
-                                f"rank {rank} ({dev.name}) is predicted to need {need / 2**30:.2f} GiB but has "
-                                f"{dev.memory_bytes / 2**30:.2f} GiB; use more pipeline stages, a smaller "
-                                "microbatch_size, 1f1b instead of gpipe, or more data-parallel sharding", source)
-
-
-def _ranges(xs: List[int]) -> str:
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
 
 
 def launch_meta(world_size: int, cluster=None) -> Dict[str, Any]:
