@@ -12,6 +12,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
+import yaml
+
+from hrlplan.config import GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
+from hrlplan.errors import UserError
+
 SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
 
@@ -82,8 +87,6 @@ def conf_dir() -> Path:
     """The shipped Hydra config tree: $HRLPLAN_CONF, else the package's conf/ (a link to the
     checkout's conf/, copied into a wheel), else conf/ beside the package (a checkout whose
     filesystem kept the link as a plain file)."""
-    from hrlplan.errors import UserError
-
     env = os.environ.get("HRLPLAN_CONF")
     here = Path(__file__).resolve().parent
     candidates = [Path(env)] if env else [here / "conf", here.parent / "conf"]
@@ -100,10 +103,6 @@ def shipped_archs() -> List[str]:
 
 def load_shipped_arch(name: str) -> Dict[str, Any]:
     """A conf/arch/<name>.yaml merged over its schema defaults (without Hydra)."""
-    import yaml
-
-    from hrlplan.config import GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
-
     raw = yaml.safe_load((conf_dir() / "arch" / f"{name}.yaml").read_text()) or {}
     schemas = {"gpt2_schema": GPT2ArchConfig, "llama_schema": LlamaArchConfig, "hrm_schema": HRMArchConfig}
     defaults = [d for d in raw.pop("defaults", []) if isinstance(d, str) and d in schemas]
@@ -120,8 +119,6 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
     if path.is_dir() and (path / "config.json").exists():
         return {"name": path.name, "family": "hf", "model_id": str(path)}
     if path.is_file() and path.suffix in (".yaml", ".yml", ".json"):
-        import yaml
-
         data = yaml.safe_load(path.read_text())
         if not isinstance(data, dict):
             raise ModelResolutionError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
@@ -131,7 +128,7 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
         data.setdefault("name", path.stem)
         return data
     try:  # an id already in the local HF cache; never downloads
-        from transformers import AutoConfig
+        from transformers import AutoConfig   # why: 1.3 s, for ids in the HF cache only
 
         AutoConfig.from_pretrained(model_id, local_files_only=True)
         return {"name": model_id.split("/")[-1], "family": "hf", "model_id": model_id}
@@ -147,7 +144,7 @@ def introspect(arch: Dict[str, Any], seq_len: int | None = None) -> ModelMeta:
     """Model meta for an arch dict (cfg.arch, or resolve_arch(model_id))."""
     arch = dict(arch)
     if arch.get("family") == "hrm":
-        from hrlplan.models.hrm import introspect_hrm
+        from hrlplan.models.hrm import introspect_hrm   # why: a cycle (it imports ModelMeta), and torch
 
         return introspect_hrm(arch, seq_len)
     return _introspect_hf(arch, seq_len)
@@ -169,7 +166,7 @@ def _config_int(config, name: str, required: bool = True) -> int | None:
 def _matmul_numel(module) -> int:
     """Weights with two or more dims take part in a matmul (Linear, Conv1D, fused QKV), except
     embedding tables, which are looked up."""
-    import torch.nn as nn
+    import torch.nn as nn   # why: `import hrlplan.model_meta` stays torch-free (ModelMeta.load, conf_dir)
 
     return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False) if p.dim() >= 2)
@@ -242,7 +239,7 @@ def _block_activation(config, layout, seq: int, block_matmul: int, formula_args,
     forward needs a GPU kernel, or width fields the reduced model does not scale): it is 1.2-1.8x
     too low for real blocks (composite GELU, RMSNorm's fp32 copies, rotary q/k copies), but a
     figure beats no plan."""
-    from hrlplan.activations import hf_block_saved_bytes_per_token
+    from hrlplan.activations import hf_block_saved_bytes_per_token   # why: torch, as in _matmul_numel
 
     hidden, q, kv, heads, shape = formula_args
     blocks_path = f"{layout.prefix}.{layout.blocks_attr}"
@@ -257,6 +254,7 @@ def _block_activation(config, layout, seq: int, block_matmul: int, formula_args,
 
 
 def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
+    # why here: a cycle (models.hf imports ModelResolutionError), and torch
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 
     config = hf_config_from_arch(arch)

@@ -211,6 +211,7 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
     backward; activations what the schedule holds then) and `tensors`, the
     total less the workspace reserve: what torch allocates, comparable with a measured peak
     (torch.cuda.max_memory_allocated, or live tensor storages on the CPU)."""
+    # why here: model, plans and simulator import this module (a cycle at the top)
     from hrlplan.cost.model import CostOptions
     from hrlplan.cost.plans import predict_any_plan, rank_devices
     from hrlplan.cost.simulator import Simulator

@@ -13,13 +13,16 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from hrlplan.model_meta import ModelResolutionError
 
 _NOT_HF_KEYS = {"name", "family", "model_type", "model_id", "pretrained"}
 
 
 def hf_config_from_arch(arch: Dict[str, Any]):
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # why: 1.3 s; HRM runs import this module, never transformers
 
     if arch.get("model_id"):
         # A local directory or an id already in the HF cache; never downloads.
@@ -35,7 +38,7 @@ def hf_config_from_arch(arch: Dict[str, Any]):
 def build_hf_model(config, pretrained_from: Optional[str] = None, on_meta: bool = False):
     """The model from its config, or from a local/cached checkpoint. on_meta: no storage at all
     (torch.device("meta")), for materialize to allocate only what a rank holds."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM   # why: as in hf_config_from_arch
 
     if pretrained_from:
         return AutoModelForCausalLM.from_pretrained(pretrained_from, config=config, local_files_only=True)
@@ -167,8 +170,6 @@ def _find_blocks(model) -> Tuple[str, nn.ModuleList]:
 
 
 def _unsupported(model, what: str) -> Exception:
-    from hrlplan.model_meta import ModelResolutionError
-
     return ModelResolutionError(f"{type(model).__name__} is not a supported causal LM structure: {what}")
 
 
@@ -324,8 +325,6 @@ def sharded_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) ->
     gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`; not a
     view of the DTensor's local tensor (to_local's output is one), because zero-bubble schedules
     detach the loss in place after its input-gradient pass, which a view refuses."""
-    from torch.distributed.tensor import DTensor, Shard
-
     local = logits.reshape(-1, logits.size(-1)).float()
     sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
     return F.cross_entropy(sharded, targets.reshape(-1)).to_local().clone()

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hrlplan.config import HRMArchConfig
+from hrlplan.devices import compile_disabled
+from hrlplan.model_meta import ModelMeta
+from hrlplan.models import hrm_layers, sparse_embedding
 from hrlplan.models.hrm_layers import (CastedEmbedding, CastedLinear, ReasoningModule, RotaryEmbedding,
                                        swiglu_intermediate_size, trunc_normal_init_)
 from hrlplan.models.sparse_embedding import CastedSparseEmbedding
@@ -300,8 +303,6 @@ def build_hrm(arch: Dict[str, Any], seq_len: int = SUDOKU_SEQ_LEN, vocab_size: i
 
 def compile_enabled(device: torch.device) -> bool:
     """HRM's rule: compile only on CUDA and only when DISABLE_COMPILE is not set (hrlplan.devices reads it)."""
-    from hrlplan.devices import compile_disabled
-
     return device.type == "cuda" and not compile_disabled()
 
 
@@ -315,8 +316,6 @@ def maybe_compile(model: ACTLossHead, device: torch.device) -> bool:
 
 def source_files() -> Tuple[str, ...]:
     """Model source copied next to each checkpoint (as HRM does with hrm_act_v1.py)."""
-    from hrlplan.models import hrm_layers, sparse_embedding
-
     return (__file__, hrm_layers.__file__, sparse_embedding.__file__)
 
 
@@ -338,8 +337,6 @@ def introspect_hrm(arch: Dict[str, Any], seq_len: Optional[int] = None):
     fused kernels (CPU and GPU) keep their output and a log-sum-exp per head, never the scores.
     extra['train_flops_per_token'] counts a training step exactly: two forwards (the ACT target-Q
     pass repeats the inner model) and a backward through one cycle only."""
-    from hrlplan.model_meta import ModelMeta
-
     config = HRMConfig.from_arch(arch, seq_len=seq_len)
     with torch.device("meta"):
         model = build_hrm(arch, seq_len=config.seq_len, vocab_size=config.vocab_size,

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.estimate import ConfigEstimator
+from hrlplan.search.exact import lower_bound
 from hrlplan.search.hrl.features import SLACKS, StageGuide, config_features, instance_features
 from hrlplan.search.hrl.policy import HierarchicalPolicy, generalist_path, load_policy
 from hrlplan.search.splits import SplitTables
@@ -43,7 +44,6 @@ class PlanningEnv:
         if finite:
             self.reference = min(finite)
         else:
-            from hrlplan.search.exact import lower_bound
             self.reference = min(lower_bound(sim, space, c) for c in self.configs)
         self._tables: "OrderedDict[int, dict]" = OrderedDict()
 

@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
+from hrlplan.search import make_plan
 from hrlplan.search.common import Tracker, cost_options
-from hrlplan.search.config import HRLPlannerConfig
+from hrlplan.search.config import ExactPlannerConfig, HRLPlannerConfig
 from hrlplan.search.hrl import agent
 from hrlplan.search.hrl.agent import PlanningEnv, _episodes, update
 from hrlplan.search.hrl.generate import HELD_OUT_SEEDS, TRAIN_SEEDS, random_instance
@@ -69,9 +70,6 @@ def held_out_eval(policy_path, count: int, seed0: int = HELD_OUT_SEEDS.start, sa
                   progress: bool = True) -> List[Dict[str, Any]]:
     """Zero-shot (no training on the instance) ratios exact/hrl on held-out generated instances,
     for the given checkpoint and for the untrained policy (the priors alone)."""
-    from hrlplan.search import make_plan
-    from hrlplan.search.config import ExactPlannerConfig
-
     rows = []
     seed = seed0
     bar = tqdm(total=count, desc="held-out", disable=not progress, leave=False)
