@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from hrlplan.cluster import default_nproc_per_node
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
     from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.calibrate import predict_plan

@@ -174,7 +174,7 @@ def main() -> None:
                     help="without a GPU, run the MFU measurement's path on gpt2-tiny on the CPU")
     args = ap.parse_args()
 
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
     from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.calibrate import predict_plan

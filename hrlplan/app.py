@@ -12,9 +12,15 @@ import sys
 import warnings
 
 import hydra
+from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hrlplan.config import register_configs
+from hrlplan.compose import compose, normalize_overrides, register_configs, to_plain
+from hrlplan.config import typed
+from hrlplan.errors import ConfigError, UserError
+from hrlplan.model_meta import conf_dir
+from hrlplan.validate import check_environment, precheck_overrides
 
 register_configs()
 # conf/hydra/launcher/submitit_*.yaml share names with the plugin's own schemas, which Hydra 1.3
@@ -31,12 +37,6 @@ def _refuse(error: Exception) -> None:
 
 def precheck(argv):
     """Compose the command line's overrides (each sweep value) before Hydra runs anything."""
-    from hydra._internal.utils import get_args_parser
-
-    from hrlplan.config import compose, normalize_overrides
-    from hrlplan.errors import ConfigError
-    from hrlplan.validate import precheck_overrides
-
     argv = normalize_overrides(argv)
     args, _ = get_args_parser().parse_known_args(argv)
     modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
@@ -57,9 +57,6 @@ def precheck(argv):
 # $HRLPLAN_CONF (a copy of conf/ to edit) is honoured here as by the hrlplan commands and compose();
 # otherwise the tree shipped in the package (hrlplan/conf, a link to the checkout's conf/).
 def _config_path() -> str:
-    from hrlplan.errors import UserError
-    from hrlplan.model_meta import conf_dir
-
     try:
         return str(conf_dir())   # absolute: Hydra would read a relative one as the module hrlplan.conf
     except UserError:
@@ -68,12 +65,7 @@ def _config_path() -> str:
 
 @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
 def main(cfg: DictConfig):
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    from hrlplan.config import to_plain
-    from hrlplan.errors import ConfigError
-    from hrlplan.validate import check_environment
+    # why here: the launcher brings torch; `--help`, `--cfg` and tab completion never need it
     from hrlplan.launch.job import run_from_hydra
     from hrlplan.launch.local import in_distributed_job
     from hrlplan.launch.slurm import in_srun_task, in_submitit_task
@@ -90,7 +82,7 @@ def main(cfg: DictConfig):
     if not in_distributed_job() and not submitit:
         print(f"[hrlplan] output directory: {plain.get('run_dir') or HydraConfig.get().runtime.output_dir}",
               file=sys.stderr, flush=True)
-    return run_from_hydra(OmegaConf.create(plain))  # the submitit launcher hands rank 0's summary back to the sweep
+    return run_from_hydra(typed(plain))  # the submitit launcher hands rank 0's summary back to the sweep
 
 
 def _completion_line() -> None:

@@ -7,8 +7,13 @@ module, and imports each one inside its subcommand, so `hrlplan --help` starts w
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import sys
 from typing import List, Optional
+
+from hrlplan.errors import UserError
 
 
 def _probe_cluster(args: argparse.Namespace) -> None:
@@ -18,8 +23,6 @@ def _probe_cluster(args: argparse.Namespace) -> None:
 
 
 def _introspect_model(args: argparse.Namespace) -> None:
-    import json
-
     from hrlplan.model_meta import introspect, resolve_arch
 
     meta = introspect(resolve_arch(args.model_id), seq_len=args.seq_len)
@@ -36,8 +39,6 @@ def _memory_guide(args: argparse.Namespace) -> None:
 
 def _delegate(module: str, func: str):
     def run(args: argparse.Namespace) -> None:
-        import importlib
-
         getattr(importlib.import_module(module), func)(args)
     return run
 
@@ -127,8 +128,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-sc"], ["--shell-completion"]) or (argv and argv[0].startswith("--shell-completion=")):
         # `eval "$(hrlplan train -sc install=bash)"` makes bash call `hrlplan -sc query=bash`
-        import os
-
         words = os.environ.get("COMP_LINE", "").split()
         if "query=" not in " ".join(argv) or words[1:2] == ["train"]:
             from hrlplan.app import run
@@ -142,8 +141,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     if argv[:1] == ["memory-guide"]:   # its own parser: options (--help too) may come first
         argv = ["memory-guide", "--", *argv[1:]] if len(argv) > 1 else argv
     args = build_parser().parse_args(argv)
-    from hrlplan.errors import UserError
-
     try:
         args.func(args)
     except (UserError, ValueError, FileNotFoundError) as e:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan import devices
+from hrlplan.config import ClusterConfig, section
 from hrlplan.errors import UserError
 from hrlplan.measure import collective_device, ping_pong, sync_device, timed
 
@@ -174,28 +175,29 @@ def node_orders(spec: ClusterSpec, limit: int = 4) -> List[List[int]]:
 
 
 # ---------------------------------------------------------------- presets
-def spec_from_preset(cfg: Any) -> ClusterSpec:
-    """A ClusterSpec from cluster.node_groups (conf/cluster/*.yaml presets)."""
-    groups = list(cfg["node_groups"])
+def spec_from_preset(cfg: ClusterConfig) -> ClusterSpec:
+    """A ClusterSpec from cluster.node_groups (conf/cluster/*.yaml presets); cfg typed or plain."""
+    cfg = section(ClusterConfig, cfg)
+    groups = list(cfg.node_groups)
     if not groups:
-        raise ValueError(f"cluster '{cfg['name']}': probe=false needs node_groups (or spec_file)")
+        raise ValueError(f"cluster '{cfg.name}': probe=false needs node_groups (or spec_file)")
     devices: List[DeviceInfo] = []
     intra: List[float] = []
     node = 0
     for g in groups:
-        for _ in range(int(g["count"])):
-            for local in range(int(g["devices_per_node"])):
+        for _ in range(int(g.count)):
+            for local in range(int(g.devices_per_node)):
                 devices.append(DeviceInfo(
                     rank=len(devices), node=node, local_rank=local, hostname=f"node{node:04d}", kind="cuda",
-                    name=str(g["device"]), memory_bytes=int(float(g["memory_gb"]) * 2**30),
-                    peak_flops=float(g["tflops"]) * 1e12))
-            intra.append(float(g["intra_node_GBps"]) * GB)
+                    name=str(g.device), memory_bytes=int(float(g.memory_gb) * 2**30),
+                    peak_flops=float(g.tflops) * 1e12))
+            intra.append(float(g.intra_node_GBps) * GB)
             node += 1
     return ClusterSpec(
-        name=str(cfg["name"]), devices=devices, backend="nccl", source="preset", intra_node_bw=intra,
-        inter_node_bw=float(cfg["inter_node_GBps"]) * GB,
-        intra_node_latency=float(cfg["intra_node_latency_us"]) * 1e-6,
-        inter_node_latency=float(cfg["inter_node_latency_us"]) * 1e-6)
+        name=str(cfg.name), devices=devices, backend="nccl", source="preset", intra_node_bw=intra,
+        inter_node_bw=float(cfg.inter_node_GBps) * GB,
+        intra_node_latency=float(cfg.intra_node_latency_us) * 1e-6,
+        inter_node_latency=float(cfg.inter_node_latency_us) * 1e-6)
 
 
 # ---------------------------------------------------------------- probing
@@ -246,15 +248,16 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
                 threads=torch.get_num_threads(), peak_dtype="fp32")
 
 
-def p2p_sizes(device_type: str, cfg: Any) -> tuple:
+def p2p_sizes(device_type: str, cfg: ClusterConfig) -> tuple:
     """(message sizes in bytes, repeats) the pair probe times. GPU: 1-64 MiB, >= 10 repeats (4 MiB x 3
     under-reported NVLink 2-3x); CPU: a small and the configured size, the configured repeats
     (tests probe on CPU: keep it cheap)."""
+    cfg = section(ClusterConfig, cfg)
     if device_type == "cuda":
-        sizes = sorted({int(mb * 2**20) for mb in GPU_P2P_SIZES_MB} | {int(float(cfg["probe_p2p_mb"]) * 2**20)})
-        return tuple(sizes), max(int(cfg["probe_repeats"]), GPU_P2P_REPEATS)
-    big = int(float(cfg["probe_p2p_mb"]) * 2**20)
-    return (max(big // 16, 1), big), int(cfg["probe_repeats"])
+        sizes = sorted({int(mb * 2**20) for mb in GPU_P2P_SIZES_MB} | {int(float(cfg.probe_p2p_mb) * 2**20)})
+        return tuple(sizes), max(int(cfg.probe_repeats), GPU_P2P_REPEATS)
+    big = int(float(cfg.probe_p2p_mb) * 2**20)
+    return (max(big // 16, 1), big), int(cfg.probe_repeats)
 
 
 def _round_robin(n: int) -> List[List[tuple]]:
@@ -293,10 +296,10 @@ def _gather(obj: Any, group=None) -> List[Any]:
     return out
 
 
-def _device_infos(cfg: Any, device, dtype: str, group) -> List[Dict[str, Any]]:
+def _device_infos(cfg: ClusterConfig, device, dtype: str, group) -> List[Dict[str, Any]]:
     """Collective: every rank's measured device, host and node, checked (one device per rank, ranks
     placed node-major)."""
-    info = _measure_device(device, int(cfg["probe_matmul_n"]), int(cfg["probe_repeats"]), dtype)
+    info = _measure_device(device, int(cfg.probe_matmul_n), int(cfg.probe_repeats), dtype)
     physical = None
     if device.type == "cuda":
         visible = devices.visible_devices(os.environ)
@@ -312,7 +315,7 @@ def _device_infos(cfg: Any, device, dtype: str, group) -> List[Dict[str, Any]]:
     return infos
 
 
-def _measure_pairs(cfg: Any, infos: List[Dict[str, Any]], device) -> Dict[tuple, tuple]:
+def _measure_pairs(cfg: ClusterConfig, infos: List[Dict[str, Any]], device) -> Dict[tuple, tuple]:
     """Collective: {(a, b): (bandwidth, latency)} of the pairs this rank measured. Pairs on one node
     are all measured; across nodes only the nodes' first ranks, whose figure then stands for every
     pair of those two nodes (a full matrix on 1000 GPUs would take hours)."""
@@ -363,7 +366,7 @@ def _spec_from_measurements(name: str, infos: List[Dict[str, Any]], gathered: Li
                        intra_node_bw=intra, inter_node_bw=min(inter) if inter else 25 * GB)
 
 
-def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "float32",
+def probe_distributed(cfg: ClusterConfig, name: str = "local", device=None, dtype: str = "float32",
                       group=None) -> Optional[ClusterSpec]:
     """Collective: call on every rank of an initialised process group; rank 0 gets the spec.
 
@@ -371,6 +374,7 @@ def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "
     train.device=cpu job on a GPU node probes the CPUs it will use; dtype: train.dtype; group: the
     group the probe's object collectives run on (default: the default group; a job passes its
     long-timeout gloo group, hrlplan.runtime.distributed.cpu_group())."""
+    cfg = section(ClusterConfig, cfg)
     device = device if device is not None else collective_device()
     infos = _device_infos(cfg, device, dtype, group)
     gathered = _gather(_measure_pairs(cfg, infos, device), group)
@@ -379,11 +383,12 @@ def probe_distributed(cfg: Any, name: str = "local", device=None, dtype: str = "
     return _spec_from_measurements(name, infos, gathered, "nccl" if device.type == "cuda" else "gloo")
 
 
-def load_or_probe_in_job(cfg: Any, device=None, dtype: str = "float32", group=None) -> Optional[ClusterSpec]:
+def load_or_probe_in_job(cfg: ClusterConfig, device=None, dtype: str = "float32", group=None) -> Optional[ClusterSpec]:
     """Inside a running job (every rank calls this): a preset, a spec file, or a collective probe on
     the training device in the training dtype (see probe_distributed)."""
-    if cfg.get("spec_file"):
-        return ClusterSpec.load(cfg["spec_file"])
-    if not cfg.get("probe", True):
+    cfg = section(ClusterConfig, cfg)
+    if cfg.spec_file:
+        return ClusterSpec.load(cfg.spec_file)
+    if not cfg.probe:
         return spec_from_preset(cfg)
-    return probe_distributed(cfg, name=str(cfg.get("name", "local")), device=device, dtype=dtype, group=group)
+    return probe_distributed(cfg, name=str(cfg.name), device=device, dtype=dtype, group=group)

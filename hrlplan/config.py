@@ -1,19 +1,22 @@
-"""Typed configuration (Hydra structured configs).
+"""Typed configuration: one dataclass schema per config group (Hydra structured configs), closed
+choices as Enums, and the conversions the library uses.
 
-Every config group has a dataclass schema registered in Hydra's ConfigStore, so a misspelled or
-mistyped override fails at compose time; closed choices (dtype, schedule, logger mode, ...) are
-Enums, so `train.dtype=bf16` fails there too. `finalize` then applies HRM's top-level keys, HRM's
-recipe defaults and the range checks (hrlplan/validate.py), and hands the library a tree of plain
-values: Enums become their strings, so library code compares `train["dtype"] == "bfloat16"`.
-The library itself never needs Hydra: every function takes these dataclasses or plain dicts.
+hrlplan/compose.py registers these schemas in Hydra's ConfigStore, so a misspelled or mistyped
+override fails at compose time (`train.dtype=bf16` too), then makes the composed config plain and
+checks it. `typed()` turns that plain tree into a `Config` -- the form passed down to the launcher,
+the trainers and the data (`cfg.train.steps`); `section(TrainConfig, x)` accepts a section typed or as
+a script's plain mapping; `as_dict` makes it plain again for YAML, W&B and cache keys. Choices are str
+Enums: `cfg.train.dtype == "bfloat16"` holds. This module is a leaf: it imports no other layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-from hrlplan.search.config import ExactPlannerConfig, HRLPlannerConfig, ManualPlannerConfig, RandomPlannerConfig
+from omegaconf import OmegaConf
+
+from hrlplan.errors import UserError
 
 
 # ---------------------------------------------------------------- closed choices
@@ -115,6 +118,76 @@ class HRMArchConfig:
     loss: HRMLossConfig = field(default_factory=HRMLossConfig)
     loss_type: LossType = LossType["stablemax_cross_entropy"]
     forward_dtype: DType = DType["float32"]
+
+
+# ---------------------------------------------------------------- planner
+@dataclass
+class PlannerConfigBase:
+    name: str = "exact"
+    seed: int = 0
+    max_pp: int = 64                 # upper bound on pipeline stages considered
+    max_tp: int = 8                  # tp never crosses a node
+    microbatch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    memory_margin: float = 0.9       # plan against this fraction of device memory
+    dp_overlap: bool = True          # DP gradient all-reduce overlapped with backward
+    schedules: List[str] = field(default_factory=list)  # empty: the train.schedule only
+    # Plan from measured block, communication and optimizer times on devices that are really there
+    # (probed clusters): auto = a searching planner reuses the cached calibration of this cluster
+    # shape and model or measures once; true = also for a manual plan; refresh = measure again and
+    # replace the cached one; false = plan from peak FLOP/s and probed links. Presets never calibrate.
+    calibrate: Any = "auto"
+    recompute: str = "auto"          # activation recomputation per stage: auto (searched) | none | selective | full
+    allow_idle_ranks: bool = True    # a probed job's plan may leave workers idle when that is faster
+    allow_over_memory: bool = False  # accept a plan predicted over a device's memory (manual plans)
+
+
+CALIBRATE_CHOICES = ("auto", "true", "false", "refresh")
+
+
+def calibration_mode(planner_cfg) -> str:
+    """planner.calibrate as one of CALIBRATE_CHOICES (YAML's true/false arrive as booleans)."""
+    value = planner_cfg.get("calibrate", "auto")
+    mode = str(value).lower() if not isinstance(value, bool) else ("true" if value else "false")
+    if mode not in CALIBRATE_CHOICES:
+        raise UserError(f"planner.calibrate={value!r} is not one of {', '.join(CALIBRATE_CHOICES)}")
+    return mode
+
+
+@dataclass
+class ExactPlannerConfig(PlannerConfigBase):
+    name: str = "exact"
+    max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
+    max_simulations: int = 20_000      # simulator calls of the layer-split branch-and-bound; likewise
+
+
+@dataclass
+class HRLPlannerConfig(PlannerConfigBase):
+    name: str = "hrl"
+    samples: int = 256               # plans sampled at inference; the best by simulated time wins
+    train_steps: int = 30            # policy-gradient updates on this instance before sampling (0: zero-shot)
+    batch_size: int = 32             # episodes per update
+    lr: float = 3e-3
+    entropy_coef: float = 0.01
+    hidden: int = 64
+    checkpoint_dir: Optional[str] = None  # trained policies; None: the shipped generalist policy
+    train_if_missing: bool = True
+    use_pretrained: bool = True      # start from the shipped generalist when no checkpoint_dir is given
+    refine: bool = True              # hill-climb the best sampled plan's stage boundaries
+    greedy_configs: int = 16         # greedy rollouts of the policy's top-scored configurations at inference
+    refine_evaluations: int = 64     # simulator calls the hill-climb may spend
+    progress: bool = True            # tqdm bar (with the current best) while training
+
+
+@dataclass
+class ManualPlannerConfig(PlannerConfigBase):
+    name: str = "manual"
+    plan_file: Optional[str] = None
+
+
+@dataclass
+class RandomPlannerConfig(PlannerConfigBase):
+    name: str = "random"
+    samples: int = 256               # simulator evaluations (the benchmark sets hrl's count)
 
 
 # ---------------------------------------------------------------- planner (closed schedule names)
@@ -289,203 +362,33 @@ TOP_LEVEL_ALIASES = {
 HRM_RECIPE = {"grad_clip": None, "warmup_steps": 2000, "min_lr_ratio": 1.0, "seed": 0, "checkpoint_every_eval": True}
 
 
-def apply_top_level_aliases(cfg: Any) -> Any:
-    """Copy HRM-style top-level keys (global_batch_size=4, lr=1e-4, ...) into their groups."""
-    for key, (group, sub) in TOP_LEVEL_ALIASES.items():
-        value = cfg[key] if key in cfg else None
-        if value is not None:
-            cfg[group][sub] = value
-    return cfg
+def section(schema: type, value: Any) -> Any:
+    """A config section as its dataclass (`section(TrainConfig, cfg.train)`): as it is, or built from
+    a plain mapping -- a script's or a test's dict. Missing keys take the schema's defaults, unknown
+    ones are left out, choices become their Enums (a bad one raises here, naming it)."""
+    if isinstance(value, schema):
+        return value
+    known = {f.name for f in fields(schema)}
+    body = {k: v for k, v in dict(value or {}).items() if k in known}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), body))
 
 
-def override_keys(overrides: Iterable[str]) -> set:
-    """The dotted keys a list of Hydra overrides sets ("+train.seed=1" -> "train.seed")."""
-    keys = set()
-    for o in overrides:
-        key = str(o).split("=", 1)[0].lstrip("+~").strip()
-        if key and not key.startswith("hydra"):
-            keys.add(key.split("@", 1)[0])
-    return keys
+def as_config(cfg: Any) -> "Config":
+    """The run's config as typed objects, whether it arrives typed or as compose()'s plain dict."""
+    return cfg if isinstance(cfg, Config) else typed(cfg)
 
 
-def normalize_overrides(overrides: Iterable[str]) -> List[str]:
-    """`+experiment=x` (the habit from before conf/config.yaml listed `experiment: null`) means experiment=x."""
-    return [o[1:] if str(o).startswith("+experiment=") else str(o) for o in overrides]
-
-
-def _train_defaults() -> Dict[str, Any]:
-    return {f.name: f.default for f in fields(TrainConfig) if not callable(f.default_factory)}
-
-
-def apply_hrm_recipe(cfg: Dict[str, Any], explicit: Iterable[str]) -> Dict[str, Any]:
-    """HRM's own defaults (no clipping, 2000 warm-up steps, constant lr, seed 0) for an HRM arch.
-
-    A key keeps its value when the user set it on the command line (either spelling) or a config
-    file (an experiment) changed it from the language-model default."""
-    if (cfg.get("arch") or {}).get("family") != "hrm":
+def as_dict(cfg: Any) -> Dict[str, Any]:
+    """A typed config (or section) as plain values, Enums as strings: for YAML, W&B and cache keys."""
+    if isinstance(cfg, dict):
         return cfg
-    explicit = set(explicit)
-    aliases = {sub: top for top, (group, sub) in TOP_LEVEL_ALIASES.items() if group == "train"}
-    defaults = _train_defaults()
-    train = cfg["train"]
-    for key, value in HRM_RECIPE.items():
-        if f"train.{key}" in explicit or aliases.get(key) in explicit:
-            continue
-        if train.get(key) == _plain(defaults[key]):
-            train[key] = value
-    return cfg
-
-
-def _sync_hrm_loss(arch: Dict[str, Any]) -> None:
-    """arch.loss.loss_type (HRM's spelling) and the flat arch.loss_type always agree: the one that
-    moved away from the default wins, the nested one when both did."""
-    if arch.get("family") != "hrm" or not isinstance(arch.get("loss"), dict):
-        return
-    default = str(HRMLossConfig.loss_type)
-    nested, flat = arch["loss"].get("loss_type", default), arch.get("loss_type", default)
-    chosen = nested if nested != default else flat
-    arch["loss"]["loss_type"] = arch["loss_type"] = chosen
-
-
-def _plain(value: Any) -> Any:
-    return str(value) if isinstance(value, Enum) else value
-
-
-def to_plain(cfg: Any, overrides: Sequence[str] = (), check: bool = True) -> Dict[str, Any]:
-    """A composed DictConfig as the library takes it: resolved, Enums as strings, HRM's top-level
-    keys copied into their groups, HRM's recipe defaults applied, values range-checked."""
-    from omegaconf import OmegaConf
-
-    from hrlplan.validate import check_values
-
-    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    apply_top_level_aliases(config)
-    apply_hrm_recipe(config, override_keys(overrides))
-    if isinstance(config.get("arch"), dict):
-        _sync_hrm_loss(config["arch"])
-    if check:
-        check_values(config)
-    return config
-
-
-def finalize(cfg: Any, overrides: Sequence[str] = ()) -> Any:
-    """to_plain, as a DictConfig again (for code written against Hydra's cfg, e.g. hrlplan/launch/job.py)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create(to_plain(cfg, overrides))
-
-
-def register_configs() -> None:
-    """Register every schema in Hydra's ConfigStore (called by pretrain.py before composing)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    cs.store(group="arch", name="gpt2_schema", node=GPT2ArchConfig)
-    cs.store(group="arch", name="llama_schema", node=LlamaArchConfig)
-    cs.store(group="arch", name="hrm_schema", node=HRMArchConfig)
-    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    cs.store(group="planner", name="exact_schema", node=ExactPlannerSchema)
-    cs.store(group="planner", name="hrl_schema", node=HRLPlannerSchema)
-    cs.store(group="planner", name="manual_schema", node=ManualPlannerSchema)
-    cs.store(group="planner", name="random_schema", node=RandomPlannerSchema)
-    cs.store(group="train", name="train_schema", node=TrainConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
-    if not OmegaConf.has_resolver("hrlplan_groups"):
-        # conf/config.yaml's --help lists the groups through this: the *_schema entries stay hidden
-        OmegaConf.register_new_resolver("hrlplan_groups", config_groups_help)
-    _hide_schemas_from_listings()
-
-
-SCHEMA_SUFFIX = "_schema"
-
-
-def is_internal_config(name: str) -> bool:
-    """A schema the yaml files extend (`- gpt2_schema`), not an option a user picks."""
-    return name.endswith(SCHEMA_SUFFIX) or name == "base_config"
-
-
-def _hide_schemas_from_listings() -> None:
-    """Hydra has one way to list a group's options, ConfigLoader.get_group_options, and it lists every
-    config stored in the group, the schemas of the Hydra-documented schema pattern included: tab
-    completion (`arch=<TAB>`), Hydra's own help and glob sweeps (`-m 'planner=glob(*)'`) would offer
-    gpt2_schema and friends. No config source or name is hidden by Hydra's listing (it skips only
-    __pycache__ and __init__.py), so the one listing method leaves them out; composing, which reads the
-    repository directly, still finds them."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.object_type import ObjectType
-
-    listed = ConfigLoaderImpl.get_group_options
-    if getattr(listed, "hides_schemas", False):
-        return
-
-    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
-        return [o for o in listed(self, group_name, results_filter, config_name, overrides)
-                if not is_internal_config(o)]
-
-    get_group_options.hides_schemas = True
-    get_group_options.__doc__ = listed.__doc__
-    ConfigLoaderImpl.get_group_options = get_group_options
-
-
-def group_options(group: str) -> List[str]:
-    """The options a user can pick for a config group (schemas left out)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from hrlplan.model_meta import conf_dir
-
-    if GlobalHydra.instance().is_initialized():
-        options = GlobalHydra.instance().config_loader().get_group_options(group)
-    else:
-        options = [p.stem for p in (conf_dir() / group).glob("*.yaml")]
-    return sorted(o for o in options if not is_internal_config(o))
-
-
-def config_groups_help() -> str:
-    from hydra.core.global_hydra import GlobalHydra
-
-    from hrlplan.model_meta import conf_dir
-
-    if GlobalHydra.instance().is_initialized():
-        groups = GlobalHydra.instance().config_loader().list_groups("")
-    else:
-        groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
-    groups = sorted(g for g in groups if g != "hydra")
-    return "\n".join(f"{g}: {', '.join(group_options(g))}" for g in groups)
-
-
-def compose(overrides: Sequence[str] = (), resolve: bool = True) -> Any:
-    """Compose conf/config.yaml with overrides outside @hydra.main (tests, notebooks, tools).
-
-    Returns the plain, checked dict (to_plain); resolve=False returns Hydra's DictConfig as
-    composed (with the top-level aliases applied). A bad override raises ConfigError (one line)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from hrlplan.model_meta import conf_dir
-    from hrlplan.validate import explain_compose_error, is_compose_error
-
-    register_configs()
-    overrides = normalize_overrides(overrides)
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        try:
-            cfg = hydra_compose("config", overrides=overrides)
-        except Exception as e:
-            if not is_compose_error(e):
-                raise
-            raise explain_compose_error(e, overrides) from None
-    if not resolve:
-        return apply_top_level_aliases(cfg)
-    return to_plain(cfg, overrides)
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
 
 
 def typed(plain: Dict[str, Any]) -> Config:
     """The run's config as typed objects (`cfg.train.steps`, `cfg.train.dtype is DType.bfloat16`), the
     form passed down to the runtime and launcher. `arch` and `planner` stay mappings: their schema
     depends on the chosen option. Choices are str Enums, so they still compare equal to their strings."""
-    from omegaconf import OmegaConf
-
     known = {f for f in Config.__dataclass_fields__}
     body = {k: v for k, v in plain.items() if k in known and k not in ("arch", "planner")}
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), body))

@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.errors import UserError
 
 SETTINGS = ("auto", "cpu", "cuda")
@@ -198,12 +199,12 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = bool(enabled)
 
 
-def tf32_setting(train: Mapping[str, Any]) -> bool:
+def tf32_setting(train: TrainConfig) -> bool:
     """train.tf32 (default on); HRLPLAN_TF32=0 turns it off without touching the config."""
     env = os.environ.get("HRLPLAN_TF32")
     if env is not None:
         return env.strip().lower() not in ("0", "false", "no", "off")
-    return bool(train.get("tf32", True))
+    return bool(section(TrainConfig, train).tf32)
 
 
 def optimizer_impl(device: torch.device, dtensor: bool = False) -> Dict[str, bool]:

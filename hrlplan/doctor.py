@@ -6,6 +6,9 @@ peak), two-GPU pipelines whose loss must equal one process's, a heterogeneous 1F
 activations above NCCL's buffer size (the deadlock hetero.py's batched p2p avoids). On CPU it runs
 what it can (device choice, gloo collectives, the 2-stage pipeline and the heterogeneous 1F1B on
 gpt2-tiny) and says which checks it skipped and why.
+
+Each check imports what it exercises: a broken piece (NCCL, a CUDA build, the pipeline engines) is
+that check's failure, reported with the others, not the doctor's crash at start-up.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
+
+from hrlplan.config import typed
 
 Result = Tuple[str, str, str]     # (check, pass|fail|skip, figures or reason)
 PIPELINE_SCHEDULES_GPU = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -71,7 +76,7 @@ def check_collectives(setting: str, nproc: int, nbytes: int) -> List[Result]:
 def _gpt2_templates(overrides: List[str]):
     import torch
 
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch
     from hrlplan.runtime.template import PipelineTemplate, get_modules
 
@@ -101,14 +106,14 @@ def check_hetero_1f1b(device: str) -> Result:
     NCCL's buffer size, where separate send/recv calls deadlocked), against the homogeneous 2-stage
     pipeline on torch's schedules at the same batch. (Not against one process: at this batch the
     one-process reference differs from every pipeline by ~4e-3 in the first loss; see the report.)"""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.template import build_plan
 
     arch = ["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=1e-5"]
-    cfg = compose([*arch, f"train.device={device}", "train.steps=2", "train.checkpoint_interval=0",
-                   "logger.mode=disabled"])
-    hidden, seq = int(cfg["arch"]["n_embd"]), int(cfg["data"]["seq_len"])
+    cfg = typed(compose([*arch, f"train.device={device}", "train.steps=2", "train.checkpoint_interval=0",
+                         "logger.mode=disabled"]))
+    hidden, seq = int(cfg.arch["n_embd"]), int(cfg.data.seq_len)
     mbs = -(-(5 << 20) // (seq * hidden * 4))     # rows per micro-batch for 5 MiB messages
     model, modules, Template = _gpt2_templates(arch)
     one, two = Template(model, [modules]), Template(model, [modules[:-3], modules[-3:]])
@@ -131,16 +136,16 @@ def check_gpt2_step() -> Result:
     import torch
 
     from hrlplan import devices
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
     from hrlplan.runtime.calibrate import measure_step
 
     dev = devices.use_device("cuda").device
-    config = compose(["arch=gpt2", "train.dtype=bfloat16", "train.global_batch_size=8", "data.seq_len=1024"])
+    config = typed(compose(["arch=gpt2", "train.dtype=bfloat16", "train.global_batch_size=8", "data.seq_len=1024"]))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         step = measure_step(config, dev, steps=6)["step_s"]
     tokens = 8 * 1024 / step
-    flops = introspect(config["arch"], seq_len=1024).training_flops_per_token() * tokens
+    flops = introspect(config.arch, seq_len=1024).training_flops_per_token() * tokens
     name = torch.cuda.get_device_name(dev)
     peak = devices.peak_flops(name, "bfloat16")
     mfu = f"MFU {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s ({devices.match_device(name)})" if peak else \

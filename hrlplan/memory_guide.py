@@ -13,9 +13,20 @@ that fits the stage's devices by the simulator (the plan's other stages as they 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import torch
+
+from hrlplan.cluster import ClusterSpec, spec_from_preset
+from hrlplan.compose import compose
+from hrlplan.config import Config, typed
+from hrlplan.cost.memory import RECOMPUTE_MODES
+from hrlplan.cost.plans import options_for_train, predict_any_plan
 from hrlplan.errors import UserError
+from hrlplan.model_meta import introspect
+from hrlplan.models.hrm import estimate_hrm_memory
+from hrlplan.plan import Plan
 
 GiB = 2 ** 30
 BUDGETS_GIB = (2, 4, 8, 16, 24, 40, 80)
@@ -42,8 +53,6 @@ def hrm_fit(arch: Dict[str, Any], budget_bytes: float, world_size: int = 1, cuda
             seq_len: Optional[int] = None, max_batch: int = BATCHES[0]) -> Optional[Dict[str, Any]]:
     """The largest shape of hrm_candidates with a global batch >= MIN_BATCH that fits, and its largest
     batch; failing that, the smallest shape with the largest batch that fits; None if nothing does."""
-    from hrlplan.models.hrm import estimate_hrm_memory
-
     def largest_batch(candidate) -> Optional[tuple]:
         for batch in (b for b in BATCHES if b <= max_batch and b % world_size == 0):
             est = estimate_hrm_memory(candidate, batch, world_size, seq_len, cuda=cuda)
@@ -71,8 +80,6 @@ def hrm_fit(arch: Dict[str, Any], budget_bytes: float, world_size: int = 1, cuda
 
 def probed_free_bytes() -> Optional[float]:
     """The current GPU's free memory (what a run started now could use), None without CUDA."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info()
@@ -106,11 +113,6 @@ def format_hrm(rows: Iterable[Dict[str, Any]], world_size: int) -> str:
 def lm_stage_limits(plan, meta, cluster, opts) -> List[Dict[str, Any]]:
     """Per stage and recompute mode: the largest micro-batch size (a divisor of the replica's rows)
     with which the plan fits, that stage switched to the mode and the others as they are."""
-    import dataclasses
-
-    from hrlplan.cost.memory import RECOMPUTE_MODES
-    from hrlplan.cost.plans import predict_any_plan
-
     rows_per_replica = plan.microbatch_size * plan.num_microbatches
     sizes = sorted((s for s in range(1, rows_per_replica + 1) if rows_per_replica % s == 0), reverse=True)
     out = []
@@ -144,25 +146,20 @@ def format_lm(rows: Iterable[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _lm_guide(cfg: Dict[str, Any], cluster_file: Optional[str]) -> str:
-    from hrlplan.cluster import ClusterSpec, spec_from_preset
-    from hrlplan.cost.plans import options_for_train
-    from hrlplan.model_meta import introspect
-    from hrlplan.plan import Plan
-
-    plan_file = (cfg.get("planner") or {}).get("plan_file")
+def _lm_guide(cfg: Config, cluster_file: Optional[str]) -> str:
+    plan_file = (cfg.planner or {}).get("plan_file")
     if not plan_file:
         raise UserError("memory-guide for a language model needs a plan: planner.plan_file=<plan.yaml>")
     if cluster_file:
         cluster = ClusterSpec.load(cluster_file)
-    elif (cfg["cluster"] or {}).get("node_groups"):
-        cluster = spec_from_preset(cfg["cluster"])
+    elif cfg.cluster.node_groups:
+        cluster = spec_from_preset(cfg.cluster)
     else:
         raise UserError("memory-guide needs the devices: cluster=<preset> or --cluster <cluster.json> "
                         "(hrlplan probe-cluster writes one)")
-    meta = introspect(cfg["arch"], seq_len=cfg["data"]["seq_len"])
+    meta = introspect(cfg.arch, seq_len=cfg.data.seq_len)
     plan = Plan.load(plan_file)
-    return format_lm(lm_stage_limits(plan, meta, cluster, options_for_train(cfg["train"], cfg.get("planner"))))
+    return format_lm(lm_stage_limits(plan, meta, cluster, options_for_train(cfg.train, cfg.planner)))
 
 
 def _sizes(text: str) -> List[float]:
@@ -176,8 +173,6 @@ def _sizes(text: str) -> List[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from hrlplan.config import compose
-
     p = argparse.ArgumentParser(prog="hrlplan memory-guide", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*",
                    help="config overrides: arch=hrm, global_batch_size=..., planner=manual planner.plan_file=...")
@@ -186,8 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--world-size", type=int, default=1, help="HRM: data-parallel ranks sharing the batch")
     p.add_argument("--cluster", default=None, help="language models: a cluster.json instead of cluster=<preset>")
     args = p.parse_args(argv)
-    cfg = compose(args.overrides)
-    if (cfg["arch"] or {}).get("family") != "hrm":
+    cfg = typed(compose(args.overrides))
+    if (cfg.arch or {}).get("family") != "hrm":
         print(_lm_guide(cfg, args.cluster))
         return
     budgets = list(args.memory_gib or BUDGETS_GIB)
@@ -197,8 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"this GPU has {free / GiB:.1f} GiB free (the last row)")
     explicit = any(o.split("=")[0].lstrip("+") in ("global_batch_size", "train.global_batch_size")
                    for o in args.overrides)
-    max_batch = int(cfg["train"]["global_batch_size"]) if explicit else BATCHES[0]
-    print(format_hrm(hrm_table(cfg["arch"], budgets, args.world_size, max_batch=max_batch), args.world_size))
+    max_batch = int(cfg.train.global_batch_size) if explicit else BATCHES[0]
+    print(format_hrm(hrm_table(cfg.arch, budgets, args.world_size, max_batch=max_batch), args.world_size))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Checks a user can trip, before any work starts: one line naming the key, the value and what is allowed.
 
 - check_values: ranges of a composed config (positive steps, batch, seq_len, lr > 0, ...), run by
-  hrlplan.config.to_plain, so every composed config is checked.
+  hrlplan.compose.to_plain, so every composed config is checked.
 - explain_compose_error: Hydra's composition errors (a typo, a bad choice, a wrong type) as one
   ConfigError line, with the nearest key we have instead of Hydra's "+key" hint.
 - check_environment: what the launcher checks on this host before it starts workers: paths that
@@ -16,10 +16,20 @@ import difflib
 import json
 import os
 import re
+import typing
 from dataclasses import fields, is_dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob, Transformer
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from hrlplan import config as c
+from hrlplan.data.sudoku import dataset_exists, resolve_preset
 from hrlplan.errors import ConfigError, one_line
 
 MAX_YAML_BYTES = 4 * 2**20
@@ -122,16 +132,11 @@ def check_values(config: Dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- Hydra's composition errors
 def is_compose_error(e: BaseException) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     return isinstance(e, (HydraException, OmegaConfBaseException))
 
 
 def _schema_keys() -> Dict[str, List[str]]:
     """The keys a user can set, by parent path (arch/planner: the union over their schemas)."""
-    from hrlplan import config as c
-
     def names(*schemas) -> List[str]:
         return sorted({f.name for s in schemas for f in fields(s)})
 
@@ -165,9 +170,6 @@ def _override_value(key: str, overrides: Sequence[str]) -> Optional[str]:
 
 def _allowed(object_type: Any, key: Any) -> Optional[str]:
     """What a schema field takes, in words, from its type hint."""
-    import typing
-    from enum import Enum
-
     if not (isinstance(object_type, type) and is_dataclass(object_type)):
         return None
     try:
@@ -186,8 +188,6 @@ def _allowed(object_type: Any, key: Any) -> Optional[str]:
 
 
 def _allowed_type(hint: Any) -> str:
-    from enum import Enum
-
     if isinstance(hint, type) and issubclass(hint, Enum):
         return "(" + " | ".join(m.value for m in hint) + ")"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, "a value")
@@ -195,9 +195,6 @@ def _allowed_type(hint: Any) -> str:
 
 def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> ConfigError:
     """Hydra's composition error as one ConfigError line naming the key, the value and what is allowed."""
-    from hydra.errors import MissingConfigException, OverrideParseException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
-
     cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
     text = str(e)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and re.search(r"Key '[^']+' (is )?not in",
@@ -222,7 +219,7 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
         m = re.search(r"Could not (?:find|load) '([^']+)'", text)
         group, _, option = (m.group(1) if m else "").rpartition("/")
         if group and not group.startswith("hydra"):
-            from hrlplan.config import group_options
+            from hrlplan.compose import group_options   # why: compose imports this module
 
             return ConfigError(group, option, group_options(group))
     m = re.search(r"An item is already at '([^']+)'|'([^']+)' is already in the defaults list", text)
@@ -246,8 +243,6 @@ def parse_yaml_limited(text: str) -> Any:
     laughs) is small on disk and expands exponentially in whatever walks the loaded tree: the node
     graph is composed first (aliases share their node, so this is linear) and its expanded size
     counted with memoization, before anything is built."""
-    import yaml
-
     if len(text) > MAX_YAML_BYTES:
         raise YamlBudgetError(f"is {len(text) / 2**20:.1f} MiB; a plan or cluster file is at most "
                               f"{MAX_YAML_BYTES // 2**20} MiB")
@@ -261,8 +256,6 @@ def parse_yaml_limited(text: str) -> Any:
 
 def load_yaml_text(text: str, source: str, key: str) -> Any:
     """parse_yaml_limited, its refusals as a ConfigError naming `key` (key=source ...)."""
-    import yaml
-
     try:
         return parse_yaml_limited(text)
     except YamlBudgetError as err:
@@ -272,8 +265,6 @@ def load_yaml_text(text: str, source: str, key: str) -> Any:
 
 
 def _expanded_size(node: Any, seen: Dict[int, int]) -> int:
-    import yaml
-
     if id(node) in seen:
         return seen[id(node)]
     seen[id(node)] = MAX_YAML_NODES + 1   # a node reached again while counting it: a cycle, refuse
@@ -312,9 +303,11 @@ def _refuse_on(key: str, path: str, load: Callable[[], Any]) -> Any:
 
 
 # ---------------------------------------------------------------- this host, before workers start
-def check_environment(config: Dict[str, Any], launching: bool = True) -> None:
+def check_environment(config: Any, launching: bool = True) -> None:
     """Everything the launcher can check before it starts workers; launching=False inside a job
-    someone else launched (torchrun, SLURM), where the world size is theirs."""
+    someone else launched (torchrun, SLURM), where the world size is theirs. config: the run's Config
+    or its plain form (checked as plain values, the keys as users type them)."""
+    config = c.as_dict(config)
     train, data, arch = config["train"], config.get("data") or {}, config.get("arch") or {}
     resume = str(train.get("resume", "none"))
     if resume not in ("none", "auto") and not Path(resume).exists():
@@ -328,7 +321,7 @@ def check_environment(config: Dict[str, Any], launching: bool = True) -> None:
         path = str(cluster["spec_file"])
         _refuse_on("cluster.spec_file", path, lambda: _load_cluster_spec(path))
     if train.get("device") == "cuda":
-        import torch
+        import torch   # why: composing and checking a config never needs torch (`--help`, completion)
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
@@ -343,8 +336,6 @@ def _check_data(config: Dict[str, Any], arch: Dict[str, Any], data: Dict[str, An
         path = data.get("path") or config.get("data_path")
         if not path:
             return   # the trainer's default preset, built on first use
-        from hrlplan.data.sudoku import dataset_exists, resolve_preset
-
         if not dataset_exists(str(path)) and resolve_preset(str(path)) is None:
             key = "data_path" if config.get("data_path") else "data.path"
             raise ConfigError(key, path, message=f"{key}={path} has no train/dataset.json and test/dataset.json, "
@@ -384,7 +375,7 @@ def _check_model_config(arch: Dict[str, Any]) -> None:
 def _check_plan_file(plan_file: Any) -> None:
     if not plan_file:
         raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
-    from hrlplan.plan import Plan
+    from hrlplan.plan import Plan   # why: plan loads its YAML through this module
 
     path = str(plan_file)
     text = _read_file("planner.plan_file", path)
@@ -393,7 +384,7 @@ def _check_plan_file(plan_file: Any) -> None:
 
 
 def _load_cluster_spec(path: str) -> Any:
-    from hrlplan.cluster import ClusterSpec
+    from hrlplan.cluster import ClusterSpec   # why: it brings torch, as above
 
     data = json.loads(_read_file("cluster.spec_file", path))
     if not isinstance(data, dict):
@@ -428,9 +419,6 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
                        limit: int = 24) -> List[Any]:
     """Compose each point a (multirun) override list describes, one sweep value at a time, so a bad
     value anywhere in a sweep is refused before the first job starts. Returns the composed configs."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Glob, Transformer
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as e:
@@ -445,7 +433,7 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
                                   "values: add -m (--multirun) to run one job per value")
             try:
                 if isinstance(o.value(), Glob):   # `-m 'arch=glob(gpt2*)'`: the group's options it matches
-                    from hrlplan.config import group_options
+                    from hrlplan.compose import group_options   # why: as above
 
                     values = o.value().filter(group_options(o.key_or_group))
                 else:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-from hrlplan.config import compose
+from hrlplan.compose import compose
 from hrlplan.plan import homogeneous_plan
 
 ROOT = Path(__file__).resolve().parent.parent

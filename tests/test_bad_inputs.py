@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from hrlplan import app as pretrain  # noqa: E402  (the Hydra app behind pretrain.py)
 
-from hrlplan.config import compose  # noqa: E402
+from hrlplan.compose import compose  # noqa: E402
 from hrlplan.errors import UserError  # noqa: E402
 from hrlplan.validate import check_environment  # noqa: E402
 

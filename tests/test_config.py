@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hrlplan.config import HRM_RECIPE, TOP_LEVEL_ALIASES, DType, Schedule, compose
+from hrlplan.compose import compose
+from hrlplan.config import HRM_RECIPE, TOP_LEVEL_ALIASES, DType, Schedule
 from hrlplan.errors import ConfigError
 from hrlplan.model_meta import conf_dir
 
@@ -115,7 +116,7 @@ def test_the_users_explicit_value_beats_the_hrm_recipe(override, key, value):
 
 
 def test_a_config_files_value_beats_the_hrm_recipe():
-    from hrlplan.config import apply_hrm_recipe
+    from hrlplan.compose import apply_hrm_recipe
 
     # an experiment file moved warmup_steps off the language-model default: it stays
     cfg = {"arch": {"family": "hrm"}, "train": {"warmup_steps": 100, "min_lr_ratio": 0.1, "seed": 1234,

@@ -77,7 +77,7 @@ def test_resume_with_fewer_workers_replans_and_continues(tmp_path):
 def test_checkpoint_keys_do_not_depend_on_the_stage_split(tmp_path):
     """Unit level (one process, no process group): the flat state of a 2-stage split and of the
     whole model have the same weight and Adam keys, the tied head standing in for the embedding."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.models.hf import build_stage_modules
     from hrlplan.runtime import checkpoint as ckpt
     from hrlplan.runtime.trainer import build_full_model, make_optimizer

@@ -17,7 +17,7 @@ def test_largest_microbatch_the_planner_may_pick():
 
 def test_llama7b_calibration_fits_the_device():
     """Llama-7B, gbs 256, seq 4096 ran one block on the whole batch (~146 GB of activations)."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
 
     arch = compose(["arch=llama-7b"])["arch"]

@@ -16,7 +16,7 @@ def sbatch_text(overrides, tmp_path, monkeypatch) -> str:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from omegaconf import OmegaConf
 
-    from hrlplan.config import register_configs
+    from hrlplan.compose import register_configs
     from hrlplan.model_meta import conf_dir
 
     register_configs()

@@ -14,7 +14,7 @@ LLAMA = ["arch=llama-tiny", "arch.num_hidden_layers=4", "train.lr=3e-3"]
 def _model(arch):
     import torch
 
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch
 
     with torch.device("meta"):
@@ -57,7 +57,7 @@ def _replicas_plan():
 def test_heterogeneous_replicas_resume_the_same_loss_curve(tmp_path):
     """Two replicas hold every layer: the checkpoint keeps one copy per parameter name, and each
     replica's stages load theirs back under their own split."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.launch.local_run import train_plan
 
     config = compose([*GPT2, "train.steps=6", "train.checkpoint_interval=0", "logger.mode=disabled"])

@@ -7,7 +7,8 @@ import copy
 import pytest
 
 from hrlplan.cluster import ClusterSpec, DeviceInfo
-from hrlplan.config import compose
+from hrlplan.compose import compose
+from hrlplan.config import typed
 from hrlplan.runtime import preempt
 
 
@@ -35,26 +36,26 @@ def test_stop_flag_is_set_by_request_and_read_without_a_process_group():
 def test_plan_cache_key_ignores_measured_figures_but_not_settings(tmp_path):
     from hrlplan.launch import plan_cache
 
-    config = compose([])
-    config["run_dir"] = str(tmp_path)
+    config = typed(compose([]))
+    config.run_dir = str(tmp_path)
     key = plan_cache.cache_key(config, spec(bw=1e9))
     assert plan_cache.cache_key(config, spec(bw=3e9)) == key  # a re-probe measures other bandwidths
     assert plan_cache.cache_key(config, spec(n=4)) != key
     other = copy.deepcopy(config)
-    other["train"]["schedule"] = "gpipe"
+    other.train.schedule = "gpipe"
     assert plan_cache.cache_key(other, spec()) != key
     other = copy.deepcopy(config)
-    other["planner"]["name"] = "hrl"
+    other.planner["name"] = "hrl"
     assert plan_cache.cache_key(other, spec()) != key
-    assert not plan_cache.cacheable(compose(["planner=manual"]))
+    assert not plan_cache.cacheable(typed(compose(["planner=manual"])))
 
 
 def test_plan_cache_round_trip(tmp_path):
     from hrlplan.plan import homogeneous_plan
     from hrlplan.launch import plan_cache
 
-    config = compose([])
-    config["run_dir"] = str(tmp_path)
+    config = typed(compose([]))
+    config.run_dir = str(tmp_path)
     plan = homogeneous_plan("gpt2-tiny", 6, [(0, 3), (3, 6)], dp=1, tp=1, microbatch_size=2, num_microbatches=4,
                             schedule="1f1b")
     assert plan_cache.load(config, "k1") is None
@@ -72,15 +73,18 @@ def test_calibration_cache_is_shared_across_runs_that_measure_the_same_thing(tmp
     monkeypatch.delenv(plan_cache.CALIBRATION_CACHE_ENV, raising=False)
     monkeypatch.delenv(plan_cache.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    config = compose([])
-    config["run_dir"] = str(tmp_path)
+    config = typed(compose([]))
+    config.run_dir = str(tmp_path)
     key = plan_cache.calibration_key(config, spec(bw=1e9))
     assert key.startswith("calibration-") and key != plan_cache.cache_key(config, spec())
     same = [("train", "lr", 1e-4), ("train", "steps", 7), ("planner", "name", "hrl"), ("train", "schedule", "gpipe")]
     other = [("train", "dtype", "bfloat16"), ("train", "global_batch_size", 16), ("data", "seq_len", 32)]
     for group, field, value in same + other:
         changed = copy.deepcopy(config)
-        changed[group][field] = value
+        if group == "planner":
+            changed.planner[field] = value
+        else:
+            setattr(getattr(changed, group), field, value)
         assert (plan_cache.calibration_key(changed, spec()) == key) == ((group, field, value) in same), field
     assert plan_cache.calibration_key(config, spec(n=4)) != key
     assert plan_cache.load_calibration(config, key) is None
@@ -122,7 +126,7 @@ def test_sweep_group_names_the_sweep_directory(tmp_path, monkeypatch):
 def _hydra_launcher(*overrides):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from hrlplan.config import register_configs
+    from hrlplan.compose import register_configs
     from hrlplan.model_meta import conf_dir
 
     register_configs()
@@ -155,8 +159,8 @@ def test_submitit_checkpoint_hook_only_flags_and_resubmits_with_resume():
     task = SubmititTask(config)
     delayed = task.checkpoint()
     assert preempt.stop_requested()
-    assert delayed.function.config["train"]["resume"] == "auto"
-    assert config["train"]["resume"] == "none"  # the running job's own config is untouched
+    assert delayed.function.config.train.resume == "auto"
+    assert task.config.train.resume == "none" and config["train"]["resume"] == "none"  # the running job's is untouched
 
 
 def test_finish_preempted_outside_slurm_just_returns(monkeypatch):
@@ -171,7 +175,7 @@ def test_hrm_memory_warning(monkeypatch, capsys):
     from hrlplan.launch.planning import HRM_CHECKED_ENV, warn_hrm_memory
 
     monkeypatch.delenv(HRM_CHECKED_ENV, raising=False)
-    config = compose(["arch=hrm", "data=sudoku"])
+    config = typed(compose(["arch=hrm", "data=sudoku"]))
     warning = warn_hrm_memory(config, 2**28, 1)  # 256 MiB: the default HRM does not fit
     assert warning and "arch.hidden_size=" in warning
     assert "warning" in capsys.readouterr().err

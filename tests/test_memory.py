@@ -78,7 +78,7 @@ def test_memory_metrics_names():
 def _measure_lm(arch="gpt2-tiny", batch=8, recompute="none"):
     """One stage, one micro-batch of `batch` rows: the measured peak split, and the model's meta with
     its block activations as autograd's saved-tensor hooks count them on this model."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
     from hrlplan.models.hf import causal_lm_loss, hf_layout
     from hrlplan.runtime.recompute import wrap_block
@@ -186,7 +186,7 @@ def test_fsdp_holds_unsharded_gradients_only_with_micro_batches():
 
 
 def test_reference_without_clipping():
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.runtime.reference import train_single_process
 
     for clip in ("null", "0"):
@@ -252,7 +252,7 @@ def test_block_backward_working_set_as_measured(arch):
     """One block's backward (a second micro-batch: its weight gradient is made before being added to
     the first's) adds what block_backward_per_token and weight_gradient_temporary say, over what the
     forward saved -- live tensor storages."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.model_meta import introspect
     from hrlplan.models.hf import hf_layout
     from hrlplan.runtime.trainer import build_full_model
@@ -294,7 +294,7 @@ def test_block_backward_working_set_as_measured(arch):
 def test_pipelined_ranks_within_10pct(tmp_path, name):
     """Ranks holding one block or a second virtual stage, where a backward's working set and zero
     bubble's kept gradients weigh most (+16..26% before they were modelled): 2 steps each."""
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.cost.plans import options_for_train
     from hrlplan.launch.local_run import train_plan
     from hrlplan.model_meta import introspect

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hrlplan.config import compose
+from hrlplan.compose import compose
 from hrlplan.models.hf import build_stage_modules, hf_config_from_arch, build_hf_model, materialize
 from hrlplan.runtime.trainer import build_full_model
 

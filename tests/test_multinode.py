@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hrlplan.config import compose
+from hrlplan.compose import compose
 from hrlplan.runtime.metrics import read_metrics
 from hrlplan.runtime.reference import train_single_process
 

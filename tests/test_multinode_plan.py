@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from hrlplan.cluster import ClusterSpec, DeviceInfo, node_bandwidth, node_orders
-from hrlplan.config import compose
+from hrlplan.compose import compose
 
 GBIT = 1e9 / 8
 PROBED = [[0.0, 12.27, 14.65], [12.27, 0.0, 0.99], [14.65, 0.99, 0.0]]   # Gbit/s

@@ -120,7 +120,7 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients(mode):
 def test_two_stage_plan_with_full_recompute_trains_as_without(tmp_path):
     from hrlplan.plan import homogeneous_plan
     from hrlplan.launch.local_run import train_plan
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
 
     config = compose(["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3", "train.steps=3",
                       "train.checkpoint_interval=0", "logger.mode=disabled", "train.global_batch_size=8"])

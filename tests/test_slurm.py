@@ -20,7 +20,7 @@ from typing import Any, List
 import pytest
 import yaml
 
-from hrlplan.config import compose
+from hrlplan.compose import compose
 from hrlplan.plan import homogeneous_plan
 from hrlplan.runtime.metrics import read_metrics
 

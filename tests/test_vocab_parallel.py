@@ -14,7 +14,7 @@ LLAMA = ["arch=llama-tiny", "arch.num_hidden_layers=2", "train.lr=3e-3"]
 
 
 def _stage(overrides: List[str]):
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.models.hf import HFStage
     from hrlplan.runtime.trainer import build_full_model
 
@@ -117,7 +117,7 @@ def test_hetero_units_name_a_recomputed_block_as_a_plain_one():
     parameters); replicas that recompute differently still pack one block's gradients in one order."""
     import torch
 
-    from hrlplan.config import compose
+    from hrlplan.compose import compose
     from hrlplan.models.hf import build_hf_model, build_stage_modules, hf_config_from_arch
     from hrlplan.runtime.hetero import _param_units, embedding_units
     from hrlplan.runtime.recompute import apply_recompute

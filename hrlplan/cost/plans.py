@@ -11,19 +11,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.simulator import Simulator
 
 
-def options_for_train(train: Dict[str, Any], planner: Optional[Dict[str, Any]] = None) -> CostOptions:
-    """CostOptions from a train config (the same rule as hrlplan.search.common.cost_options)."""
-    planner = planner or {}
-    return CostOptions(bytes_per_value=2 if str(train.get("dtype", "float32")) == "bfloat16" else 4,
-                       dp_mode=str(train.get("dp_mode", "fsdp")),
+def options_for_train(train: TrainConfig, planner: Optional[Dict[str, Any]] = None) -> CostOptions:
+    """CostOptions from a train config, typed or plain (the same rule as hrlplan.search.common.cost_options)."""
+    train, planner = section(TrainConfig, train), planner or {}
+    return CostOptions(bytes_per_value=2 if train.dtype == "bfloat16" else 4,
+                       dp_mode=str(train.dp_mode),
                        dp_overlap=bool(planner.get("dp_overlap", True)),
                        memory_margin=float(planner.get("memory_margin", 0.9)),
                        # as the runtime runs tp stages (train.vocab_parallel, default on)
-                       vocab_parallel=bool(train.get("vocab_parallel", True)))
+                       vocab_parallel=bool(train.vocab_parallel))
 
 
 def rank_devices(plan) -> List[int]:

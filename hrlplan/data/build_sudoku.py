@@ -30,6 +30,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tqdm import tqdm
 
 from hrlplan.data.publish import publish_build
 from hrlplan.data.sudoku import SudokuPreset, build_sudoku_dataset, resolve_preset, write_split
@@ -130,8 +131,6 @@ def convert_subset(path: str, split: str, out_dir: str, rs: np.random.RandomStat
         indices = rs.choice(len(inputs), size=subsample_size, replace=False)
         inputs, labels = [inputs[i] for i in indices], [labels[i] for i in indices]
     augments = num_aug if split == "train" else 0
-    from tqdm import tqdm
-
     all_in, all_out = [], []
     for board, solution in zip(tqdm(inputs, desc=f"sudoku {split}", unit="puzzle"), labels):
         all_in.append(board)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fcntl
 import gzip
 import hashlib
 import json
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hrlplan.data.publish import publish_build
 
@@ -147,8 +149,6 @@ def _source_units(source: Optional[str], max_files: int, seed: int) -> List[Tupl
 # ---------------------------------------------------------------- tokenizer
 def train_bpe_tokenizer(texts: List[str], vocab_size: int):
     """Byte-level BPE (GPT-2 style: any byte sequence encodes; decode(encode(x)) == x)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -161,8 +161,6 @@ def train_bpe_tokenizer(texts: List[str], vocab_size: int):
 def load_tokenizer(spec: str):
     """A tokenizer.json file, a directory holding one, or a model id already in the local HF cache
     (never downloads)."""
-    from tokenizers import Tokenizer
-
     if os.path.isfile(spec):
         return Tokenizer.from_file(spec)
     if os.path.isfile(os.path.join(spec, "tokenizer.json")):
@@ -224,8 +222,6 @@ def _existing_settings(out_dir: str) -> Optional[Dict[str, object]]:
 @contextlib.contextmanager
 def build_lock(out_dir: str):
     """An exclusive lock file beside out_dir (flock: released even if the holder dies)."""
-    import fcntl
-
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     with open(os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.lock"), "w") as handle:
@@ -296,8 +292,7 @@ class CodeCorpus:
 
     @classmethod
     def load(cls, path: str) -> "CodeCorpus":
-        import torch
-        from tokenizers import Tokenizer
+        import torch   # why: as in sudoku.py, building the corpus never needs torch
 
         meta_path = os.path.join(path, "meta.json")
         if not os.path.exists(meta_path):

@@ -5,9 +5,12 @@ take their own rows and a resumed run continues with exactly the batches it woul
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 import torch
+
+from hrlplan.config import DataConfig, section
+from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
 
 
 class SyntheticTokens:
@@ -52,21 +55,20 @@ class TokenWindows:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def build_lm_data(data_cfg: Dict[str, Any], vocab_size: int, seed: int):
-    name = data_cfg["name"]
+def build_lm_data(data: DataConfig, vocab_size: int, seed: int):
+    """The language-model stream `data` (a DataConfig, or its plain mapping) names."""
+    data = section(DataConfig, data)
+    name = str(data.name)
     if name == "synthetic":
-        return SyntheticTokens(vocab_size, int(data_cfg["seq_len"]), seed, int(data_cfg.get("synthetic_chains", 4)))
+        return SyntheticTokens(vocab_size, int(data.seq_len), seed, int(data.synthetic_chains))
     if name == "code":
-        from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
-
-        path = data_cfg.get("path") or "data/code"
+        path = data.path or "data/code"
         # The corpus does not depend on the training seed: changing train.seed must not rebuild it.
         corpus = CodeCorpus.load(prepare_code_corpus(
-            path, int(data_cfg.get("vocab_size", 4096)), int(data_cfg.get("max_files", 2000)), 0,
-            tokenizer=data_cfg.get("tokenizer"), source=data_cfg.get("source")))
+            path, int(data.vocab_size), int(data.max_files), 0, tokenizer=data.tokenizer, source=data.source))
         if corpus.vocab_size > vocab_size:
             raise ValueError(f"data: the tokenizer at {path} has {corpus.vocab_size} tokens but arch.vocab_size is "
                              f"{vocab_size}; set arch.vocab_size={corpus.vocab_size} (or larger)")
-        return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data_cfg["seq_len"]), seed)
+        return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data.seq_len), seed)
     raise ValueError(f"data.name={name!r} is not a language-model data set; choose synthetic or code "
                      "(sudoku is for arch=hrm)")

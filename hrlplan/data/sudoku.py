@@ -43,7 +43,9 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tqdm import tqdm
 
+from hrlplan.data.code_corpus import build_lock
 from hrlplan.data.publish import publish_build
 
 # ---------------------------------------------------------------- solver (bitmask backtracking)
@@ -230,8 +232,6 @@ def _generate_chunk(args: Tuple[int, str, Sequence[int], SudokuPreset]):
 def generate_puzzles(count: int, seed: int, split: str, preset: SudokuPreset, workers: int = 1,
                      progress: bool = True) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(puzzles, solutions, ratings) as uint8 [count, 81] x2 and int32 [count]."""
-    from tqdm import tqdm
-
     chunk = 8
     tasks = [(seed, split, range(s, min(count, s + chunk)), preset) for s in range(0, count, chunk)]
     bar = tqdm(total=count, desc=f"sudoku {split}", unit="puzzle", disable=not progress)
@@ -354,8 +354,6 @@ def ensure_sudoku_dataset(path: str, seed: int = 0, log: Callable[[str], None] =
     """Return `path`, building it first when it is missing and its name is a preset."""
     if dataset_exists(path):
         return path
-    from hrlplan.data.code_corpus import build_lock
-
     with build_lock(path):   # a concurrent job building the same preset finishes first
         if dataset_exists(path):
             return path
@@ -449,7 +447,7 @@ class PuzzleSplit:
         return epochs_per_iter * self.num_groups // global_batch_size
 
     def _collate(self, example_ids: np.ndarray, puzzle_ids: np.ndarray, size: int):
-        import torch
+        import torch   # why: building a data set (build_sudoku, its process pool) never needs torch
 
         from hrlplan.models.hrm import IGNORE_LABEL_ID
 

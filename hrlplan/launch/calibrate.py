@@ -7,7 +7,8 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from hrlplan.cluster import ClusterSpec, default_nproc_per_node
-from hrlplan.config import compose
+from hrlplan.compose import compose
+from hrlplan.config import DataConfig, TrainConfig, typed
 from hrlplan.launch.local import launch_workers
 from hrlplan.model_meta import resolve_arch
 from hrlplan.runtime.calibrate import calibrate_in_job
@@ -16,8 +17,8 @@ from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.instances import load_cluster
 
 
-def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any]):
-    init_distributed(str(train.get("device", "auto")), train)
+def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: TrainConfig, data: DataConfig):
+    init_distributed(str(train.device), train)
     prepare_worker()
     try:
         spec = calibrate_in_job(ClusterSpec.from_dict(spec_dict), arch, train, data)
@@ -37,10 +38,10 @@ def calibrate_cli(args) -> None:
     """Measure on this machine's workers (as many as the spec's first node lists) and write the spec."""
     spec = load_cluster(args.cluster)
     arch = resolve_arch(args.model_id)
-    cfg = compose([f"train.dtype={getattr(args, 'dtype', 'float32')}"])
+    cfg = typed(compose([f"train.dtype={getattr(args, 'dtype', 'float32')}"]))
     nproc = min(spec.node_sizes()[0], default_nproc_per_node("auto"))
     sub = _first_ranks(spec, nproc)
-    result = launch_workers(_cli_worker, (sub.to_dict(), arch, cfg["train"], cfg["data"]), nproc,
+    result = launch_workers(_cli_worker, (sub.to_dict(), arch, cfg.train, cfg.data), nproc,
                             name="hrlplan-calibrate")[0]
     spec.calibration = result["calibration"]
     out = args.out or args.cluster

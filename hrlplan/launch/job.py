@@ -29,21 +29,25 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
 from hrlplan.cluster import default_nproc_per_node, load_or_probe_in_job
+from hrlplan.config import Config, as_config
 from hrlplan.errors import UserError
 from hrlplan.launch import slurm
 from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, launch_workers
 from hrlplan.launch.planning import (calibrated, check_world, introspect_and_plan, local_device_memory, plan_only,
                                      probes_here, wants_calibration, warn_hrm_memory)
 from hrlplan.launch.ranks import broadcast, init_worker, job_peak_flops, leave_idle_ranks, train_ranks
-from hrlplan.launch.report import make_logger, predicted_step, report
+from hrlplan.launch.report import JobInfo, make_logger, predicted_step, report
 from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
 from hrlplan.runtime import preempt
 from hrlplan.runtime.checkpoint import checkpoint_problem, latest_checkpoint, list_checkpoints
 from hrlplan.runtime.distributed import cpu_group, shutdown
 from hrlplan.runtime.hrm_trainer import train_hrm
-from hrlplan.runtime.trainer import PipelineTrainer
+from hrlplan.runtime.trainer import MFUBasis, PipelineTrainer
 from hrlplan.validate import check_environment
 
 ERROR_FILE = ".worker_error"
@@ -51,27 +55,18 @@ LOCAL_AGENT_ENV = "HRLPLAN_LOCAL_AGENT"
 
 
 # ---------------------------------------------------------------- entry from Hydra
-def run_from_hydra(cfg) -> Optional[Dict[str, Any]]:
-    from hydra.core.hydra_config import HydraConfig   # only when Hydra runs the job
-    from hydra.types import RunMode
-
-    from hrlplan.config import to_plain
-
+def run_from_hydra(config: Config) -> Optional[Dict[str, Any]]:
+    """The Hydra app's job (hrlplan/app.py, which composed and checked `config`): run in Hydra's
+    output directory unless run_dir is set; in a sweep, one W&B group and a numbered run per point."""
+    job = JobInfo()
     hc = HydraConfig.get()
-    run_dir = cfg.run_dir or hc.runtime.output_dir
-    try:
-        config = to_plain(cfg, list(hc.overrides.task))
-    except UserError as e:
-        print(f"hrlplan: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    config["run_dir"] = str(Path(run_dir).resolve())
-    config["_t0"] = time.time()
+    config.run_dir = str(Path(config.run_dir or hc.runtime.output_dir).resolve())
     if hc.mode == RunMode.MULTIRUN:
         # One W&B run per job, grouped by the sweep; the run's name says which point it is.
-        config["logger"]["group"] = config["logger"].get("group") or sweep_group(str(hc.sweep.dir))
-        config["_job_num"] = int(hc.job.num)
+        config.logger.group = config.logger.group or sweep_group(str(hc.sweep.dir))
+        job.sweep_index = int(hc.job.num)
     try:
-        return run(config)
+        return run(config, job)
     except Interrupted as e:   # Ctrl-C/SIGTERM: where the checkpoint is, and the shell's exit status
         print(f"[hrlplan] {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
@@ -92,9 +87,11 @@ def sweep_group(sweep_dir: str) -> str:
     return "-".join(p for p in path.parts if p not in ("/", ""))[-128:]
 
 
-def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Run the job described by a resolved config dict; returns rank 0's summary where it can."""
-    run_dir = Path(config["run_dir"])
+def run(config: Config, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any]]:
+    """Run the job `config` describes (a Config, or compose()'s plain dict); returns rank 0's summary
+    where it can."""
+    config, job = as_config(config), job or JobInfo()
+    run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     situation = None
     if slurm.in_submitit_task():
@@ -108,19 +105,18 @@ def run(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         if slurm.restart_count() > 0 and _has_checkpoint(run_dir):
             # SLURM restarted this job (our requeue after a preemption checkpoint, a timeout, a node
             # failure): continue from this run's last checkpoint, whatever resume said at submission.
-            config["train"]["resume"] = "auto"
+            config.train.resume = "auto"
     if in_distributed_job():
-        return worker_main(config, raise_errors=situation == "submitit")
-    cluster = config["cluster"]
-    if not probes_here(cluster):
+        return worker_main(config, raise_errors=situation == "submitit", job=job)
+    if not probes_here(config.cluster):
         return plan_only(config)   # a preset or a cluster.json: planned here, nothing to train on
     # A probed cluster, mode=plan included: the workers probe (and calibrate) the real devices.
     check_environment(config)   # what a user can get wrong, before any worker starts
-    nproc = default_nproc_per_node(cluster.get("nproc_per_node", "auto"), config["train"]["device"])
+    nproc = default_nproc_per_node(config.cluster.nproc_per_node, str(config.train.device))
     warn_hrm_memory(config, local_device_memory(nproc), nproc)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
-        results = launch_workers(worker_main, (config,), nproc)
+        results = launch_workers(worker_main, (config, False, job), nproc)
     except Interrupted as stop:
         return _interrupted(run_dir, stop)
     except UserError:
@@ -176,18 +172,19 @@ def _install_stop_handler() -> Dict[int, Any]:
 
 
 # ---------------------------------------------------------------- inside a worker
-def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[Dict[str, Any]]:
+def worker_main(config: Config, raise_errors: bool = False, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any]]:
     """Entry point of every rank. Errors a user can fix are written once for the launcher to show.
 
     raise_errors (submitit tasks): raise the UserError instead of exiting, so submitit stores it as
     the job's result and the submitter sees the message."""
+    config, job = as_config(config), job or JobInfo()
     replaced = _install_stop_handler()
     try:
-        return _worker(config)
+        return _worker(config, job)
     except UserError as e:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         if rank == 0:
-            Path(config["run_dir"], ERROR_FILE).write_text(str(e))
+            Path(config.run_dir, ERROR_FILE).write_text(str(e))
             if not os.environ.get(LOCAL_AGENT_ENV):  # our local launcher prints it once itself
                 print(f"hrlplan: error: {e}", file=sys.stderr, flush=True)
         if raise_errors:
@@ -209,26 +206,27 @@ def worker_main(config: Dict[str, Any], raise_errors: bool = False) -> Optional[
             signal.signal(sig, old)
 
 
-def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
     """One rank's job: probe (and calibrate) -> rank 0 plans, every rank gets the plan -> train -> report."""
-    device = init_worker(config)
+    device = init_worker(config.train)
     spec, probe_s = _measure(config, device)
     plan, facts = _agree_on_plan(config, spec)
-    if config["mode"] == "plan":
+    if config.mode == "plan":
         return _stop_after_planning(config, plan)
-    plan = _join_training_ranks(config, spec, plan, facts)
-    if plan is None:
+    joined = _join_training_ranks(config, spec, plan, facts)
+    if joined is None:
         return None   # an idle worker: out of every collective, it exits cleanly
+    plan, mfu_basis = joined
     rank = dist.get_rank()
-    logger = make_logger(config, rank, spec, plan)
+    logger = make_logger(config, rank, spec, plan, job=job)
     if rank == 0:
         logger.note(f"cluster: {spec.summary()} (probed in {probe_s:.1f} s)")
         logger.note(f"plan: {plan.layout()}  pp={plan.pp} dp={plan.dp} micro-batches "
                     f"{plan.num_microbatches}x{plan.microbatch_size} schedule={plan.schedule}"
                     + (" (cached plan)" if facts.get("cached") else ""))
-    summary = _train(config, plan, logger, device, facts["family"])
+    summary = _train(config, plan, logger, device, facts["family"], mfu_basis)
     if rank == 0:
-        report(config, plan, logger, summary)
+        report(config, plan, logger, summary, job)
     logger.finish()
     if summary.get("preempted"):
         slurm.finish_preempted(broadcast, rank)  # requeues and exits when this is a SLURM job
@@ -238,11 +236,11 @@ def _worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return dict(summary) if rank == 0 else None
 
 
-def _measure(config: Dict[str, Any], device) -> Tuple[Any, float]:
+def _measure(config: Config, device) -> Tuple[Any, float]:
     """Collective: the cluster as probed (or loaded), with measured block/p2p times replacing the
     peak-FLOP estimates when calibration is wanted."""
     t_probe = time.time()
-    spec = load_or_probe_in_job(config["cluster"], device=device, dtype=config["train"]["dtype"], group=cpu_group())
+    spec = load_or_probe_in_job(config.cluster, device=device, dtype=str(config.train.dtype), group=cpu_group())
     probe_s = time.time() - t_probe
     if wants_calibration(config):
         try:
@@ -252,13 +250,13 @@ def _measure(config: Dict[str, Any], device) -> Tuple[Any, float]:
     return spec, probe_s
 
 
-def _agree_on_plan(config: Dict[str, Any], spec) -> Tuple[Plan, Dict[str, Any]]:
+def _agree_on_plan(config: Config, spec) -> Tuple[Plan, Dict[str, Any]]:
     """Collective: rank 0 introspects and plans; every rank learns the plan or the one error message."""
     rank, world = dist.get_rank(), dist.get_world_size()
     result: Dict[str, Any] = {}
     if rank == 0:
         try:
-            spec.save(Path(config["run_dir"]) / "cluster.json")
+            spec.save(Path(config.run_dir) / "cluster.json")
             plan, info, meta = introspect_and_plan(config, spec, use_cache=True)
             check_world(plan, world)
             check_fits(plan, spec)
@@ -277,40 +275,42 @@ def _agree_on_plan(config: Dict[str, Any], spec) -> Tuple[Plan, Dict[str, Any]]:
     return Plan.from_yaml(result.pop("plan")), result
 
 
-def _stop_after_planning(config: Dict[str, Any], plan: Plan) -> Optional[Dict[str, Any]]:
+def _stop_after_planning(config: Config, plan: Plan) -> Optional[Dict[str, Any]]:
     if dist.get_rank() != 0:
         return None
-    run_dir = Path(config["run_dir"])
+    run_dir = Path(config.run_dir)
     print(f"[hrlplan] mode=plan: wrote {run_dir / 'plan.yaml'} ({plan.layout()}, predicted step "
           f"{(predicted_step(plan) or float('nan')) * 1e3:.4g} ms); train it with planner=manual "
           f"planner.plan_file={run_dir / 'plan.yaml'}", flush=True)
     return {"plan": plan.to_dict()}
 
 
-def _join_training_ranks(config: Dict[str, Any], spec, plan: Plan, facts: Dict[str, Any]) -> Optional[Plan]:
-    """Collective: MFU's figures for the trainer; ranks the plan leaves idle leave the job (None)."""
+def _join_training_ranks(config: Config, spec, plan: Plan,
+                         facts: Dict[str, Any]) -> Optional[Tuple[Plan, MFUBasis]]:
+    """Collective: the plan this rank trains (renumbered when ranks stay idle) and MFU's figures;
+    None on a rank the plan leaves idle, which has left the job."""
     used = train_ranks(plan)
-    config["_flops_per_token"] = facts["flops_per_token"]
-    config["_peak_flops"] = broadcast(job_peak_flops(spec, used, config["train"]) if spec is not None else None)
+    peak = broadcast(job_peak_flops(spec, used, config.train) if spec is not None else None)
     if dist.get_rank() == 0 and plan.unused_ranks and not plan.heterogeneous:
         print(f"[hrlplan] the plan trains on {len(used)} of {plan.world_size} workers (faster than all of them "
               f"here); idle: ranks {plan.unused_ranks}", flush=True)
-    return leave_idle_ranks(plan, config["train"]["device"], config["train"])
+    trained = leave_idle_ranks(plan, str(config.train.device), config.train)
+    return None if trained is None else (trained, MFUBasis(facts["flops_per_token"], peak))
 
 
-def _train(config: Dict[str, Any], plan, logger, device, family: str) -> Dict[str, Any]:
+def _train(config: Config, plan, logger, device, family: str, mfu_basis: MFUBasis) -> Dict[str, Any]:
     """Train; a trainer follows hrlplan.runtime.preempt's contract: it checks the stop flag at
     every step boundary, checkpoints on all ranks and returns `preempted: True` (or raises
     preempt.Preempted)."""
-    run_dir = str(config["run_dir"])
+    run_dir = str(config.run_dir)
     try:
         if family == "hrm":
             summary = train_hrm(config, run_dir, plan, logger)
         else:
-            summary = PipelineTrainer(plan, config, run_dir, logger=logger, device=device).fit()
+            summary = PipelineTrainer(plan, config, run_dir, logger=logger, device=device, mfu_basis=mfu_basis).fit()
     except preempt.Preempted as p:
         summary = {"final_step": p.step, "history": [], "preempted": True, "checkpoint": p.checkpoint}
-    total = int(summary.get("total_steps") or config["train"]["steps"])
+    total = int(summary.get("total_steps") or config.train.steps)
     if summary.get("preempted") and int(summary.get("final_step") or 0) >= total:
         summary["preempted"] = False  # the signal came with the last step: the run is complete
     if summary.get("preempted"):

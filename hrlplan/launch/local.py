@@ -34,6 +34,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from hrlplan.errors import UserError, one_line
 
 SHUTDOWN_TIMEOUT_S = 15   # SIGTERM -> SIGKILL for the surviving workers: well inside a minute
@@ -162,8 +166,6 @@ def _environment(**values: str) -> Iterator[None]:
 def _recorded(entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Run entrypoint with torch's error recording: an exception's text reaches the agent (a
     module-level function, so the spawn start method can pickle it)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     return record(entrypoint)(*args)
 
 
@@ -171,8 +173,9 @@ def _log_dir(args: tuple, log_dir: Optional[str]) -> str:
     if log_dir:
         return str(log_dir)
     first = args[0] if args else None
-    if isinstance(first, dict) and first.get("run_dir"):
-        return str(Path(first["run_dir"]) / "logs")   # a job's config: keep its workers' logs with the run
+    run_dir = first.get("run_dir") if isinstance(first, dict) else getattr(first, "run_dir", None)
+    if run_dir:
+        return str(Path(run_dir) / "logs")   # a job's config: keep its workers' logs with the run
     return tempfile.mkdtemp(prefix="hrlplan-workers-")
 
 
@@ -183,10 +186,6 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     A worker that dies (or raises) stops the others; the failure is reported as one UserError that
     names the rank, how it ended and its first error line, with where its full output is. Ctrl-C or
     SIGTERM to this process stops the workers (see StopForwarder) and raises Interrupted."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     cores = len(os.sched_getaffinity(0))
     # As torchrun does: without this, N workers x all-core thread pools oversubscribe the CPU.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // max(nproc, 1)))

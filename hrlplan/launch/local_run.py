@@ -7,13 +7,15 @@ layer: it starts the workers (hrlplan.launch.local).
 """
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from hrlplan.config import compose
+from hrlplan.compose import compose
+from hrlplan.config import Config, LoggerConfig, LoggerMode, as_config
 from hrlplan.launch.local import launch_workers
 from hrlplan.plan import Plan
 from hrlplan.runtime.distributed import init_distributed, shutdown
@@ -23,17 +25,17 @@ from hrlplan.runtime.reference import train_single_process
 from hrlplan.runtime.trainer import PipelineTrainer
 
 
-def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
+def _worker(config: Config, plan_yaml: str, metrics_file: bool) -> Optional[Dict[str, Any]]:
     # CPU unless train.device=cuda: the tests and benches hand-write plans for more ranks than GPUs
-    setting = "cuda" if config["train"].get("device") == "cuda" else "cpu"
+    setting = "cuda" if config.train.device == "cuda" else "cpu"
     device = init_distributed(setting, {"collective_timeout_min": 5}).device
     prepare_worker()
     try:
         plan = Plan.from_yaml(plan_yaml)
         logger = None
-        if dist.get_rank() == 0 and config.get("_metrics_file", True):
-            logger = MetricsLogger(config["run_dir"], {}, {"mode": "disabled"}, enabled=True, echo=False)
-        trainer = PipelineTrainer(plan, config, config["run_dir"], logger=logger, device=device)
+        if dist.get_rank() == 0 and metrics_file:
+            logger = MetricsLogger(config.run_dir, {}, LoggerConfig(mode=LoggerMode.disabled), enabled=True, echo=False)
+        trainer = PipelineTrainer(plan, config, config.run_dir, logger=logger, device=device)
         summary = trainer.fit()
         if logger is not None:
             logger.finish()
@@ -42,17 +44,19 @@ def _worker(config: Dict[str, Any], plan_yaml: str) -> Optional[Dict[str, Any]]:
         shutdown()
 
 
-def train_plan(plan: Plan, config: Dict[str, Any], run_dir: str | os.PathLike,
-               predicted: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Run `plan` with `config` (a composed config dict) in plan.world_size local processes; returns
-    rank 0's summary (history, measured). `predicted` lands in plan.meta.predicted for plan_info.json."""
+def train_plan(plan: Plan, config: Config, run_dir: str | os.PathLike,
+               predicted: Optional[Dict[str, Any]] = None, metrics_file: bool = True) -> Dict[str, Any]:
+    """Run `plan` with `config` (a Config, or compose()'s plain dict) in plan.world_size local processes;
+    returns rank 0's summary (history, measured). `predicted` lands in plan.meta.predicted for
+    plan_info.json; metrics_file=False writes no metrics.jsonl/train.log (benches timing many runs)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if predicted is not None:
         plan.meta["predicted"] = predicted
     plan.save(run_dir / "plan.yaml")
-    config = dict(config, run_dir=str(run_dir))
-    results = launch_workers(_worker, (config, plan.to_yaml()), plan.world_size, name="hrlplan-local")
+    config = copy.deepcopy(as_config(config))
+    config.run_dir = str(run_dir)
+    results = launch_workers(_worker, (config, plan.to_yaml(), metrics_file), plan.world_size, name="hrlplan-local")
     return results[0]
 
 

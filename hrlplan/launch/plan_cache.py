@@ -21,6 +21,7 @@ read its entry (load_calibration / store_calibration).
 from __future__ import annotations
 
 import hashlib
+import fcntl
 import json
 import os
 import shutil
@@ -29,46 +30,48 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import hrlplan
+from hrlplan.config import Config, as_dict
+from hrlplan.plan import Plan, PlanError
+
 # The training settings make_plan reads (see hrlplan.search.make_plan).
 PLAN_TRAIN_KEYS = ("global_batch_size", "schedule", "stages_per_rank", "microbatches", "dtype", "dp_mode")
 CACHE_ENV = "HRLPLAN_PLAN_CACHE"
 CALIBRATION_CACHE_ENV = "HRLPLAN_CALIBRATION_CACHE"
 
 
-def cacheable(config: Dict[str, Any]) -> bool:
+def cacheable(config: Config) -> bool:
     # A manual plan is read from its file every time: an edited file must win over a cache entry.
-    return str(config["planner"].get("name", "exact")) != "manual"
+    return str(config.planner.get("name", "exact")) != "manual"
 
 
-def cache_dir(config: Dict[str, Any]) -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path(config["run_dir"]) / "plan_cache")
+def cache_dir(config: Config) -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path(config.run_dir) / "plan_cache")
 
 
-def calibration_dir(config: Dict[str, Any]) -> Path:
+def calibration_dir(config: Config) -> Path:
     explicit = os.environ.get(CALIBRATION_CACHE_ENV) or os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hrlplan"
 
 
-def _key(config: Dict[str, Any], spec, **parts: Any) -> str:
-    import hrlplan
-
+def _key(config: Config, spec, **parts: Any) -> str:
     cluster = {
         "node_sizes": list(spec.node_sizes()),
         "devices": [[d.kind, d.name, round(d.memory_bytes / 2**30)] for d in spec.devices],
         "backend": spec.backend,
         "source": spec.source,
     }
-    payload = {"version": hrlplan.__version__, "cluster": cluster, "arch": config["arch"],
-               "seq_len": config["data"].get("seq_len"), **parts}
+    payload = {"version": hrlplan.__version__, "cluster": cluster, "arch": config.arch,
+               "seq_len": config.data.seq_len, **parts}
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def cache_key(config: Dict[str, Any], spec) -> str:
-    return _key(config, spec, planner=config["planner"],
-                train={k: config["train"].get(k) for k in PLAN_TRAIN_KEYS})
+def cache_key(config: Config, spec) -> str:
+    train = as_dict(config.train)
+    return _key(config, spec, planner=config.planner, train={k: train[k] for k in PLAN_TRAIN_KEYS})
 
 
 # The training settings calibrate_in_job reads: micro-batch sizes from the global batch, the dtype it
@@ -76,13 +79,12 @@ def cache_key(config: Dict[str, Any], spec) -> str:
 CALIBRATION_TRAIN_KEYS = ("global_batch_size", "dtype", "dp_mode", "weight_decay", "beta1", "beta2", "grad_clip")
 
 
-def calibration_key(config: Dict[str, Any], spec) -> str:
-    return "calibration-" + _key(config, spec, train={k: config["train"].get(k) for k in CALIBRATION_TRAIN_KEYS})
+def calibration_key(config: Config, spec) -> str:
+    train = as_dict(config.train)
+    return "calibration-" + _key(config, spec, train={k: train[k] for k in CALIBRATION_TRAIN_KEYS})
 
 
-def load(config: Dict[str, Any], key: str) -> Optional[Tuple[Any, Dict[str, Any]]]:
-    from hrlplan.plan import Plan, PlanError
-
+def load(config: Config, key: str) -> Optional[Tuple[Any, Dict[str, Any]]]:
     entry = cache_dir(config) / key
     try:
         plan = Plan.load(entry / "plan.yaml")
@@ -115,7 +117,7 @@ def _store_entry(root: Path, key: str, write, replace: bool = False) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def store(config: Dict[str, Any], key: str, plan, info: Dict[str, Any]) -> None:
+def store(config: Config, key: str, plan, info: Dict[str, Any]) -> None:
     def write(tmp: Path) -> None:
         plan.save(tmp / "plan.yaml")
         (tmp / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
@@ -131,7 +133,7 @@ CALIBRATION_WAIT_S = 15 * 60
 _held: Dict[str, Any] = {}   # lock path -> open file, for the locks this process holds
 
 
-def _read_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+def _read_calibration(config: Config, key: str) -> Optional[Dict[str, Any]]:
     try:
         cal = json.loads((calibration_dir(config) / key / "calibration.json").read_text())
     except (OSError, ValueError):
@@ -139,11 +141,9 @@ def _read_calibration(config: Dict[str, Any], key: str) -> Optional[Dict[str, An
     return cal if isinstance(cal, dict) else None
 
 
-def _lock_calibration(config: Dict[str, Any], key: str, wait_s: float) -> None:
+def _lock_calibration(config: Config, key: str, wait_s: float) -> None:
     """Hold key's lock (waiting for a job that holds it, up to wait_s), or go on without one where the
     cache cannot lock (a read-only directory, a filesystem without flock)."""
-    import fcntl
-
     path = calibration_dir(config) / f".{key}.lock"
     if str(path) in _held:
         return
@@ -171,13 +171,13 @@ def _lock_calibration(config: Dict[str, Any], key: str, wait_s: float) -> None:
     handle.close()
 
 
-def _unlock_calibration(config: Dict[str, Any], key: str) -> None:
+def _unlock_calibration(config: Config, key: str) -> None:
     handle = _held.pop(str(calibration_dir(config) / f".{key}.lock"), None)
     if handle is not None:
         handle.close()   # closing the file releases its flock
 
 
-def load_calibration(config: Dict[str, Any], key: str,
+def load_calibration(config: Config, key: str,
                      wait_s: float = CALIBRATION_WAIT_S) -> Optional[Dict[str, Any]]:
     """The stored calibration for key, or None: then this process holds key's lock until it calls
     store_calibration (another job of the sweep that misses waits for that entry instead of measuring)."""
@@ -190,7 +190,7 @@ def load_calibration(config: Dict[str, Any], key: str,
     return cal
 
 
-def store_calibration(config: Dict[str, Any], key: str, calibration: Dict[str, Any], replace: bool = False) -> None:
+def store_calibration(config: Config, key: str, calibration: Dict[str, Any], replace: bool = False) -> None:
     try:
         _store_entry(calibration_dir(config), key,
                      lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)), replace)

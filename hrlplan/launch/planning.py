@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan.cluster import ClusterSpec, spec_from_preset
+from hrlplan.config import ClusterConfig, Config, as_dict, calibration_mode
 from hrlplan.errors import UserError
 from hrlplan.launch import plan_cache
 from hrlplan.launch.ranks import broadcast
@@ -23,7 +24,6 @@ from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
 from hrlplan.runtime.calibrate import calibrate_in_job
 from hrlplan.search import make_plan
-from hrlplan.search.config import calibration_mode
 
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
 # GPT-2 counts too: its Conv1D layers are converted to nn.Linear before sharding.
@@ -31,19 +31,19 @@ TP_MODEL_TYPES = {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
 HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was considered
 
 
-def probes_here(cluster: Dict[str, Any]) -> bool:
+def probes_here(cluster: ClusterConfig) -> bool:
     """The job measures its own devices (cluster=local, in-job on SLURM) rather than planning for a
     preset or a cluster.json."""
-    return bool(cluster.get("probe", True)) and not cluster.get("spec_file")
+    return bool(cluster.probe) and not cluster.spec_file
 
 
-def wants_calibration(config: Dict[str, Any]) -> bool:
+def wants_calibration(config: Config) -> bool:
     """planner.calibrate: auto calibrates where a planner searches over real devices (a manual plan
     is only predicted, so it keeps peak figures unless asked); HRM plans data parallel only."""
-    mode = calibration_mode(config["planner"])
-    if mode == "false" or config["arch"].get("family") == "hrm":
+    mode = calibration_mode(config.planner)
+    if mode == "false" or config.arch.get("family") == "hrm":
         return False
-    return mode != "auto" or str(config["planner"].get("name")) != "manual"
+    return mode != "auto" or str(config.planner.get("name")) != "manual"
 
 
 def local_device_memory(nproc: int) -> float:
@@ -52,12 +52,12 @@ def local_device_memory(nproc: int) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
 
 
-def warn_hrm_memory(config: Dict[str, Any], device_memory_bytes: float, world_size: int) -> Optional[str]:
+def warn_hrm_memory(config: Config, device_memory_bytes: float, world_size: int) -> Optional[str]:
     """HRM's memory guide, before anything starts: a warning (not an error) when it will not fit."""
-    if config["arch"].get("family") != "hrm" or os.environ.get(HRM_CHECKED_ENV):
+    if config.arch.get("family") != "hrm" or os.environ.get(HRM_CHECKED_ENV):
         return None
     os.environ[HRM_CHECKED_ENV] = "1"  # the workers inherit it: one warning per job
-    warning = check_hrm_fits(config["arch"], int(config["train"]["global_batch_size"]), device_memory_bytes,
+    warning = check_hrm_fits(config.arch, int(config.train.global_batch_size), device_memory_bytes,
                              world_size=world_size)
     if warning:
         print(f"[hrlplan] warning: {warning}", file=sys.stderr, flush=True)
@@ -79,8 +79,9 @@ def check_world(plan, world: int) -> None:
 
 
 # ---------------------------------------------------------------- planning
-def planner_settings(config: Dict[str, Any], family: str, model_type: str) -> Dict[str, Any]:
-    planner = dict(config["planner"])
+def planner_settings(config: Config, family: str, model_type: str) -> Dict[str, Any]:
+    """The planner's settings (plain, as the search layer takes them) with the model's limits."""
+    planner = dict(config.planner)
     if family == "hrm":
         planner["max_pp"] = 1  # HRM's recurrent H/L core runs every block many times: data parallel only
         # HRM is planned from peak figures (not calibrated): a job given N ranks (its users'
@@ -91,16 +92,16 @@ def planner_settings(config: Dict[str, Any], family: str, model_type: str) -> Di
     return planner
 
 
-def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
+def introspect_and_plan(config: Config, spec, use_cache: bool = False):
     """Rank 0 (or a plain process): model meta and plan, with their artifacts in the run dir.
 
     With use_cache, a plan made earlier for the same cluster shape, model, planner and training
     settings is reused (see hrlplan/launch/plan_cache.py): a requeued job trains the plan it started with."""
-    run_dir = Path(config["run_dir"])
-    seq_len = config["data"]["seq_len"] if config["arch"].get("family") != "hrm" else None
-    meta = introspect(config["arch"], seq_len=seq_len)
+    run_dir = Path(config.run_dir)
+    seq_len = config.data.seq_len if config.arch.get("family") != "hrm" else None
+    meta = introspect(config.arch, seq_len=seq_len)
     meta.save(run_dir / "model_meta.json")
-    planner = config["planner"]
+    planner = config.planner
     if str(planner.get("name")) == "manual" and planner.get("plan_file") and spec.source in ("probe", "file"):
         try:
             check_world(Plan.load(planner["plan_file"]), spec.world_size)  # before simulating it on this cluster
@@ -112,9 +113,9 @@ def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
         plan, info = cached
         info.setdefault("planner", {})["reused_from_cache"] = key
     else:
-        train = dict(config["train"])
         try:
-            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), train)
+            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type),
+                                   as_dict(config.train))
         except PlanError as e:
             raise UserError(str(e)) from None
         if key:
@@ -124,12 +125,12 @@ def introspect_and_plan(config: Dict[str, Any], spec, use_cache: bool = False):
     return plan, info, meta
 
 
-def calibrated(config: Dict[str, Any], spec):
+def calibrated(config: Config, spec):
     """Collective: the spec with its calibration, the cached one for this cluster shape, model and
     settings when there is one (a requeued job, a sweep: see hrlplan/launch/plan_cache.py), else measured
     now on every rank and cached."""
     rank = dist.get_rank()
-    refresh = calibration_mode(config["planner"]) == "refresh"
+    refresh = calibration_mode(config.planner) == "refresh"
     key = plan_cache.calibration_key(config, spec) if rank == 0 else None
     cached = plan_cache.load_calibration(config, key) if rank == 0 and not refresh else None
     if broadcast(cached is not None):
@@ -142,7 +143,7 @@ def calibrated(config: Dict[str, Any], spec):
         print(f"[hrlplan] calibrating: timing blocks, pipeline hops and collectives on the {spec.world_size} "
               "workers (~10-30 s, once per cluster shape and model; cached)", flush=True)
     t0 = time.time()
-    spec = calibrate_in_job(spec, config["arch"], config["train"], config["data"], planner=config["planner"])
+    spec = calibrate_in_job(spec, config.arch, config.train, config.data, planner=config.planner)
     if rank == 0:
         plan_cache.store_calibration(config, key, spec.calibration, replace=refresh)
         print(f"[hrlplan] calibrated in {time.time() - t0:.1f} s; cached in "
@@ -150,18 +151,18 @@ def calibrated(config: Dict[str, Any], spec):
     return spec
 
 
-def plan_only(config: Dict[str, Any]) -> Dict[str, Any]:
+def plan_only(config: Config) -> Dict[str, Any]:
     """mode=plan or a preset cluster: plan in this process and stop (nothing to train here)."""
-    run_dir = Path(config["run_dir"])
-    c = config["cluster"]
-    spec = ClusterSpec.load(c["spec_file"]) if c.get("spec_file") else spec_from_preset(c)
+    run_dir = Path(config.run_dir)
+    c = config.cluster
+    spec = ClusterSpec.load(c.spec_file) if c.spec_file else spec_from_preset(c)
     spec.save(run_dir / "cluster.json")
     plan, info, meta = introspect_and_plan(config, spec)
     print(f"[hrlplan] planned for {spec.summary()}: {plan.layout()} "
           f"(predicted step {info.get('chosen', {}).get('step_time_s', float('nan')):.4g} s); "
           f"wrote {run_dir / 'plan.yaml'}. Nothing is trained for a preset cluster: run on the cluster itself.",
           file=sys.stderr)
-    if str(config["logger"].get("mode", "offline")) != "disabled":
+    if str(config.logger.mode) != "disabled":
         logger = make_logger(config, 0, spec, plan, job_type="plan")
         log_timeline(logger, run_dir, None)
         logger.summary({"plan/predicted_step_time_s": predicted_step(plan)})

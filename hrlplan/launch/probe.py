@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hrlplan.cluster import ClusterSpec, default_nproc_per_node, probe_distributed, spec_from_preset
-from hrlplan.config import ClusterConfig, compose
+from hrlplan.compose import compose
+from hrlplan.config import ClusterConfig
 from hrlplan.launch.local import in_distributed_job, launch_workers
 from hrlplan.runtime.distributed import cpu_group, init_distributed, shutdown
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.runtime.metrics import MetricsLogger
 
 
-def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
+def _probe_worker(cluster_cfg: ClusterConfig, out: str, device: str = "auto",
                   dtype: str = "float32") -> Optional[Dict[str, Any]]:
     choice = init_distributed(device)   # a valid ordinal under any SLURM GPU binding
     prepare_worker()   # the threads and allocator the training workers run with: the probe measures those
     try:
-        spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.get("name", "local")), device=choice.device,
+        spec = probe_distributed(cluster_cfg, name=str(cluster_cfg.name), device=choice.device,
                                  dtype=dtype, group=cpu_group())
         if spec is not None:
             spec.save(out)
@@ -34,11 +34,11 @@ def _probe_worker(cluster_cfg: Dict[str, Any], out: str, device: str = "auto",
 def probe_cluster_cli(args: argparse.Namespace) -> None:
     if args.preset:
         cfg = compose([f"cluster={args.preset}"])
-        spec = spec_from_preset(cfg["cluster"])
+        spec = spec_from_preset(cfg["cluster"])   # compose()'s plain section
         spec.save(args.out)
         print(spec.summary())
         return
-    cluster_cfg = asdict(ClusterConfig())
+    cluster_cfg = ClusterConfig()
     device, dtype = getattr(args, "device", "auto"), getattr(args, "dtype", "float32")
     if in_distributed_job():  # torchrun on every node: one file, gathered over the process group
         result = _probe_worker(cluster_cfg, args.out, device, dtype)

@@ -3,10 +3,11 @@ the job), the peak FLOP/s MFU is taken against, and the object broadcast rank 0 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch.distributed as dist
 
+from hrlplan.config import TrainConfig
 from hrlplan.devices import choose_device, matmul_dtype, peak_flops, tf32_setting
 from hrlplan.errors import UserError
 from hrlplan.runtime import distributed
@@ -14,18 +15,18 @@ from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.placement import compact
 
 
-def init_worker(config: Dict[str, Any]):
+def init_worker(train: TrainConfig):
     """This rank's device (the helper that reads LOCAL_RANK, CUDA_VISIBLE_DEVICES and the GPUs
     visible), set before the process group; object collectives go on a long-timeout gloo group."""
-    device = distributed.init_distributed(config["train"]["device"], config["train"]).device
+    device = distributed.init_distributed(str(train.device), train).device
     prepare_worker()
     return device
 
 
-def job_peak_flops(spec, ranks: List[int], train: Dict[str, Any]) -> float:
+def job_peak_flops(spec, ranks: List[int], train: TrainConfig) -> float:
     """MFU's denominator: the datasheet dense peak in the dtype the matmuls run in (TF32 for
     float32 when on), the probed figure where the device is not in the table (CPUs)."""
-    dtype = matmul_dtype(train["dtype"], tf32_setting(train))
+    dtype = matmul_dtype(str(train.dtype), tf32_setting(train))
     return sum((peak_flops(spec.devices[r].name, dtype) if spec.devices[r].kind == "cuda" else None)
                or spec.devices[r].peak_flops for r in ranks)
 
@@ -36,7 +37,7 @@ def train_ranks(plan) -> List[int]:
     return [r for r in range(plan.world_size) if r not in idle]
 
 
-def leave_idle_ranks(plan, setting: str = "auto", train: Optional[Dict[str, Any]] = None):
+def leave_idle_ranks(plan, setting: str = "auto", train: Optional[TrainConfig] = None):
     """Ranks a plan leaves idle drop out of the job: the used ones form a process group of their
     own over the job's store (rank 0 serves it and always trains) and train the plan renumbered
     0..k-1; an idle rank returns None. Hetero plans keep their idle ranks (their executor skips them)."""

@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from hrlplan.config import Config, as_dict
 from hrlplan.runtime.metrics import MetricsLogger
+from hrlplan.runtime.timeline_plot import save_timeline
+
+
+@dataclass
+class JobInfo:
+    """What the launcher knows of a job beyond its config: when it started (the time to the first
+    step is measured from it) and, in a Hydra sweep, the job's number (the W&B run's name starts with it)."""
+    started_at: float = field(default_factory=time.time)
+    sweep_index: Optional[int] = None
 
 
 def predicted_step(plan) -> Optional[float]:
     return (plan.meta.get("predicted") or {}).get("step_time_s")
 
 
-def make_logger(config: Dict[str, Any], rank: int, spec, plan, job_type: str = "train"):
-    run_dir = Path(config["run_dir"])
-    public = {k: v for k, v in config.items() if not k.startswith("_")}
-    name = f"{config['arch']['name']}-{plan.layout().replace(' ', '')}"
-    if config.get("_job_num") is not None:
-        name = f"{config['_job_num']}-{name}"
-    logger = MetricsLogger(run_dir, public, config["logger"], enabled=(rank == 0), job_type=job_type,
+def make_logger(config: Config, rank: int, spec, plan, job_type: str = "train", job: Optional[JobInfo] = None):
+    run_dir = Path(config.run_dir)
+    name = f"{config.arch['name']}-{plan.layout().replace(' ', '')}"
+    if job is not None and job.sweep_index is not None:
+        name = f"{job.sweep_index}-{name}"
+    logger = MetricsLogger(run_dir, as_dict(config), config.logger, enabled=(rank == 0), job_type=job_type,
                            name=name[:120])
     if rank == 0:
         predicted = predicted_step(plan)
@@ -45,8 +55,6 @@ def measured_step_time(history) -> Optional[float]:
 
 def log_timeline(logger, run_dir: Path, measured: Optional[float]) -> None:
     try:
-        from hrlplan.runtime.timeline_plot import save_timeline
-
         path = save_timeline(run_dir, measured)
     except Exception as e:  # a picture is never worth failing a finished run
         logger.note(f"could not draw the pipeline timeline: {e}")
@@ -56,15 +64,16 @@ def log_timeline(logger, run_dir: Path, measured: Optional[float]) -> None:
         logger.save_file(path)
 
 
-def report(config: Dict[str, Any], plan, logger, summary: Dict[str, Any]) -> None:
+def report(config: Config, plan, logger, summary: Dict[str, Any], job: Optional[JobInfo] = None) -> None:
     """Rank 0, after training: final numbers, predicted vs measured step time, the timeline picture."""
-    run_dir = Path(config["run_dir"])
+    run_dir = Path(config.run_dir)
+    started_at = job.started_at if job is not None else time.time()
     history = summary.get("history") or []
     predicted = predicted_step(plan)
     measured = measured_step_time(history)
     values: Dict[str, Any] = {"final_step": summary.get("final_step"), "plan/predicted_step_time_s": predicted}
     if history:
-        first_step_s = (summary.get("first_step_at") or time.time()) - config.get("_t0", time.time())
+        first_step_s = (summary.get("first_step_at") or time.time()) - started_at
         values.update(final_loss=history[-1].get("train/lm_loss"), time_to_first_step_s=first_step_s)
     if measured is not None:
         values["train/measured_step_time_s"] = measured
@@ -72,7 +81,7 @@ def report(config: Dict[str, Any], plan, logger, summary: Dict[str, Any]) -> Non
             values["train/measured_over_predicted"] = measured / predicted
             logger.log_table("perf/step_time", ["predicted_s", "measured_s", "measured_over_predicted"],
                              [[predicted, measured, measured / predicted]])
-            hint = ("" if config["planner"].get("calibrate") or config["arch"].get("family") == "hrm" else
+            hint = ("" if config.planner.get("calibrate") or config.arch.get("family") == "hrm" else
                     "; uncalibrated: predicted from peak FLOPs and probed links, planner.calibrate=true "
                     "measures the devices first")
             logger.note(f"step time: predicted {predicted * 1e3:.3g} ms, measured {measured * 1e3:.3g} ms "

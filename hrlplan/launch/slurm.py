@@ -16,9 +16,11 @@ leaves a result (or an error) that the requeued job would contradict.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -26,6 +28,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import submitit
+from submitit.core import utils as submitit_utils
+from submitit.core.job_environment import _checkpoint
+from submitit.helpers import DelayedSubmission, TorchDistributedEnvironment
+from submitit.slurm.slurm import _parse_node_list
+
+from hrlplan.config import Config, as_config
+from hrlplan.errors import UserError
 from hrlplan.runtime import preempt
 
 _SUBMITIT_HANDLER: list = [None]  # submitit's SignalHandler method we replaced (None outside a task)
@@ -46,8 +56,6 @@ def in_srun_task() -> bool:
 def check_distribution(env: Optional[Dict[str, str]] = None) -> None:
     """Refuse a non-block task distribution before anything starts: plans number ranks node-major
     (hrlplan.cluster.check_block_placement checks the probed hostnames too)."""
-    from hrlplan.errors import UserError
-
     env = os.environ if env is None else env
     dist = (env.get("SLURM_DISTRIBUTION") or "").split(":")[0].split(",")[0].lower()
     tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
@@ -61,11 +69,7 @@ def check_distribution(env: Optional[Dict[str, str]] = None) -> None:
 
 def setup_srun_env() -> None:
     """torch.distributed's env:// variables from SLURM's (what TorchDistributedEnvironment derives)."""
-    import random
-
     check_distribution()
-
-    from submitit.slurm.slurm import _parse_node_list
 
     nodes = _parse_node_list(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", ""))
     world = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ["SLURM_NTASKS"])
@@ -95,8 +99,6 @@ def restart_count() -> int:
 
 def setup_submitit_env() -> None:
     """Export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK from the SLURM job (env:// init)."""
-    from submitit.helpers import TorchDistributedEnvironment
-
     check_distribution()
     env = TorchDistributedEnvironment()  # MASTER_PORT: the user's, else one derived from the job id
     # overwrite=True: a setup line may have exported MASTER_ADDR/MASTER_PORT already (the values
@@ -137,9 +139,6 @@ def finish_preempted(broadcast: Callable[[Any], Any], rank: int) -> None:
     it), an exception naming the reason when it is not (e.g. `max_num_timeout` used up), so the
     submitter sees why instead of waiting for a result that never comes.
     """
-    from submitit.core import utils as submitit_utils
-    from submitit.core.job_environment import _checkpoint
-
     handler = _SUBMITIT_HANDLER[0]
     if handler is None and not (os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID")):
         return  # torchrun or a plain process: stop here; `train.resume=auto` continues
@@ -173,12 +172,12 @@ class SubmititTask:
     """What submitit runs in every task: `launch.job.run(config)`; checkpointable.
 
         executor = submitit.AutoExecutor(folder=...); executor.update_parameters(tasks_per_node=2, ...)
-        job = executor.submit(SubmititTask(config))     # config: a resolved dict (hrlplan.config.compose)
+        job = executor.submit(SubmititTask(config))     # config: a Config, or compose()'s plain dict
         summary = job.results()[0]                       # rank 0's summary (history, final_step, ...)
     """
 
-    def __init__(self, config: Dict[str, Any]):
-        self.config = config
+    def __init__(self, config: Config):
+        self.config = as_config(config)
 
     def __call__(self) -> Optional[Dict[str, Any]]:
         from hrlplan.launch.job import run
@@ -187,11 +186,9 @@ class SubmititTask:
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         """submitit's hook on preemption/timeout: only the flag; the requeued job resumes."""
-        from submitit.helpers import DelayedSubmission
-
         preempt.request_stop("submitit checkpoint hook")
         config = copy.deepcopy(self.config)
-        config["train"]["resume"] = "auto"
+        config.train.resume = "auto"
         return DelayedSubmission(SubmititTask(config))
 
 
@@ -199,19 +196,17 @@ def make_executor(folder: str | os.PathLike, *, cluster: Optional[str] = None, m
                   **params: Any):
     """A submitit executor for SubmititTask; params as in conf/hydra/launcher/submitit_slurm.yaml
     (tasks_per_node, nodes, cpus_per_task, mem_gb, timeout_min, slurm_partition, ...)."""
-    import submitit
-
     executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster, slurm_max_num_timeout=max_num_timeout)
     executor.update_parameters(**params)
     return executor
 
 
-def submit(config: Dict[str, Any], folder: str | os.PathLike, **params: Any):
-    """Submit one training job; the run directory defaults to <folder>/run."""
-    config = copy.deepcopy(config)
-    config.setdefault("run_dir", None)
-    if not config["run_dir"]:
-        config["run_dir"] = str(Path(folder).resolve() / "run")
+def submit(config: Config, folder: str | os.PathLike, **params: Any):
+    """Submit one training job (config: a Config, or compose()'s plain dict); the run directory
+    defaults to <folder>/run."""
+    config = copy.deepcopy(as_config(config))
+    if not config.run_dir:
+        config.run_dir = str(Path(folder).resolve() / "run")
     return make_executor(folder, **params).submit(SubmititTask(config))
 
 
@@ -317,8 +312,6 @@ def requeue_without(job_id: str, lost: List[str]) -> Optional[str]:
 def step_failed(records: Path, exit_code: int, run_dir: Path) -> int:
     """After a failed step of elastic.sbatch: requeue the job without its lost nodes (returns 0; the
     requeue ends the script meanwhile) or return the step's exit code (the job fails as it would have)."""
-    from submitit.slurm.slurm import _parse_node_list
-
     job_id = os.environ["SLURM_JOB_ID"]
     nodes = _parse_node_list(os.environ["SLURM_JOB_NODELIST"])
     lost = lost_nodes(nodes, task_exits(records), node_responds)
@@ -346,8 +339,6 @@ def step_failed(records: Path, exit_code: int, run_dir: Path) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m hrlplan.launch.slurm")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("step-failed", help="after a failed srun step: requeue without the lost nodes, if any")

@@ -33,15 +33,16 @@ class Timeouts:
     train: timedelta
 
 
-def timeouts(cfg: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None) -> Timeouts:
-    """train.plan_timeout_min / train.collective_timeout_min when the config has them, else
+def timeouts(cfg: Any = None, env: Optional[Mapping[str, str]] = None) -> Timeouts:
+    """train.plan_timeout_min / train.collective_timeout_min when the train config (a TrainConfig, or
+    a plain mapping that may lack them) has them, else
     HRLPLAN_PLAN_TIMEOUT_MIN / HRLPLAN_TRAIN_TIMEOUT_MIN, else 60 and 10 minutes. The planning one
     never drops below the training one."""
     env = os.environ if env is None else env
     cfg = cfg or {}
 
     def pick(key: str, var: str, default: float) -> float:
-        value = cfg.get(key)
+        value = cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
         if value is None:
             value = env.get(var)
         minutes = float(default if value in (None, "") else value)
@@ -61,7 +62,7 @@ def init_kwargs(choice: DeviceChoice, limits: Timeouts) -> Dict[str, Any]:
     return {"backend": "gloo", "timeout": limits.train}
 
 
-def init_distributed(setting: str = "auto", cfg: Optional[Mapping[str, Any]] = None) -> DeviceChoice:
+def init_distributed(setting: str = "auto", cfg: Any = None) -> DeviceChoice:
     """Choose and activate this rank's device, then (unless a group exists) init the default group
     and the long-timeout gloo group for object collectives. Returns the device choice."""
     global _CPU_GROUP

@@ -31,7 +31,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from hrlplan.models.hf import build_stage_modules, materialize
+from hrlplan.config import TrainConfig, section
+from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
@@ -103,8 +104,6 @@ def stage_links(stages: Sequence, s: int, t: int) -> Tuple[Optional[int], List[i
 def embedding_units(full_model) -> Tuple[List[str], Optional[str]]:
     """The embedding parameters' full names (each its own unit: only the tied one has a second
     holder) and the name of the one the output head shares, if any."""
-    from hrlplan.models.hf import hf_layout
-
     layout = hf_layout(full_model)
     names, tied = [], None
     head = full_model.get_output_embeddings()
@@ -226,7 +225,8 @@ def _local_shard(full: torch.Tensor, like, tp_index: int, tp: int) -> torch.Tens
 class HeteroPipelineEngine:
     """This rank's stage of its pipeline (none on an unused rank) and one training step."""
 
-    def __init__(self, plan: Plan, train: Dict, device: torch.device, full_model, recorder: StepRecorder):
+    def __init__(self, plan: Plan, train: TrainConfig, device: torch.device, full_model, recorder: StepRecorder):
+        train = section(TrainConfig, train)
         self.plan, self.device, self.recorder = plan, device, recorder
         self.rank = dist.get_rank()
         self.pipes = plan.as_pipelines()
@@ -255,12 +255,12 @@ class HeteroPipelineEngine:
         self.stage = self.pipe.stages[s]
         self.gid = offsets[p] + s
         part = build_stage_modules(full_model, [tuple(x.layers) for x in self.pipe.stages])[s]
-        materialize(full_model, part.modules(), int(train["seed"]))
+        materialize(full_model, part.modules(), int(train.seed))
         part = part.to(device)
-        if train.get("dtype") == "bfloat16":   # weights, gradients (reduced in fp32) and messages stay fp32
+        if train.dtype == "bfloat16":   # weights, gradients (reduced in fp32) and messages stay fp32
             part.autocast_dtype = torch.bfloat16
         if self.stage.tp > 1:
-            parallelize_stage(part, tp_mesh, vocab_parallel=bool(train.get("vocab_parallel", True)))
+            parallelize_stage(part, tp_mesh, vocab_parallel=bool(train.vocab_parallel))
         apply_recompute(part, self.stage.recompute)   # after tp, as the torch engine does
         self.parts[self.gid] = part
         self.loss_fn = stage_loss([part])

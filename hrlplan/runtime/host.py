@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+import torch
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20    # glibc's ceiling for it on 64-bit systems
 TRIM_THRESHOLD_BYTES = 1 << 30
@@ -39,8 +41,6 @@ def keep_freed_memory() -> bool:
 
 def prepare_worker() -> None:
     """Threads from OMP_NUM_THREADS (the launcher sets it: cores / workers), freed memory kept."""
-    import torch
-
     threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads > 0:
         torch.set_num_threads(threads)

@@ -23,6 +23,7 @@ model's prediction (models.hrm.estimate_hrm_memory) as memory/peak_gib and memor
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
@@ -32,8 +33,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from hrlplan.config import HRM_RECIPE, Config, TrainConfig, typed
+from hrlplan.config import HRM_RECIPE, Config, TrainConfig, as_dict, typed
 from hrlplan.data.sudoku import PuzzleSplit, ensure_sudoku_dataset
 from hrlplan.errors import UserError
 from hrlplan.models.hrm import (ACTCarry, ACTLossHead, InnerCarry, build_hrm, check_hrm_fits, estimate_hrm_memory,
@@ -53,8 +58,10 @@ HRM_FALLBACKS = {**HRM_RECIPE, "lr": 1e-4, "checkpoint_interval": 0}
 
 
 # ---------------------------------------------------------------- setup
-def hrm_config(cfg: Dict[str, Any]) -> Config:
-    """The run's typed config; train keys a partial config lacks take HRM_FALLBACKS."""
+def hrm_config(cfg: Any) -> Config:
+    """The run's typed config; train keys a partial plain config lacks take HRM_FALLBACKS."""
+    if isinstance(cfg, Config):
+        return cfg
     train = dict(cfg.get("train") or {})
     if train.get("epochs") is None and "steps" in train and train["steps"] is None:
         raise UserError("set epochs=<N> (passes over the training puzzles) or train.steps=<N>")
@@ -65,21 +72,12 @@ def hrm_config(cfg: Dict[str, Any]) -> Config:
 
 
 def _wrap(model: ACTLossHead, mode: str, device: torch.device, world: int) -> ACTLossHead:
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         # One unit for the whole model: HRM reuses every block many times per step, so per-block
         # units would all-gather each block once per cycle instead of once per step.
         fully_shard(model, mesh=mesh)
     elif mode == "replicate":
-        import inspect
-
-        from torch.distributed._composable import replicate
-        from torch.nn.parallel import DistributedDataParallel
-
         # Buffers (puzzle table, initial states) stay identical by construction: no per-step
         # broadcast (the keyword was renamed in torch 2.12).
         newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -205,8 +203,8 @@ class HRMTrainer(TrainAdapter):
     history_limit = 100
     keep_last = None   # evaluation checkpoints all stay; interval ones replace each other (checkpoint_written)
 
-    def __init__(self, cfg: Dict[str, Any], run_dir: str, logger):
-        self.plain, self.cfg, self.logger = cfg, hrm_config(cfg), logger
+    def __init__(self, cfg: Config, run_dir: str, logger):
+        self.cfg, self.logger = hrm_config(cfg), logger
         self.train = t = self.cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.gbs = int(t.global_batch_size or 8)
@@ -280,7 +278,7 @@ class HRMTrainer(TrainAdapter):
         return {"carry": _carry_state(self.carry)}
 
     def checkpoint_files(self, directory: Path) -> None:
-        _write_sources(directory, self.plain)
+        _write_sources(directory, as_dict(self.cfg))
 
     def checkpoint_written(self, path: Path, step: int, periodic: bool) -> None:
         if not periodic:
@@ -295,7 +293,7 @@ class HRMTrainer(TrainAdapter):
         self.measured_at = min(step + mem.MEASURED_STEPS, self.stop_at)
         if self.rank == 0:
             os.makedirs(self.checkpoint_root, exist_ok=True)
-            _write_sources(self.checkpoint_root, self.plain)
+            _write_sources(self.checkpoint_root, as_dict(self.cfg))
             self.announce(step, resumed_from)
         self.model.train()
 
@@ -407,8 +405,8 @@ class HRMTrainer(TrainAdapter):
         _say(self.logger, f"peak memory ({kind}): {mem.describe(mem.compare(per_rank, predicted))}")
 
 
-def train_hrm(cfg: Dict[str, Any], run_dir: str, plan, logger) -> Dict[str, Any]:
-    """Train HRM on cfg['data']['path'] (cfg: the run's plain config); returns the final metrics,
+def train_hrm(cfg: Config, run_dir: str, plan, logger) -> Dict[str, Any]:
+    """Train HRM on cfg.data.path (cfg: the run's Config, or compose()'s plain dict); returns the final metrics,
     step and checkpoint path."""
     if not dist.is_initialized():
         raise RuntimeError("train_hrm needs an initialised torch.distributed process group (gloo or nccl)")

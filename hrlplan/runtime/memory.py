@@ -20,8 +20,11 @@ shapes are fixed, so every later step repeats their peak.
 """
 from __future__ import annotations
 
+import json
+import os
 import weakref
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -263,10 +266,6 @@ def _mib(nbytes: float) -> str:
 def add_to_plan_info(run_dir, rows: Sequence[Dict[str, float]], predicted_split: Sequence[Dict[str, float]],
                      kind: str) -> None:
     """plan_info.json["memory"]: per rank the measured peak and split beside the predicted ones."""
-    import json
-    import os
-    from pathlib import Path
-
     path = Path(run_dir) / "plan_info.json"
     info = json.loads(path.read_text()) if path.exists() else {}
     info["memory"] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -28,9 +29,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import yaml
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from hrlplan.config import LoggerConfig, section
+
 log = logging.getLogger("hrlplan")
 # Per-step keys the progress bar stands for on a terminal; any other key (eval/...) prints its line.
 STEP_PREFIXES = ("train/", "stage/", "stage")
+WANDB_INIT_TIMEOUT_S = 90.0   # offline mode starts in seconds; online, a slow network must not stall the job
 
 
 def stable_run_id(run_dir: str | os.PathLike) -> str:
@@ -54,8 +62,10 @@ class MetricsLogger:
 
     MAX_RECONNECTS = 2
 
-    def __init__(self, run_dir: str | os.PathLike, config: Dict[str, Any], logger_cfg: Dict[str, Any],
+    def __init__(self, run_dir: str | os.PathLike, config: Dict[str, Any], logger_cfg: LoggerConfig,
                  enabled: bool = True, job_type: str = "train", name: Optional[str] = None, echo: bool = True):
+        """config: the run's config as plain values (W&B's run config); logger_cfg: the `logger` section."""
+        logger_cfg = section(LoggerConfig, logger_cfg)
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.echo = echo
@@ -67,7 +77,7 @@ class MetricsLogger:
         self._reconnects = 0
         # Added to every log() call, e.g. the plan's predicted step time next to the measured one.
         self.constant_metrics: Dict[str, Any] = {}
-        self.run_name = (logger_cfg.get("run_name") or name) if logger_cfg else name
+        self.run_name = logger_cfg.run_name or name
         self.progress: Optional[Progress] = None
         self.total_steps: Optional[int] = _planned_steps(config)
         if not enabled:
@@ -76,15 +86,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.text_log = open(self.run_dir / "train.log", "a", buffering=1)
-        mode = str(logger_cfg.get("mode", "offline"))
+        mode = str(logger_cfg.mode)
         if mode == "disabled":
             return
         os.environ.setdefault("WANDB_SILENT", "true")
         self._init_kwargs = dict(
-            project=logger_cfg.get("project", "hrlplan"), entity=logger_cfg.get("entity"),
-            group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), job_type=job_type,
+            project=logger_cfg.project, entity=logger_cfg.entity,
+            group=logger_cfg.group, tags=list(logger_cfg.tags or []), job_type=job_type,
             name=self.run_name, mode=mode, dir=str(self.run_dir), config=config, id=stable_run_id(self.run_dir),
-            resume="allow", init_timeout=float(logger_cfg.get("init_timeout_s", 90)))
+            resume="allow", init_timeout=WANDB_INIT_TIMEOUT_S)
         try:
             self._start()
         except Exception as e:  # never let logging take the training down
@@ -98,8 +108,6 @@ class MetricsLogger:
         timeout = kwargs.pop("init_timeout")
         self.wandb = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout))
         # Offline runs keep no readable copy of the config: put one in the run folder.
-        import yaml
-
         path = Path(self.wandb.dir) / "hrlplan_config.yaml"
         path.write_text(yaml.safe_dump(_plain_tree(self.config), sort_keys=False))
         self.wandb.save(str(path), base_path=self.wandb.dir, policy="now")
@@ -183,8 +191,6 @@ class MetricsLogger:
         """Copy a file into the W&B run folder (uploaded by `wandb sync` / online mode)."""
         if not self.enabled or self.wandb is None or not Path(path).exists():
             return
-        import shutil
-
         def call(run):
             dest = Path(run.dir) / Path(path).name
             shutil.copyfile(path, dest)
@@ -330,9 +336,6 @@ class Progress:
         self.t0, self.s0 = time.time(), int(initial)
         self.bar = self._redirect = None
         if self.tty:
-            from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
             self.bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                             file=sys.stderr)
             # only loggers that print to the console: tqdm's redirect would give the others one

@@ -16,8 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch.distributed as dist
 import torch.nn as nn
 
+from hrlplan.model_meta import ModelResolutionError, resolve_arch
+from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 from hrlplan.plan import PipelinePlan, Plan, StagePlan, launch_meta, validate
 
 MODULES_MISMATCH = "Modules in the pipeline template do not match the modules in the model"
@@ -41,9 +44,6 @@ class ModelModules:
 def model_modules(model: Union[nn.Module, str]) -> ModelModules:
     if isinstance(model, str):
         model = _meta_model(model)
-    from hrlplan.model_meta import ModelResolutionError
-    from hrlplan.models.hf import hf_layout
-
     name = type(model).__name__
     try:
         layout = hf_layout(model)
@@ -62,9 +62,6 @@ def get_modules(model: Union[nn.Module, str]) -> List[str]:
 
 
 def _meta_model(arch_name: str) -> nn.Module:
-    from hrlplan.model_meta import resolve_arch
-    from hrlplan.models.hf import build_hf_model, hf_config_from_arch
-
     arch = resolve_arch(arch_name)
     model = build_hf_model(hf_config_from_arch(arch), on_meta=True)   # structure only: nothing allocated
     model.config.name_or_path = arch.get("name", arch_name)
@@ -187,8 +184,6 @@ class HeterogeneousParallelPlugin:
 
     def __init__(self, tp_size: int = 1, world_size: Optional[int] = None, global_batch_size: int = 8,
                  schedule: str = "1f1b", unused_ranks: Sequence[int] = ()):
-        import torch.distributed as dist
-
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.tp_size, self.world_size = tp_size, world_size

@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
+from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
+
 LLAMA_STYLE = {"llama", "mistral", "qwen2", "qwen3"}
 log = logging.getLogger(__name__)
 _said_whole: set = set()   # (vocab, tp) already reported as kept whole, so a process says it once
@@ -174,8 +176,6 @@ def loss_context(parts) -> object:
 def stage_loss(parts):
     """The loss function for the stage that ends in the head: causal_lm_loss, or its sharded-logits
     form over the head's tp mesh."""
-    from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
-
     mesh = next((p.loss_mesh for p in parts if getattr(p, "loss_mesh", None) is not None), None)
     if mesh is None:
         return causal_lm_loss

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import Plan, stage_to_group
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
@@ -63,7 +64,8 @@ def place_stages(schedule, stages: List[PipelineStage], plan: Plan, group_ranks:
 class TorchPipelineEngine:
     """One step = one `schedule.step`; parts maps this rank's stage indices to their modules."""
 
-    def __init__(self, plan: Plan, train: Dict, device: torch.device, full_model, recorder: StepRecorder):
+    def __init__(self, plan: Plan, train: TrainConfig, device: torch.device, full_model, recorder: StepRecorder):
+        train = section(TrainConfig, train)
         self.plan, self.device, self.recorder = plan, device, recorder
         self.rank = dist.get_rank()
         self.coords = rank_coords(plan, self.rank)
@@ -72,22 +74,22 @@ class TorchPipelineEngine:
         self.stage_ids = plan.stages_of_rank(self.rank)
         self.tied = bool(getattr(full_model.config, "tie_word_embeddings", False))
         all_parts = build_stage_modules(full_model, [tuple(s.layers) for s in plan.stages])
-        materialize(full_model, [m for i in self.stage_ids for m in all_parts[i].modules()], int(train["seed"]))
+        materialize(full_model, [m for i in self.stage_ids for m in all_parts[i].modules()], int(train.seed))
         self.tie_sync = TiedEmbeddingSync(plan, self.rank, self.tied)
         if self.tie_sync.local and 0 in self.stage_ids:
             TiedEmbeddingSync.untie(all_parts)
         self.parts: Dict[int, torch.nn.Module] = {}
-        mp_dtype = torch.bfloat16 if train["dtype"] == "bfloat16" else None
+        mp_dtype = torch.bfloat16 if train.dtype == "bfloat16" else None
         tp = plan.stages[0].tp
         for i in self.stage_ids:
             part = all_parts[i].to(self.device)
             if tp > 1:
-                parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.get("vocab_parallel", True)))
+                parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.vocab_parallel))
             apply_recompute(part, plan.stages[i].recompute)   # after tp, before FSDP (torchtitan's order)
             blocks = getattr(part.base, part.blocks_attr)
-            if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train["dp_mode"] != "fsdp"):
+            if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train.dp_mode != "fsdp"):
                 part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards
-            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], train["dp_mode"], blocks, mp_dtype)
+            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], str(train.dp_mode), blocks, mp_dtype)
         del all_parts
         self.tie_sync.bind(self.parts, plan)
         self.stages = [PipelineStage(self.parts[i], i, plan.num_stages, self.device, group=self.pp_group)

@@ -24,7 +24,6 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan import devices
-from hrlplan.config import TrainConfig
+from hrlplan.config import TrainConfig, section
 from hrlplan.errors import UserError
 from hrlplan.runtime import checkpoint as ckpt
 from hrlplan.runtime import preempt
@@ -42,12 +41,8 @@ DCP_METADATA = ckpt.METADATA   # what torch.distributed.checkpoint writes beside
 
 # ---------------------------------------------------------------- settings and device
 def train_config(train: Any) -> TrainConfig:
-    """The train settings as a TrainConfig: as they are, or from a plain mapping (missing keys take
-    TrainConfig's defaults, unknown ones are left out)."""
-    if isinstance(train, TrainConfig):
-        return train
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in dict(train).items() if k in names})
+    """The train settings as a TrainConfig: as they are, or from a plain mapping (hrlplan.config.section)."""
+    return section(TrainConfig, train)
 
 
 def pick_device(setting: str, local_rank: Optional[int] = None) -> torch.device:

@@ -17,21 +17,26 @@ import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from hrlplan import devices
-from hrlplan.config import typed
+from hrlplan.cluster import ClusterSpec
+from hrlplan.config import Config, as_config
+from hrlplan.cost.memory import plan_memory
+from hrlplan.cost.plans import options_for_train
 from hrlplan.data.lm import build_lm_data
+from hrlplan.model_meta import ModelMeta
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import distributed, timing
 from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
-from hrlplan.runtime.torch_engine import SCHEDULES, build_schedule  # noqa: F401  (re-exported)
+from hrlplan.runtime.hetero import HeteroPipelineEngine
+from hrlplan.runtime.torch_engine import SCHEDULES, TorchPipelineEngine, build_schedule  # noqa: F401  (re-exported)
 from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, pick_device,  # noqa: F401  (re-exported)
                                         train_config, warmup_cosine)
 
@@ -88,34 +93,40 @@ def runs_on_torch_schedules(plan: Plan) -> bool:
     return not plan.heterogeneous and plan.uniform_tp
 
 
+class MFUBasis(NamedTuple):
+    """Model FLOPs utilization's figures, from the job: training FLOPs per token (model_meta) and the
+    summed peak FLOP/s of the ranks that train (launch/ranks.job_peak_flops)."""
+    flops_per_token: float
+    peak_flops: float
+
+
 class PipelineTrainer(TrainAdapter):
     """The language-model adapter of the training core (runtime/train_core.py): a Plan's stages on
     this rank, their optimizers, the LM data stream, one pipelined step, evaluation and the
     plan-vs-measured report. `fit()` runs it on the core."""
 
-    def __init__(self, plan: Plan, cfg: Dict[str, Any], run_dir: str, logger=None, device: Optional[torch.device] = None):
-        self.plan, self.plain, self.logger = plan, cfg, logger
-        self.cfg = typed(cfg)
+    def __init__(self, plan: Plan, cfg: Config, run_dir: str, logger=None, device: Optional[torch.device] = None,
+                 mfu_basis: Optional[MFUBasis] = None):
+        """cfg: the run's Config (or compose()'s plain dict); mfu_basis: train/mfu is logged when given."""
+        self.plan, self.logger, self.mfu_basis = plan, logger, mfu_basis
+        self.cfg = as_config(cfg)
         self.train = self.cfg.train
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
         if self.device.type == "cuda":   # fp32 matmuls on TF32 unless train.tf32=false / HRLPLAN_TF32=0
-            devices.set_tf32(devices.tf32_setting(cfg["train"]))
+            devices.set_tf32(devices.tf32_setting(self.train))
         self.recorder = timing.StepRecorder(self.device)
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
-        if runs_on_torch_schedules(plan):
-            from hrlplan.runtime.torch_engine import TorchPipelineEngine as Engine
-        else:
-            from hrlplan.runtime.hetero import HeteroPipelineEngine as Engine
-        self.engine = Engine(plan, cfg["train"], self.device, full, self.recorder)   # the engines read the plain dict
+        Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
+        self.engine = Engine(plan, self.train, self.device, full, self.recorder)
         del full
         self.parts: Dict[int, torch.nn.Module] = self.engine.parts
         owned: set = set()
         self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
         self.lr = LRSchedule({f"stage{i}": o for i, o in self.optimizers.items()},
                              lr_lambda(self.train, int(self.train.steps)))
-        self.data = build_lm_data(cfg["data"], full_vocab(self.cfg.arch), int(self.train.seed))
+        self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed))
         self.phase_times: List[Dict[str, float]] = []
         self.checkpoint_root = self.run_dir / "checkpoints"
         stop_after = self.train.stop_after
@@ -137,7 +148,7 @@ class PipelineTrainer(TrainAdapter):
     def _predicted_memory(self) -> Optional[List[float]]:
         """Rank 0: the predicted tensor bytes per rank (computed once); None elsewhere or unknown."""
         if self._memory_prediction is None:
-            self._memory_prediction = predicted_memory(self.plan, self.plain, self.run_dir) if self.rank == 0 else []
+            self._memory_prediction = predicted_memory(self.plan, self.cfg, self.run_dir) if self.rank == 0 else []
         return [row["tensors"] for row in self._memory_prediction] or None
 
     # ------------------------------------------------------------ the core's hooks
@@ -178,9 +189,8 @@ class PipelineTrainer(TrainAdapter):
         tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
         metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
                    "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
-        flops_per_token, peak = self.plain.get("_flops_per_token"), self.plain.get("_peak_flops")
-        if flops_per_token and peak:
-            metrics["train/mfu"] = flops_per_token * tokens_per_s / peak
+        if self.mfu_basis and self.mfu_basis.flops_per_token and self.mfu_basis.peak_flops:
+            metrics["train/mfu"] = self.mfu_basis.flops_per_token * tokens_per_s / self.mfu_basis.peak_flops
         if logging_now:
             gathered = self._gather({"compute": self.recorder.compute_by_stage(),
                                      "memory": {**timing.memory_stats(self.device), **self.meter.result()}})
@@ -292,19 +302,15 @@ def memory_kind(device: torch.device, tracked: bool) -> str:
     return "live tensor storages" if tracked else "process peak RSS"
 
 
-def predicted_memory(plan: Plan, cfg: Dict[str, Any], run_dir: Path) -> List[Dict[str, float]]:
+def predicted_memory(plan: Plan, cfg: Config, run_dir: Path) -> List[Dict[str, float]]:
     """The plan's predicted memory per rank and its split (hrlplan.cost.memory.plan_memory), from
     the model and cluster the job saved in the run directory; [] where they are missing."""
     meta_path, cluster_path = run_dir / "model_meta.json", run_dir / "cluster.json"
     if not (meta_path.exists() and cluster_path.exists()):
         return []
-    from hrlplan.cluster import ClusterSpec
-    from hrlplan.cost.memory import plan_memory
-    from hrlplan.cost.plans import options_for_train
-    from hrlplan.model_meta import ModelMeta
-
+    cfg = as_config(cfg)
     return plan_memory(plan, ModelMeta.load(meta_path), ClusterSpec.load(cluster_path),
-                       options_for_train(cfg["train"], cfg.get("planner")))
+                       options_for_train(cfg.train, cfg.planner))
 
 
 def memory_metrics(per_rank: List[Dict[str, int]], predicted: Optional[List[float]] = None) -> Dict[str, float]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from hrlplan.config import TrainConfig
 from hrlplan.measure import least_squares_line, now, sync_device
 from hrlplan.runtime.calibrate.blocks import REPEATS, block_stage
 from hrlplan.runtime.parallel import clip_grad_norm
@@ -26,7 +27,7 @@ from hrlplan.runtime.trainer import make_optimizer
 DP_SCALING_BLOCKS = (1, 4)   # stage depths measure_data_parallel also runs at (beside its default 2)
 
 
-def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: Dict[str, Any], device: torch.device,
+def measure_data_parallel(arch: Dict[str, Any], seq_len: int, train: TrainConfig, device: torch.device,
                           pair_group, repeats: int = REPEATS, n_blocks: int = 2,
                           microbatch_size: int = 1) -> Dict[str, float]:
     """FSDP2 over a pair of ranks on an `n_blocks`-block stage, wrapped as the runtime wraps stages

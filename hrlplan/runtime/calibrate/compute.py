@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from hrlplan.config import Config, TrainConfig, as_config, section
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import options_for_train
 from hrlplan.cost.simulator import Simulator
@@ -112,7 +113,7 @@ def _clip_and_step(params, opt, max_norm: float = 1.0) -> None:
 OPTIMIZER_DEEP_BLOCKS = 4   # the second stage depth the optimizer is timed at (beside one block)
 
 
-def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device,
+def measure_optimizer(arch: Dict[str, Any], train: TrainConfig, device: torch.device,
                       repeats: int = REPEATS) -> Dict[str, float]:
     """Gradient clipping + AdamW step (as the trainer runs them) of a one-block and an
     OPTIMIZER_DEEP_BLOCKS-block stage, and of the embedding + final norm/head (a first-and-last stage
@@ -136,7 +137,7 @@ def measure_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch
     return out
 
 
-def measure_tp_optimizer(arch: Dict[str, Any], train: Dict[str, Any], device: torch.device, pair_group,
+def measure_tp_optimizer(arch: Dict[str, Any], train: TrainConfig, device: torch.device, pair_group,
                          repeats: int = 3 * REPEATS) -> Optional[Dict[str, float]]:
     """Collective over `pair_group`: gradient clipping + AdamW of a one-block and an
     OPTIMIZER_DEEP_BLOCKS-block stage sharded over tp=2 as the runtime shards it, on both ranks at
@@ -256,28 +257,29 @@ def measure_contention(arch: Dict[str, Any], seq_len: int, microbatch_size: int,
             else None}
 
 
-def measure_step(config: Dict[str, Any], device: torch.device = torch.device("cpu"),
+def measure_step(config: Config, device: torch.device = torch.device("cpu"),
                  steps: int = 10) -> Dict[str, float]:
     """{step_s, optimizer_s}: median time of a one-process training step of the whole model as the
     runtime runs its stages (one HFStage holding every layer, its loss, our gradient clipping,
     AdamW), and of its clipping + optimizer step, without the warm-up steps that the runtime's own
     step times leave out too. Not HF's full forward: what that
     adds (mask and output bookkeeping) no pipeline stage pays, and it would land in step_overhead_s."""
-    train = config["train"]
-    model = build_full_model(config["arch"], int(train["seed"]))
+    config = as_config(config)
+    train = config.train
+    model = build_full_model(config.arch, int(train.seed))
     stage = HFStage(model, 0, model.config.num_hidden_layers, first=True, last=True).to(device)
-    data = build_lm_data(config["data"], model.config.vocab_size, int(train["seed"]))
+    data = build_lm_data(config.data, model.config.vocab_size, int(train.seed))
     opt = make_optimizer(stage, train)
     params = [p for p in stage.parameters() if p.requires_grad]
     times, after = [], []
     for step in range(steps):
-        inputs, targets = data.batch(step, int(train["global_batch_size"]))
+        inputs, targets = data.batch(step, int(train.global_batch_size))
         inputs, targets = inputs.to(device), targets.to(device)
         opt.zero_grad(set_to_none=True)
         t0 = now(device)
         causal_lm_loss(stage(inputs), targets).backward()
         t1 = now(device)
-        clip_grad_norm(params, float(train["grad_clip"]), None, [])
+        clip_grad_norm(params, float(train.grad_clip or 0.0), None, [])
         opt.step()
         t2 = now(device)
         times.append(t2 - t0)
@@ -285,11 +287,11 @@ def measure_step(config: Dict[str, Any], device: torch.device = torch.device("cp
     return {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}
 
 
-def predict_one_process_step(meta, spec, train: Dict[str, Any]) -> Dict[str, float]:
+def predict_one_process_step(meta, spec, train: TrainConfig) -> Dict[str, float]:
     """The simulator's breakdown of the whole model as one stage on one process, one micro-batch of
     the global batch (what measure_step times)."""
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
-                    microbatch_size=int(train["global_batch_size"]), num_microbatches=1, schedule="1f1b")
+                    microbatch_size=int(section(TrainConfig, train).global_batch_size), num_microbatches=1, schedule="1f1b")
     return Simulator(meta, spec, options_for_train(train)).evaluate(layout, detail=True).breakdown
 
 

@@ -9,6 +9,7 @@ import copy
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.cost.plans import options_for_train, predict_any_plan
 from hrlplan.runtime.calibrate.collectives import fit_allreduce, fit_dp_scaling
 from hrlplan.runtime.calibrate.comm import (HANDSHAKE_LATENCIES, fit_hop_delay, fit_pipeline_compute,
@@ -167,7 +168,7 @@ def _fit_step_collectives(cal: Dict[str, Any], spec, gathered: List[Dict[str, An
             cal["allreduce_by_ranks"] = fits
 
 
-def fit_reference_step(cal: Dict[str, Any], spec, meta, train: Dict[str, Any], rounds: Sequence[tuple],
+def fit_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig, rounds: Sequence[tuple],
                        gathered: List[Dict[str, Any]], seq_len: int) -> Tuple[float, float, List[Dict[str, Any]]]:
     """From the one reference step (measure_step, interleaved with blocks timed alone: `rounds` of
     (step, blocks)), on rank 0 alone: step_overhead_s, what the step costs beyond the fitted terms;
@@ -218,15 +219,15 @@ def fit_reference_step(cal: Dict[str, Any], spec, meta, train: Dict[str, Any], r
     return measured, predicted, alone
 
 
-def measurements(meta, seq_len: int, train: Dict[str, Any], gathered: List[Dict[str, Any]], msg_bytes: int,
+def measurements(meta, seq_len: int, train: TrainConfig, gathered: List[Dict[str, Any]], msg_bytes: int,
                  p2p: Optional[Dict[str, float]], **reference: Any) -> Dict[str, Any]:
     """calibration["measurements"]: the raw figures behind the record, for inspection; `reference`:
     the reference step's (one_process_step_s=None without one)."""
-    return {"model": meta.name, "seq_len": seq_len, "dtype": str(train.get("dtype", "float32")),
+    return {"model": meta.name, "seq_len": seq_len, "dtype": str(section(TrainConfig, train).dtype),
             "ranks": gathered, "p2p_bytes": msg_bytes, "p2p": p2p, **reference}
 
 
-def predict_plan(plan, meta, spec, train: Dict[str, Any]) -> Dict[str, Any]:
+def predict_plan(plan, meta, spec, train: TrainConfig) -> Dict[str, Any]:
     """The simulator's step time, bubble and memory per rank for any plan the runtime runs
     (hrlplan.cost.plans.predict_any_plan: heterogeneous plans include the cross-replica reduce)."""
     r = predict_any_plan(plan, meta, spec, options_for_train(train))

@@ -3,12 +3,14 @@
 .collectives and .record, none of them imports it."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from hrlplan.config import Config, DataConfig, TrainConfig, section
 from hrlplan.model_meta import introspect
 from hrlplan.runtime.calibrate.blocks import REPEATS
 from hrlplan.runtime.calibrate.collectives import (DP_SCALING_BLOCKS, allreduce_partitions, measure_allreduce,
@@ -59,7 +61,7 @@ def calibration_sizes(global_batch: int, cap: int) -> tuple:
     return sizes, sorted(set(sizes) | {max(1, g // 2)})
 
 
-def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any],
+def calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: DataConfig,
                      planner: Optional[Dict[str, Any]] = None):
     """Collective: every rank of an initialised process group calls it; every rank returns the
     ClusterSpec with `calibration` filled. Every rank runs the micro-benchmarks at once (on a shared
@@ -67,8 +69,9 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     Everything runs on the training device (the current GPU under NCCL); with
     train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes. Sizes stop
     at the largest micro-batch the planner (planner.microbatch_sizes) may pick and what fits."""
+    train, data = section(TrainConfig, train), section(DataConfig, data)   # typed, or a script's plain mappings
     device = local_device()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("dtype") == "bfloat16"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
         spec = _calibrate_in_job(spec, arch, train, data, device, planner or {})
     gc.collect()
     if device.type == "cuda":
@@ -76,14 +79,14 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Di
     return spec
 
 
-def _sizes(meta, train: Dict[str, Any], seq: int, device: torch.device,
+def _sizes(meta, train: TrainConfig, seq: int, device: torch.device,
            planner: Dict[str, Any]) -> Tuple[List[int], List[int], int]:
     """(micro-batch sizes, those of the compute fit, the reference step's batch: 0 when the whole
     model does not fit one device)."""
-    g = int(train["global_batch_size"])
+    g = int(train.global_batch_size)
     free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-    act = meta.block_activation_bytes_per_token[0] * (1 if train.get("dtype") == "bfloat16" else 2)
-    cap = memory_cap(largest_microbatch(g, train.get("microbatches", "auto"), planner.get("microbatch_sizes")),
+    act = meta.block_activation_bytes_per_token[0] * (1 if train.dtype == "bfloat16" else 2)
+    cap = memory_cap(largest_microbatch(g, train.microbatches, planner.get("microbatch_sizes")),
                      seq, act, free)
     # the compute fit also at half the batch: its line through three sizes put a 256-token block
     # (the micro-batch the planner then picked here) 8% below its measured time
@@ -93,11 +96,11 @@ def _sizes(meta, train: Dict[str, Any], seq: int, device: torch.device,
     return sizes, block_sizes, step_batch
 
 
-def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: Dict[str, Any], device: torch.device,
+def _calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: DataConfig, device: torch.device,
                       planner: Dict[str, Any]):
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = broadcast_object(spec)   # the probe returns the spec on rank 0 only
-    seq = int(data["seq_len"])
+    seq = int(data.seq_len)
     meta = introspect(arch, seq_len=seq)
     sizes, block_sizes, step_batch = _sizes(meta, train, seq, device, planner)
     g = max(sizes)
@@ -126,7 +129,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     dist.barrier()
     paired = _pair_benchmarks(arch, seq, train, device, meta, sizes, pairs, pair_groups)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
-    msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.get("dtype") == "bfloat16" else 4)
+    msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.dtype == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
@@ -135,7 +138,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     gathered = all_gather_object(local)
     cal: Optional[Dict[str, Any]] = None
     if rank == 0:
-        cal = _fit_record(spec, meta, gathered, p2p, msg, step_batch, dict(arch=arch, train=train, data=data),
+        cal = _fit_record(spec, meta, gathered, p2p, msg, step_batch, Config(arch=arch, train=train, data=data),
                           block_sizes, device)
     dist.barrier()
     spec.calibration = broadcast_object(cal)
@@ -144,7 +147,7 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: Dict[str, Any], data: D
     return spec
 
 
-def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: Dict[str, Any], device: torch.device, meta,
+def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device: torch.device, meta,
                      sizes: List[int], pairs: List[List[int]], pair_groups: List[Any]) -> Dict[str, Any]:
     """Collective: the two-rank micro-benchmarks, every pair at once and a rank left over kept busy (a
     step has every rank working too, so what they measure needs no scaling for ranks sharing cores).
@@ -184,20 +187,20 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: Dict[str, Any], devi
     return out
 
 
-def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_batch: int, config: Dict[str, Any],
+def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_batch: int, config: Config,
                 block_sizes: List[int], device: torch.device) -> Dict[str, Any]:
     """Rank 0: the calibration record, with the reference step's figures when the whole model fits
     one device. The reference step runs on rank 0 alone (the others wait), in interleaved rounds with
     the blocks timed alone (medians: a shared machine's load drifts between two measurements)."""
-    seq = int(config["data"]["seq_len"])
+    seq = int(config.data.seq_len)
     cal = fit_calibration(spec, meta, gathered, p2p, msg)
     if step_batch < 1:
         cal["step_overhead_s"] = 0.0   # the whole model does not fit one device: no reference step
-        cal["measurements"] = measurements(meta, seq, config["train"], gathered, msg, p2p, one_process_step_s=None)
+        cal["measurements"] = measurements(meta, seq, config.train, gathered, msg, p2p, one_process_step_s=None)
         return cal
-    train = dict(config["train"], global_batch_size=step_batch)   # the reference step's batch, predicted alike
-    step_config = {"arch": config["arch"], "train": train, "data": dict(config["data"])}
-    rounds = [(measure_step(step_config, device), measure_block(config["arch"], seq, block_sizes, device))
+    train = dataclasses.replace(config.train, global_batch_size=step_batch)   # the reference step's batch, predicted alike
+    step_config = dataclasses.replace(config, train=train)
+    rounds = [(measure_step(step_config, device), measure_block(config.arch, seq, block_sizes, device))
               for _ in range(REFERENCE_ROUNDS)]
     measured, predicted, alone = fit_reference_step(cal, spec, meta, train, rounds, gathered, seq)
     cal["measurements"] = measurements(meta, seq, train, gathered, msg, p2p, one_process_step_s=measured,
