@@ -10,7 +10,10 @@ Enums: `cfg.train.dtype == "bfloat16"` holds. This module is a leaf: it imports 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -368,9 +371,35 @@ def section(schema: type, value: Any) -> Any:
     ones are left out, choices become their Enums (a bad one raises here, naming it)."""
     if isinstance(value, schema):
         return value
-    known = {f.name for f in fields(schema)}
-    body = {k: v for k, v in dict(value or {}).items() if k in known}
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), body))
+    # Built directly (OmegaConf's merge costs ~9 ms, and the planners convert per instance): the
+    # values were checked when composed; a script's own dict is taken as written, choices checked.
+    hints = _field_types(schema)
+    return schema(**{k: _coerce(hints[k], v) for k, v in dict(value or {}).items() if k in hints})
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(schema: type) -> Dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """A plain value as the field's type wants it: a choice's Enum, a list of sections' dataclasses."""
+    if value is None:
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(str(value))
+        except ValueError:
+            raise UserError(f"{value!r} is not one of {', '.join(m.value for m in hint)} ({hint.__name__})") from None
+    if typing.get_origin(hint) in (list, List) and typing.get_args(hint):
+        inner = typing.get_args(hint)[0]
+        if dataclasses.is_dataclass(inner):
+            return [section(inner, v) for v in value]
+        return [_coerce(inner, v) for v in value]
+    return value
 
 
 def as_config(cfg: Any) -> "Config":

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan.cluster import ClusterSpec, spec_from_preset
-from hrlplan.config import ClusterConfig, Config, as_dict, calibration_mode
+from hrlplan.config import ClusterConfig, Config, calibration_mode
 from hrlplan.errors import UserError
 from hrlplan.launch import plan_cache
 from hrlplan.launch.ranks import broadcast
@@ -114,8 +114,7 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
         info.setdefault("planner", {})["reused_from_cache"] = key
     else:
         try:
-            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type),
-                                   as_dict(config.train))
+            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
         if key:

@@ -2,8 +2,9 @@
 
     plan, info = make_plan(meta, cluster, planner_cfg, train_cfg)
 
-planner_cfg is a plain dict of a planner dataclass (hrlplan.search.config); train_cfg needs
-global_batch_size, schedule, stages_per_rank, microbatches ("auto" or an int), dtype, dp_mode.
+planner_cfg: the planner's settings, a mapping (like Config.planner: its schema depends on the
+planner chosen, see hrlplan.config's planner dataclasses); train_cfg: the TrainConfig (or its plain
+mapping) -- global_batch_size, schedule, stages_per_rank, microbatches ("auto" or an int), dtype, dp_mode.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import time
 from typing import Any, Dict, Tuple
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import layout_of_plan, rank_devices
 from hrlplan.cost.simulator import Simulator
@@ -22,9 +24,9 @@ from hrlplan.search.space import SearchSpace, _plain, to_plan
 PLANNERS = ("exact", "hrl", "random", "manual")
 
 
-def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]) -> Tuple[Plan, Dict[str, Any]]:
+def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig) -> Tuple[Plan, Dict[str, Any]]:
     """Returns (validated Plan, info dict for plan_info.json)."""
-    cfg = dict(planner_cfg)
+    cfg, train_cfg = dict(planner_cfg), section(TrainConfig, train_cfg)
     name = str(cfg.get("name", "exact"))
     if name not in PLANNERS:
         raise UserError(f"planner.name '{name}' is unknown; choose one of {', '.join(PLANNERS)}")

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hrlplan.config import TrainConfig
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.plans import options_for_train
 from hrlplan.cost.simulator import SimResult, Simulator
 
 
-def cost_options(planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]) -> CostOptions:
+def cost_options(planner_cfg: Dict[str, Any], train_cfg: TrainConfig) -> CostOptions:
     return options_for_train(train_cfg, planner_cfg)
 
 

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from hrlplan.config import TrainConfig, section
 from hrlplan.cost.model import Layout
 from hrlplan.errors import UserError
 from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan, stage_to_group
@@ -54,17 +55,18 @@ class Config:
 
 
 class SearchSpace:
-    def __init__(self, meta, cluster, planner_cfg: Dict[str, Any], train_cfg: Dict[str, Any]):
+    def __init__(self, meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig):
+        train_cfg = section(TrainConfig, train_cfg)   # typed, or a script's plain mapping
         self.meta, self.cluster = meta, cluster
         self.cfg, self.train = planner_cfg, train_cfg
         self.node_devices: Dict[int, List[int]] = {}
         for d in sorted(cluster.devices, key=lambda d: (d.node, d.local_rank)):
             self.node_devices.setdefault(d.node, []).append(d.rank)
         self.node_type = {n: cluster.devices[ds[0]].name for n, ds in self.node_devices.items()}
-        self.schedules = list(planner_cfg.get("schedules") or []) or [train_cfg.get("schedule", "1f1b")]
-        self.stages_per_rank = int(train_cfg.get("stages_per_rank", 1) or 1)
-        self.global_batch = int(train_cfg["global_batch_size"])
-        mbs = train_cfg.get("microbatches", "auto")
+        self.schedules = list(planner_cfg.get("schedules") or []) or [str(train_cfg.schedule)]
+        self.stages_per_rank = int(train_cfg.stages_per_rank or 1)
+        self.global_batch = int(train_cfg.global_batch_size)
+        mbs = train_cfg.microbatches
         self.fixed_microbatches = None if mbs in (None, "auto") else int(mbs)
         self.recompute_modes = recompute_modes(planner_cfg)
         self._chains: Optional[Tuple[List[List[int]], List[List[float]]]] = None
