@@ -17,8 +17,14 @@ Only what exists is drawn; the predicted row set is always there.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from hrlplan.cost.simulator import zb_input_shares
+from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
 KIND_NAMES = {0: "F", 1: "B", 2: "W"}
 COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
@@ -28,9 +34,6 @@ def predicted_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Dict[st
     """The simulator's timeline (hrlplan.cost.timeline.simulate_timeline, or simulate_shared_timeline
     where ranks outnumbered cores) for `plan` (Plan.to_dict()) replayed with the per-stage durations
     in `info` (plan_info.json)."""
-    from hrlplan.cost.simulator import zb_input_shares
-    from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
-
     stages = sorted((info.get("chosen") or {}).get("stages") or [], key=lambda s: s["stage"])
     schedule = str(plan.get("schedule", "1f1b"))
     v = int(plan.get("stages_per_rank", 1) or 1)
@@ -150,10 +153,6 @@ def timeline_figure(plan: Dict[str, Any], info: Dict[str, Any], measured_step_s:
 
 def save_timeline(run_dir: str | Path, measured_step_s: Optional[float] = None) -> Optional[Path]:
     """Draw <run_dir>/timeline.png from plan.yaml + plan_info.json; None when they are missing."""
-    import json
-
-    import yaml
-
     run_dir = Path(run_dir)
     plan_file, info_file = run_dir / "plan.yaml", run_dir / "plan_info.json"
     if not plan_file.exists() or not info_file.exists():

@@ -14,11 +14,14 @@ from typing import Any, Dict, Tuple
 
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.model import Layout
-from hrlplan.cost.plans import layout_of_plan, rank_devices
-from hrlplan.cost.simulator import Simulator
+from hrlplan.cost.plans import layout_of_plan, predict_any_plan, rank_devices
+from hrlplan.cost.simulator import SimResult, Simulator
 from hrlplan.errors import UserError
 from hrlplan.plan import Plan, check_fits
 from hrlplan.search.common import Scored, cost_options, describe, why_better
+from hrlplan.search.exact import search_exact
+from hrlplan.search.hrl import search_hrl
+from hrlplan.search.random_search import search_random
 from hrlplan.search.space import SearchSpace, _plain, to_plan
 
 PLANNERS = ("exact", "hrl", "random", "manual")
@@ -37,16 +40,10 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     space = SearchSpace(meta, cluster, cfg, train_cfg)
     space.sim = sim
     if name == "exact":
-        from hrlplan.search.exact import search_exact
-
         out = search_exact(sim, space, cfg)
     elif name == "random":
-        from hrlplan.search.random_search import search_random
-
         out = search_random(sim, space, cfg)
     else:
-        from hrlplan.search.hrl import search_hrl
-
         out = search_hrl(sim, space, cfg)
     tracker = out.pop("tracker")
     if tracker.best is None:
@@ -126,9 +123,6 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
                         f"{meta.n_layer} blocks; re-plan for this model (or set the arch's depth to {plan.n_layer})")
     if plan.heterogeneous or not plan.uniform_tp:
         # Layouts cannot express it: the cost model's per-pipeline prediction (cross-replica reduce included)
-        from hrlplan.cost.plans import predict_any_plan
-        from hrlplan.cost.simulator import SimResult
-
         any_plan = predict_any_plan(plan, meta, cluster, sim=sim)
         devices = rank_devices(plan)
         result = SimResult(any_plan["feasible"], any_plan["step_time_s"], reason=any_plan["reason"],
