@@ -85,6 +85,13 @@ def test_idle_ranks_placement_round_trips():
     assert not back.unused_ranks
 
 
+# Held-out seeds on which exact spends its whole simulation budget (max_simulations, a count, so the
+# same on every machine) without proving the optimum: the loop below would skip them after the
+# search, and 900011's search alone was half of this test's time. Drop a seed from here if exact
+# ever proves it.
+EXACT_GIVES_UP = {900011}
+
+
 def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
     """Neither HRL (zero-shot) nor random search beats exact where exact claims the optimum; the
     variants that broke it before (no DP overlap, replicate) are among the instances."""
@@ -92,6 +99,8 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
 
     checked = 0
     for seed in list(HELD_OUT_SEEDS)[:18]:
+        if seed in EXACT_GIVES_UP:
+            continue
         inst = random_instance(seed, max_gpus=16)
         extra = [dict(dp_overlap=True), dict(dp_overlap=False), {}][seed % 3]
         train = dict(inst.train, dp_mode="replicate") if seed % 3 == 2 else inst.train
