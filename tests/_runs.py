@@ -38,9 +38,10 @@ def reference_losses(steps: int = 5, extra: List[str] = (), arch: str = "gpt2-ti
     return [h["loss"] for h in train_single_process(cfg, steps)]
 
 
-def pretrain(run_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python pretrain.py ...` exactly as a user types it, with the run directory pinned."""
-    env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+def pretrain(run_dir: Path, *overrides: str, check: bool = True, env: dict = None) -> subprocess.CompletedProcess:
+    """`python pretrain.py ...` exactly as a user types it, with the run directory pinned (env: more
+    environment variables)."""
+    env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1", **(env or {}))
     cmd = [sys.executable, str(ROOT / "pretrain.py"), f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:

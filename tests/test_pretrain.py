@@ -50,14 +50,27 @@ def test_offline_wandb_run_holds_metrics(default_run):
         assert key in blob, key
 
 
-def test_resume_continues_the_same_loss_curve(tmp_path):
+@pytest.fixture(scope="module")
+def requeued(tmp_path_factory):
+    """A calibrated run (calibration on by default on this machine, cached per user: here a cache of
+    its own, so the first run measures) stopped after 4 of 8 steps and resumed as a requeued job would
+    be. The uninterrupted run uses the same cache, hence the same calibration and plan."""
+    root = tmp_path_factory.mktemp("requeued")
+    env = {"HRLPLAN_CALIBRATION_CACHE": str(root / "cache")}
     common = ["train.steps=8", "train.checkpoint_interval=0", "logger.mode=disabled"]
-    straight = tmp_path / "straight"
-    pretrain(straight, *common)
-    interrupted = tmp_path / "interrupted"
-    pretrain(interrupted, *common, "train.stop_after=4")
-    assert len(read_metrics(interrupted)) == 4
-    pretrain(interrupted, *common, "train.resume=auto")
+    interrupted = root / "interrupted"
+    first = pretrain(interrupted, *common, "train.stop_after=4", env=env)
+    stopped_after = len(read_metrics(interrupted))
+    calibrated = json.loads((interrupted / "cluster.json").read_text())["calibration"]
+    again = pretrain(interrupted, *common, "train.resume=auto", env=env)
+    return dict(root=root, env=env, common=common, run=interrupted, first=first, again=again,
+                stopped_after=stopped_after, calibrated=calibrated)
+
+
+def test_resume_continues_the_same_loss_curve(requeued):
+    straight, interrupted = requeued["root"] / "straight", requeued["run"]
+    pretrain(straight, *requeued["common"], env=requeued["env"])
+    assert requeued["stopped_after"] == 4
     full = {m["step"]: m["train/lm_loss"] for m in read_metrics(straight)}
     resumed = {m["step"]: m["train/lm_loss"] for m in read_metrics(interrupted)}
     assert sorted(resumed) == list(range(1, 9))
@@ -87,13 +100,10 @@ def test_worker_side_error_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_requeued_calibrated_run_reuses_its_calibration(tmp_path, monkeypatch):
+def test_a_requeued_calibrated_run_reuses_its_calibration(requeued):
     """Calibration is on by default on this machine, measured once and cached per user."""
-    monkeypatch.setenv("HRLPLAN_CALIBRATION_CACHE", str(tmp_path / "cache"))
-    run = tmp_path / "calibrated"
-    first = pretrain(run, "train.steps=2", "logger.mode=disabled")
+    first, again, run = requeued["first"], requeued["again"], requeued["run"]
     assert "calibrating:" in first.stdout + first.stderr
-    calibrated = json.loads((run / "cluster.json").read_text())["calibration"]
-    again = pretrain(run, "train.steps=4", "train.resume=auto", "logger.mode=disabled")
+    calibrated = requeued["calibrated"]
     assert "planning from the cached calibration" in again.stdout + again.stderr
     assert json.loads((run / "cluster.json").read_text())["calibration"] == calibrated
