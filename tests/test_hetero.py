@@ -21,8 +21,18 @@ def _model(arch):
         return build_hf_model(hf_config_from_arch(compose(arch)["arch"]))
 
 
+REPLICA_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def replicas_run(tmp_path_factory):
+    """_replicas_plan() (the uneven shares 2 and 6) trained 6 steps, and one process's losses: the
+    uneven-shares case below and the resume test's uninterrupted run."""
+    return compare_with_one_process(_replicas_plan(), GPT2, tmp_path_factory.mktemp("replicas"), steps=REPLICA_STEPS)
+
+
 @pytest.mark.parametrize("batch_sizes", [[4, 4], [2, 6]], ids=["even", "uneven-shares"])
-def test_replicas_all_layers_and_3_1_match_one_process(tmp_path, batch_sizes):
+def test_replicas_all_layers_and_3_1_match_one_process(tmp_path, batch_sizes, request):
     """Replica A: one stage with every layer; replica B: stages of 3 and 1 layers (tied GPT-2)."""
     model = _model(GPT2)
     modules = get_modules(model)
@@ -31,7 +41,10 @@ def test_replicas_all_layers_and_3_1_match_one_process(tmp_path, batch_sizes):
     assert two.spans == ((0, 3), (3, 4))
     plan = build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=8, batch_sizes=batch_sizes,
                       model="gpt2-tiny")
-    losses, reference = compare_with_one_process(plan, GPT2, tmp_path)
+    if plan.to_yaml() == _replicas_plan().to_yaml():   # uneven shares: the run the resume test shares
+        losses, reference = request.getfixturevalue("replicas_run")
+    else:
+        losses, reference = compare_with_one_process(plan, GPT2, tmp_path)
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
@@ -54,17 +67,17 @@ def _replicas_plan():
                       model="gpt2-tiny")
 
 
-def test_heterogeneous_replicas_resume_the_same_loss_curve(tmp_path):
+def test_heterogeneous_replicas_resume_the_same_loss_curve(tmp_path, replicas_run):
     """Two replicas hold every layer: the checkpoint keeps one copy per parameter name, and each
-    replica's stages load theirs back under their own split."""
+    replica's stages load theirs back under their own split. The uninterrupted run is replicas_run
+    (the same plan and config: compare_with_one_process's overrides)."""
     from hrlplan.compose import compose
     from hrlplan.launch.local_run import train_plan
 
-    config = compose([*GPT2, "train.steps=6", "train.checkpoint_interval=0", "logger.mode=disabled"])
-    straight = train_plan(_replicas_plan(), config, tmp_path / "straight")
+    config = compose([*GPT2, f"train.steps={REPLICA_STEPS}", "train.checkpoint_interval=0", "logger.mode=disabled"])
     train_plan(_replicas_plan(), dict(config, train=dict(config["train"], stop_after=3)), tmp_path / "cut")
     resumed = train_plan(_replicas_plan(), dict(config, train=dict(config["train"], resume="auto")), tmp_path / "cut")
-    full = {h["step"]: h["train/lm_loss"] for h in straight["history"]}
+    full = dict(enumerate(replicas_run[0], start=1))
     again = {h["step"]: h["train/lm_loss"] for h in resumed["history"]}
     assert sorted(again) == [4, 5, 6]
     for step in again:
