@@ -89,6 +89,16 @@ def _state(parts: Dict[int, torch.nn.Module], optimizers: Dict[int, torch.optim.
     return state
 
 
+def _parameter_of(key: str) -> Optional[str]:
+    """The parameter a key of _state belongs to: model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<name>."""
+    if key.startswith("model."):
+        return key[len("model."):]
+    for prefix in ("optim.state.", "optim.param_groups."):
+        if key.startswith(prefix):
+            return key[len(prefix):].rsplit(".", 1)[0]
+    return None
+
+
 def _layout(parts: Dict[int, torch.nn.Module]) -> List[Dict[str, Any]]:
     """Collective: every rank's host and stages (with their block ranges), in rank order."""
     mine = {"host": socket.gethostname(),
@@ -116,10 +126,12 @@ def describe_layout(layout: List[Dict[str, Any]]) -> str:
 def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.nn.Module],
                     optimizers: Dict[int, torch.optim.Optimizer], extra: Dict[str, Any],
                     keep_last: Optional[int] = KEEP_LAST,
-                    write_files: Optional[Callable[[Path], None]] = None) -> Path:
+                    write_files: Optional[Callable[[Path], None]] = None,
+                    writes: Optional[Callable[[str], bool]] = None) -> Path:
     """Collective. `parts`/`optimizers` map this rank's stage indices to modules/optimizers.
     keep_last: the newest checkpoints kept (None: all); write_files(directory): rank 0 adds files of
-    its own (a config, sources) to the checkpoint before it is renamed into place."""
+    its own (a config, sources) to the checkpoint before it is renamed into place; writes(name):
+    whether this rank writes parameter `name` and its optimizer state (default: every one it holds)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -128,7 +140,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, parts: Dict[int, torch.n
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a write that was killed
     _barrier()
-    dcp.save(_state(parts, optimizers), checkpoint_id=str(tmp))
+    state = _state(parts, optimizers)
+    if writes is not None:
+        state = {k: v for k, v in state.items() if (name := _parameter_of(k)) is None or writes(name)}
+    dcp.save(state, checkpoint_id=str(tmp))
     torch.save({**extra, "rng": rng_state(), "step": step}, tmp / f"extra_rank{_rank()}.pt")
     if _rank() == 0:
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout))

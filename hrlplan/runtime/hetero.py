@@ -246,6 +246,7 @@ class HeteroPipelineEngine:
         tp_mesh = self._tp_meshes()
         self.reducer = GradientReducer(plan, self.pipes, holders, self.rank)
         self.parts: Dict[int, nn.Module] = {}
+        self.not_written: set = set()   # parameter names another holder writes to a checkpoint
         self.hidden = int(full_model.config.hidden_size)
         self.seq = None
         if self.me is None:
@@ -266,9 +267,19 @@ class HeteroPipelineEngine:
         self.loss_fn = stage_loss([part])
         self.first, self.last = s == 0, s == len(self.pipe.stages) - 1
         self.units = _param_units(part, embed_units, self.tied_unit)
+        self.not_written = {n for name, (unit, canonical) in self.units.items() if self.reducer.canonical(unit) != self.me
+                            for n in (name.replace(_CHECKPOINT_PREFIX, ""), canonical)}
         (self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from,
          self.send_bwd_to) = stage_links(self.pipe.stages, s, self.tp_index)
         self.loss_reporter = self.last and self.tp_index == 0
+
+    def checkpoint_writes(self, name: str) -> bool:
+        """Whether this rank writes parameter `name` (and its optimizer state) to a checkpoint. Replicas
+        may hold one parameter at different tp -- a full tensor here, two shards there -- and
+        torch.distributed.checkpoint refuses overlapping chunks of one key; so only the parameter's
+        canonical holder (the gradient norm's) writes it, and every holder loads it back resharded to
+        its own tp."""
+        return name not in self.not_written
 
     def _tp_meshes(self):
         mine = None

@@ -131,6 +131,7 @@ class TrainAdapter:
     checkpoint_interval: int = 0
     checkpoint_root: Path
     keep_last: Optional[int] = ckpt.KEEP_LAST
+    checkpoint_writes: Optional[Callable[[str], bool]] = None   # which parameters this rank writes (all)
     history_limit: Optional[int] = None
 
     def resume_setting(self) -> str:
@@ -243,7 +244,8 @@ class TrainCore:
         extra = {"schedulers": a.lr.state_dict(), "position": a.position(), "adapter": a.extra_state(),
                  "world": dist.get_world_size() if dist.is_initialized() else 1}
         path = ckpt.save_checkpoint(a.checkpoint_root, self.step, a.parts, a.optimizers, extra,
-                                    keep_last=a.keep_last, write_files=a.checkpoint_files)
+                                    keep_last=a.keep_last, write_files=a.checkpoint_files,
+                                    writes=a.checkpoint_writes)
         self.last_checkpoint, self.saved_step = path, self.step
         a.checkpoint_written(path, self.step, periodic)
         return path

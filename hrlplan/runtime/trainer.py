@@ -120,6 +120,7 @@ class PipelineTrainer(TrainAdapter):
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
         self.engine = Engine(plan, self.train, self.device, full, self.recorder)
+        self.checkpoint_writes = getattr(self.engine, "checkpoint_writes", None)
         del full
         self.parts: Dict[int, torch.nn.Module] = self.engine.parts
         owned: set = set()
