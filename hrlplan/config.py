@@ -374,7 +374,7 @@ def section(schema: type, value: Any) -> Any:
     # Built directly (OmegaConf's merge costs ~9 ms, and the planners convert per instance): the
     # values were checked when composed; a script's own dict is taken as written, choices checked.
     hints = _field_types(schema)
-    return schema(**{k: _coerce(hints[k], v) for k, v in dict(value or {}).items() if k in hints})
+    return schema(**{k: _coerce(hints[k], v, k) for k, v in dict(value or {}).items() if k in hints})
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,7 +382,7 @@ def _field_types(schema: type) -> Dict[str, Any]:
     return typing.get_type_hints(schema)
 
 
-def _coerce(hint: Any, value: Any) -> Any:
+def _coerce(hint: Any, value: Any, key: str) -> Any:
     """A plain value as the field's type wants it: a choice's Enum, a list of sections' dataclasses."""
     if value is None:
         return None
@@ -393,12 +393,12 @@ def _coerce(hint: Any, value: Any) -> Any:
         try:
             return hint(str(value))
         except ValueError:
-            raise UserError(f"{value!r} is not one of {', '.join(m.value for m in hint)} ({hint.__name__})") from None
+            raise UserError(f"{key}={value!r} is not one of {', '.join(m.value for m in hint)}") from None
     if typing.get_origin(hint) in (list, List) and typing.get_args(hint):
         inner = typing.get_args(hint)[0]
         if dataclasses.is_dataclass(inner):
             return [section(inner, v) for v in value]
-        return [_coerce(inner, v) for v in value]
+        return [_coerce(inner, v, key) for v in value]
     return value
 
 

@@ -282,3 +282,24 @@ def test_glob_sweeps_and_hydra_listings_skip_the_schemas(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Launching 1 jobs" in out.stdout + out.stderr, out.stdout + out.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0"]
+
+
+def test_sections_pass_down_typed_and_take_a_scripts_plain_dict():
+    """The library takes its sections typed; a script's plain dict becomes the same dataclass (missing
+    keys at their defaults, choices as Enums), and a bad choice is one line naming the key."""
+    from hrlplan.config import ClusterConfig, NodeGroupConfig, TrainConfig, as_config, as_dict, section, typed
+    from hrlplan.errors import UserError
+
+    plain = compose(["train.dtype=bfloat16"])
+    config = typed(plain)
+    assert config.train.dtype is DType["bfloat16"] and config.train.dtype == "bfloat16"
+    assert as_config(plain) == config and as_config(config) is config
+    assert section(TrainConfig, config.train) is config.train
+    assert section(TrainConfig, plain["train"]) == config.train
+    assert as_dict(config)["train"] == plain["train"]
+    partial = section(TrainConfig, {"schedule": "gpipe", "not_a_key": 1})
+    assert partial.schedule is Schedule["gpipe"] and partial.steps == TrainConfig().steps
+    groups = section(ClusterConfig, {"node_groups": [{"count": 2}]}).node_groups
+    assert groups == [NodeGroupConfig(count=2)]
+    with pytest.raises(UserError, match=r"^dtype='bf16' is not one of float32, bfloat16$"):
+        section(TrainConfig, {"dtype": "bf16"})
