@@ -98,11 +98,6 @@ def to_plain(cfg: Any, overrides: Sequence[str] = (), check: bool = True) -> Dic
     return config
 
 
-def finalize(cfg: Any, overrides: Sequence[str] = ()) -> Any:
-    """to_plain, as a DictConfig again (for code written against Hydra's cfg, e.g. hrlplan/launch/job.py)."""
-    return OmegaConf.create(to_plain(cfg, overrides))
-
-
 def register_configs() -> None:
     """Register every schema in Hydra's ConfigStore (called by pretrain.py before composing)."""
     cs = ConfigStore.instance()
