@@ -4,7 +4,7 @@ against the prediction, and how well the predictions rank the plans (issue 19).
 
 Memory is measured as the trainer measures it (hrlplan/runtime/memory.py: live tensor storages on
 the CPU, torch.cuda.max_memory_allocated on a GPU) and compared with the predicted tensor bytes
-(hrlplan.cost.memory.plan_memory: the simulator's peak less its workspace reserve). The predicted
+(hrlplan.cost.plans.plan_memory: the simulator's peak less its workspace reserve). The predicted
 split's `other` is a backward's working set plus the pipeline's receive buffers; the measured
 one's is whatever was alive and made outside a forward (backward's gradients of activations,
 messages, the optimizer's temporaries).
@@ -35,7 +35,7 @@ def memory_per_rank(plan, summary: Dict[str, Any], meta, cluster, train_cfg: Dic
     """Per rank of `plan` that trained (`used`: the plan's ranks in the order the trained ranks report,
     default all): measured peak and split, predicted tensor bytes and split, (measured - predicted) /
     predicted. [] when the run measured nothing."""
-    from hrlplan.cost.memory import plan_memory
+    from hrlplan.cost.plans import plan_memory
     from hrlplan.cost.plans import options_for_train
 
     measured = (summary.get("measured") or {}).get("memory_split_per_rank") or []

@@ -9,6 +9,7 @@ import torch
 from hrlplan.cluster import ClusterSpec, DeviceInfo
 from hrlplan.cost import memory as cm
 from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.plans import plan_memory
 from hrlplan.cost.simulator import Simulator
 from hrlplan.plan import homogeneous_plan
 from hrlplan.runtime.memory import LiveStorageTracker, MemoryMeter, memory_metrics, saved_activation_bytes
@@ -134,7 +135,7 @@ def test_each_memory_term_against_the_measured_peak(arch, recompute):
                             num_microbatches=1, schedule="1f1b")
     plan.stages[0].recompute = recompute
     opts = CostOptions(bytes_per_value=4)
-    row = cm.plan_memory(plan, meta, cpu_cluster(), opts)[0]
+    row = plan_memory(plan, meta, cpu_cluster(), opts)[0]
     # weights and AdamW's moments: exact; gradients: none at the peak without recomputation (it comes
     # before the first backward), most of them with it (the peak is in backward, rebuilding a block)
     assert row["weights"] == pytest.approx(measured["weights"], rel=0.02)
@@ -310,7 +311,7 @@ def test_pipelined_ranks_within_10pct(tmp_path, name):
     summary = train_plan(plan, cfg, tmp_path / name)
     measured = [m["peak"] for m in summary["measured"]["memory_split_per_rank"]]
     meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
-    predicted = [row["tensors"] for row in cm.plan_memory(plan, meta, cpu_cluster(plan.world_size),
+    predicted = [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size),
                                                           options_for_train(cfg["train"]))]
     errors = [(m - p) / p for m, p in zip(measured, predicted)]
     assert len(errors) == plan.world_size and all(abs(e) <= 0.10 for e in errors), errors

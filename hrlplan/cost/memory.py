@@ -23,7 +23,7 @@ llama-tiny, 1 to 4 stages, every schedule: within 7% per rank (bench/runtime.py,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -192,63 +192,3 @@ def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: 
 
 
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "buffers", "workspace")
-
-
-def _stage_lists(plan):
-    """(stages, ranks of each stage, dp, micro-batches, micro-batch size) per pipeline the cost model sees:
-    the plan's one template (all its replicas' ranks per stage), or each heterogeneous replica."""
-    if not plan.heterogeneous:
-        yield (plan.stages, [plan.device_groups[plan.stage_group(k)] for k in range(plan.num_stages)],
-               plan.dp, plan.num_microbatches, plan.microbatch_size)
-        return
-    for pipe in plan.as_pipelines():
-        yield pipe.stages, [s.ranks for s in pipe.stages], 1, pipe.num_microbatches, pipe.microbatch_size
-
-
-def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
-    """Per rank of a plan: the simulator's peak (`total`, what plan.meta.predicted.memory_bytes_per_rank
-    holds), its split at that moment (MEMORY_KEYS: gradients 0 when the peak comes before the first
-    backward; activations what the schedule holds then) and `tensors`, the
-    total less the workspace reserve: what torch allocates, comparable with a measured peak
-    (torch.cuda.max_memory_allocated, or live tensor storages on the CPU)."""
-    # why here: model, plans and simulator import this module (a cycle at the top)
-    from hrlplan.cost.model import CostOptions
-    from hrlplan.cost.plans import predict_any_plan, rank_devices
-    from hrlplan.cost.simulator import Simulator
-
-    sim = Simulator(meta, cluster, opts or CostOptions())
-    predicted = predict_any_plan(plan, meta, cluster, sim=sim)
-    totals = predicted["memory_bytes_per_rank"]
-    devices = rank_devices(plan)
-    held = {d: (st.get("activation_peak_before_grads", 0.0), st.get("activation_peak_with_grads", 0.0))
-            for st in predicted.get("stages") or [] for d in st["devices"]}
-    out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(plan.world_size)]
-    rebuilt = [False] * plan.world_size
-    zb = plan.schedule == "zero_bubble"
-    for stages, ranks, dp, m, mbs in _stage_lists(plan):
-        n = len(stages)
-        for k, (stage, group) in enumerate(zip(stages, ranks)):
-            c = sim.costs.stage(stage.layers[0], stage.layers[1], k == 0, k == n - 1, [devices[r] for r in group],
-                                stage.tp, dp, mbs, len(set(map(tuple, ranks))), recompute=stage.recompute,
-                                microbatches=m)
-            memory = dict(c.memory)
-            if zb and k > 0 and "buffers" in memory:   # as the simulator adds it (cost-model patch applied)
-                blocks = (stage.layers[1] - stage.layers[0]) * meta.block_repeats
-                memory["transient"] += zero_bubble_transient(meta, stage.tp, mbs * meta.seq_len,
-                                                             sim.opts.bytes_per_value, blocks)
-            for r in group:
-                rebuilt[r] = rebuilt[r] or stage.recompute == "full"
-                for key, value in memory.items():
-                    if key in ("workspace", "transient"):   # the rank's reserve, once; one backward at a time
-                        out[r][key] = max(out[r][key], float(value))
-                    else:
-                        out[r][key] += float(value)
-    for r, row in enumerate(out):
-        row["total"] = float(totals[r])
-        before, after = held.get(devices[r], (0.0, 0.0))
-        if not rebuilt[r] and before >= row["gradients"] + after:
-            row["gradients"] = 0.0   # the peak comes before the first backward: no gradient exists yet
-        rest = sum(row[k] for k in MEMORY_KEYS if k != "activations")
-        row["activations"] = max(row["total"] - rest, 0.0)
-        row["tensors"] = row["total"] - row["workspace"]
-    return out

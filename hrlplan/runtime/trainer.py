@@ -26,8 +26,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from hrlplan import devices
 from hrlplan.cluster import ClusterSpec
 from hrlplan.config import Config, as_config
-from hrlplan.cost.memory import plan_memory
-from hrlplan.cost.plans import options_for_train
+from hrlplan.cost.plans import options_for_train, plan_memory
 from hrlplan.data.lm import build_lm_data
 from hrlplan.model_meta import ModelMeta
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
@@ -304,7 +303,7 @@ def memory_kind(device: torch.device, tracked: bool) -> str:
 
 
 def predicted_memory(plan: Plan, cfg: Config, run_dir: Path) -> List[Dict[str, float]]:
-    """The plan's predicted memory per rank and its split (hrlplan.cost.memory.plan_memory), from
+    """The plan's predicted memory per rank and its split (hrlplan.cost.plans.plan_memory), from
     the model and cluster the job saved in the run directory; [] where they are missing."""
     meta_path, cluster_path = run_dir / "model_meta.json", run_dir / "cluster.json"
     if not (meta_path.exists() and cluster_path.exists()):
