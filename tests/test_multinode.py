@@ -130,7 +130,7 @@ def test_three_node_job_probes_the_shaped_link(box, tmp_path):
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_preempted_on_three_nodes_resumes_on_two_with_a_new_plan(box, tmp_path):
-    steps = 60   # preempted at step ~12: resumed_at < steps - 10 leaves ~35 steps to spare
+    steps = 100   # preempted at step ~12; fewer steps race the preemption on a quiet machine
     run = tmp_path / "run"
     out = tmp_path / "job.out"
     job_id = submit_elastic(run, out, steps, "train.checkpoint_interval=0")

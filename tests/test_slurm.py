@@ -101,7 +101,7 @@ def slurm():
         stop_local_slurm()
 
 
-STEPS = 60   # the interrupt lands at step ~10: 50 steps (5-15 s) to spare
+STEPS = 120   # the interrupt lands at step ~10; 60 left too few steps on a quiet machine (the job could finish first)
 
 
 def pp2_config(root: Path, steps: int = STEPS, world: int = 2) -> dict:
@@ -227,7 +227,7 @@ def test_reference_job_wandb_folder(straight):
 
 def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path):
     """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart."""
-    steps, interval = 60, 10   # the requeue is sent at step ~15: 45 steps to spare
+    steps, interval = 120, 10   # the requeue is sent at step ~15; with 60 the job once finished before it landed
     config = pp2_config(tmp_path, steps=steps)
     config["train"]["checkpoint_interval"] = interval
     job = submit(config, tmp_path / "job")
