@@ -49,6 +49,7 @@ Mode = _choice("Mode", "train", "plan")
 PosEncodings = _choice("PosEncodings", "rope", "learned")
 LossType = _choice("LossType", "stablemax_cross_entropy", "softmax_cross_entropy")
 HRMLossName = _choice("HRMLossName", "losses@ACTLossHead")
+CostRuntime = _choice("CostRuntime", "torch", "megatron")
 
 
 # ---------------------------------------------------------------- arch (one schema per family)
@@ -125,6 +126,16 @@ class HRMArchConfig:
 
 # ---------------------------------------------------------------- planner
 @dataclass
+class CostConfig:
+    """planner.cost: the runtime whose step the cost model prices. A null option takes that runtime's
+    own (hrlplan.cost.plans.RUNTIME_DEFAULTS): torch -- this package's runtime -- fused attention and
+    torch.distributed.pipelining's receive buffers; megatron -- Megatron-LM -- neither."""
+    runtime: CostRuntime = CostRuntime["torch"]
+    fused_attention: Optional[bool] = None   # attention keeps no s x s scores (SDPA / flash kernels)
+    receive_buffers: Optional[bool] = None   # a pipeline stage keeps one receive buffer per micro-batch
+
+
+@dataclass
 class PlannerConfigBase:
     name: str = "exact"
     seed: int = 0
@@ -142,6 +153,7 @@ class PlannerConfigBase:
     recompute: str = "auto"          # activation recomputation per stage: auto (searched) | none | selective | full
     allow_idle_ranks: bool = True    # a probed job's plan may leave workers idle when that is faster
     allow_over_memory: bool = False  # accept a plan predicted over a device's memory (manual plans)
+    cost: CostConfig = field(default_factory=CostConfig)   # what the cost model prices (see CostConfig)
 
 
 CALIBRATE_CHOICES = ("auto", "true", "false", "refresh")
