@@ -15,9 +15,17 @@ from hrlplan.search.common import Tracker, cost_options, describe
 from hrlplan.search.hrl.agent import PlanningEnv, initial_policy, train_on
 from hrlplan.search.hrl.policy import save_policy
 from hrlplan.search.instances import load_cluster, load_meta, planner_and_train_cfg
+from hrlplan.search.plan_text import (cluster_device_count, idle_lines, plan_degrees, plan_micro_batching,
+                                      rewrite_old_notation)
 from hrlplan.search.space import SearchSpace
 
 GiB = 2 ** 30
+# show-plan's breakdown: (key in the simulator's breakdown, what it is called)
+BREAKDOWN_NAMES = (("compute_s", "compute"), ("tp_comm_s", "tensor-parallel comm"), ("p2p_comm_s", "pipeline sends"),
+                   ("dp_comm_s", "gradient all-reduce"), ("dp_comm_exposed_s", "of it exposed"),
+                   ("dp_collectives_s", "FSDP collectives"), ("optimizer_s", "optimizer"),
+                   ("step_collectives_s", "per-step all-reduces"), ("step_overhead_s", "step overhead"),
+                   ("bubble_s", "bubble"))
 
 
 def _inputs(args, name="hrl"):
@@ -71,26 +79,70 @@ def plan_hrl(args) -> None:
           f"wrote {args.out} and {args.out_info}")
 
 
+def plan_path(arg: str) -> Path:
+    """show-plan's argument: a plan.yaml, or a run directory holding one."""
+    path = Path(arg)
+    if path.is_dir():
+        if (path / "plan.yaml").is_file():
+            return path / "plan.yaml"
+        raise UserError(f"{arg} is a directory without a plan.yaml: give a plan file (a run directory's plan.yaml, "
+                        "or one written by `hrlplan plan-hrl`)")
+    if not path.exists():
+        raise UserError(f"{arg} does not exist: give a plan.yaml (or a run directory holding one); write one with "
+                        "`hrlplan plan-hrl` or `python pretrain.py mode=plan`")
+    return path
+
+
+def _load_info(path: Path, explicit: bool):
+    """plan_info.json: --info's, or the one beside the plan (None when there is none)."""
+    if not path.exists():
+        if explicit:
+            raise UserError(f"--info {path} does not exist: give the plan_info.json written beside the plan")
+        return None
+    if path.is_dir():
+        raise UserError(f"--info {path} is a directory: give the plan_info.json file written beside the plan")
+    try:
+        info = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError is a ValueError
+        raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())[:120]}): it should be the "
+                        "plan_info.json written with the plan; replace it, or move it away to show the plan "
+                        "alone") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path}: expected a JSON object (a plan_info.json), got {type(info).__name__}")
+    return info
+
+
 def show_plan(args) -> None:
-    plan = Plan.load(args.plan)
-    info_path = Path(args.info) if args.info else Path(args.plan).with_name("plan_info.json")
-    info = json.loads(info_path.read_text()) if info_path.exists() else None
+    path = plan_path(args.plan)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} cannot be read as a plan ({' '.join(str(e).split())[:120]}): give a plan.yaml") from None
+    plan = Plan.from_yaml(text, source=str(path))
+    info = _load_info(Path(args.info) if args.info else path.with_name("plan_info.json"), explicit=bool(args.info))
     print(render(plan, info))
+
+
+def breakdown_text(breakdown) -> str:
+    """`compute 7.98 ms, gradient all-reduce 3.17 ms, of it exposed 0 ms, ...` (zero terms left out,
+    except the exposed share of an all-reduce, which says it is hidden)."""
+    shown = [(name, breakdown[key]) for key, name in BREAKDOWN_NAMES if key in breakdown
+             and (breakdown[key] or (key == "dp_comm_exposed_s" and breakdown.get("dp_comm_s")))]
+    return ", ".join(f"{name} {value * 1e3:.3g} ms" for name, value in shown)
 
 
 def render(plan: Plan, info=None) -> str:
     launch = plan.meta.get("launch", {})
     pred = plan.meta.get("predicted", {})
     lines = [plan.layout(),
-             f"{plan.model}: pp={plan.pp} dp={plan.dp} micro-batches {plan.num_microbatches} x {plan.microbatch_size} "
-             f"(global {plan.global_batch_size}), {plan.schedule}, {plan.stages_per_rank} stage(s)/rank; launch "
+             f"{plan.model}: {plan_degrees(plan)}, {plan_micro_batching(plan)} (global batch {plan.global_batch_size}), "
+             f"{plan.schedule}, {plan.stages_per_rank} stage(s)/rank; launch "
              f"{launch.get('nnodes', 1)} node(s) x {launch.get('nproc_per_node', plan.world_size)} procs"]
     if pred:
         lines.append(f"predicted step {pred.get('step_time_s', 0) * 1e3:.4g} ms, bubble {pred.get('bubble_fraction', 0):.1%}")
     stage_info = {s["stage"]: s for s in (info or {}).get("chosen", {}).get("stages", [])}
     mem = pred.get("memory_bytes_per_rank") or []
-    if plan.unused_ranks:
-        lines.append(f"idle ranks (launched, not training: faster without them): {plan.unused_ranks}")
+    lines += idle_lines(plan, cluster_device_count(info))
     header = f"{'stage':>5} {'blocks':>10} {'n':>3} {'tp':>3} {'dp':>3} {'recompute':>9} {'ranks':>14} " \
              f"{'device':>12} {'fwd ms':>9} {'bwd ms':>9} {'mem GiB':>8}  memory split GiB"
     lines += ["", header, "-" * len(header)]
@@ -109,12 +161,10 @@ def render(plan: Plan, info=None) -> str:
         b = info.get("chosen", {}).get("breakdown", {})
         if b:
             lines.append("")
-            lines.append("breakdown: " + ", ".join(f"{k} {b[k] * 1e3:.3g} ms" for k in
-                                                   ("compute_s", "tp_comm_s", "p2p_comm_s", "dp_comm_exposed_s", "bubble_s")
-                                                   if k in b))
+            lines.append("breakdown: " + breakdown_text(b))
         why = (info.get("why") or {}).get("text")
         if why:
-            lines += ["", "why: " + why]
+            lines += ["", "why: " + rewrite_old_notation(why)]
     else:
         lines += ["", "(no plan_info.json beside the plan: no breakdown or runner-up to show)"]
     return "\n".join(lines)

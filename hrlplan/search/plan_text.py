@@ -1,0 +1,117 @@
+"""How a plan is written for people: one notation everywhere (show-plan, plan summaries, the console,
+timeline.png).
+
+- parallel degrees: always all three, `pp=2 tp=4 dp=2` (tp per stage when stages differ: `tp=4/2/2`);
+- micro-batching: count first, in words, `4 micro-batches of 2` (rows each), `1 micro-batch of 8`:
+  never `4x2` or `2 x 4`, which read either way round;
+- idle devices: the cluster's devices the plan leaves out and the launched ranks it leaves idle.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from hrlplan.plan import Plan
+
+# The older summaries' `mb=<size>x<count>` (search/common.describe before this notation).
+_OLD_MB = re.compile(r" mb=(\d+)x(\d+)(?: (\w+) (?=layers/stage=))?")
+_CLUSTER_WORKERS = re.compile(r"(\d+) workers? on ")
+
+
+def microbatching(count: int, size: int) -> str:
+    """`4 micro-batches of 2`: how many micro-batches a replica runs per step, and their rows."""
+    return f"{count} micro-batch{'' if int(count) == 1 else 'es'} of {size}"
+
+
+def degrees(pp: int, tp: Union[int, Sequence[int]], dp: int) -> str:
+    """`pp=2 tp=4 dp=2`; a tp that differs between stages is listed per stage (`tp=4/2`)."""
+    if isinstance(tp, (list, tuple)):
+        tp = tp[0] if len(set(tp)) == 1 else "/".join(str(t) for t in tp)
+    return f"pp={pp} tp={tp} dp={dp}"
+
+
+def layout_text(pp: int, tp: Union[int, Sequence[int]], dp: int, count: int, size: int, schedule: str) -> str:
+    """`pp=2 tp=4 dp=2, 4 micro-batches of 2, 1f1b`: the summary of a layout or a plan."""
+    return f"{degrees(pp, tp, dp)}, {microbatching(count, size)}, {schedule}"
+
+
+def plan_micro_batching(plan: Plan) -> str:
+    """A plan's micro-batching; a heterogeneous plan's per replica (`replica 0: 4 micro-batches of 2; ...`)."""
+    if not plan.heterogeneous:
+        return microbatching(plan.num_microbatches, plan.microbatch_size)
+    return "; ".join(f"replica {i}: {microbatching(p.num_microbatches, p.microbatch_size)}"
+                     for i, p in enumerate(plan.pipelines))
+
+
+def plan_degrees(plan: Plan) -> str:
+    stages = plan.pipelines[0].stages if plan.heterogeneous else plan.stages
+    return degrees(plan.pp, [s.tp for s in stages], plan.dp)
+
+
+def plan_summary(plan: Plan) -> str:
+    """`pp=1 tp=4 dp=2, 4 micro-batches of 2 (global batch 16), 1f1b`."""
+    return (f"{plan_degrees(plan)}, {plan_micro_batching(plan)} (global batch {plan.global_batch_size}), "
+            f"{plan.schedule}")
+
+
+def plan_dict_summary(plan: Dict[str, Any]) -> str:
+    """plan_summary for a plan.yaml read as a plain mapping (timeline.png), without validating it."""
+    stages = plan.get("stages") or [{}]
+    pipelines = plan.get("pipelines") or []
+    if pipelines:
+        first = pipelines[0]
+        count = int(first.get("num_microbatches", 1))
+        size = int(first.get("batch_size", count)) // max(count, 1)
+        stages = first.get("stages") or [{}]
+        dp = len(pipelines)
+    else:
+        count, size, dp = plan.get("num_microbatches", 1), plan.get("microbatch_size", "?"), stages[0].get("dp", 1)
+    pp = plan.get("pp") or len(stages)
+    return layout_text(pp, [s.get("tp", 1) for s in stages], dp, count, size, plan.get("schedule", "1f1b"))
+
+
+def rewrite_old_notation(text: str) -> str:
+    """A summary written before this notation (`mb=4x2`: size x count) in words."""
+    def words(m: "re.Match[str]") -> str:
+        schedule = f", {m.group(3)}, " if m.group(3) else ""
+        return f", {microbatching(int(m.group(2)), int(m.group(1)))}{schedule}"
+    return _OLD_MB.sub(words, text)
+
+
+def cluster_device_count(info: Optional[Dict[str, Any]]) -> Optional[int]:
+    """The devices of the cluster a plan was made for, from plan_info.json (its `cluster_devices`,
+    else the cluster summary's `N workers on ...`); None when it does not say."""
+    if not info:
+        return None
+    if isinstance(info.get("cluster_devices"), int):
+        return info["cluster_devices"]
+    match = _CLUSTER_WORKERS.search(str(info.get("cluster") or ""))
+    return int(match.group(1)) if match else None
+
+
+def idle_lines(plan: Plan, cluster_devices: Optional[int] = None) -> List[str]:
+    """What the plan leaves idle, one line each: the cluster's devices it does not launch, and the
+    launched ranks that do not train. Empty when every device trains."""
+    lines = []
+    if cluster_devices is not None and cluster_devices > plan.world_size:
+        idle = cluster_devices - plan.world_size
+        lines.append(f"idle devices: the plan uses {plan.world_size} of the cluster's {cluster_devices} devices; "
+                     f"{idle} stay idle (not launched)")
+    if plan.unused_ranks:
+        lines.append(f"idle ranks: {len(plan.unused_ranks)} of the {plan.world_size} launched ranks do not train "
+                     f"(ranks {_ranges(plan.unused_ranks)}): the plan predicts a faster step without them")
+    return lines
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2, 5`."""
+    out, ranks = [], sorted(ranks)
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
