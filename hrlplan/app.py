@@ -13,12 +13,16 @@ import warnings
 
 import hydra
 from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hrlplan.compose import compose, normalize_overrides, register_configs, to_plain
 from hrlplan.config import typed
 from hrlplan.errors import ConfigError, UserError
+from hrlplan.launch.resume_run import resumed_overrides, say_once, write_record
+from hrlplan.launch.rundir import RunDirLock, check_output_dir, note, takes_lock
 from hrlplan.model_meta import conf_dir
 from hrlplan.validate import check_environment, precheck_overrides
 
@@ -47,11 +51,30 @@ def precheck(argv):
     if args.help or args.hydra_help or args.info or args.shell_completion or own_config:
         return argv
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    hydra_overrides = [o for o in args.overrides if o.lstrip("+~").startswith("hydra")]
     try:
+        _check_output_dirs(hydra_overrides, args.multirun)
+        if not args.multirun:   # a sweep's points resume from their own directories, as given
+            restored = resumed_overrides(overrides, hydra_overrides, compose, say_once)
+            if restored != overrides:
+                argv, overrides = _with_task_overrides(argv, set(overrides), restored), restored
         precheck_overrides(overrides, compose, multirun=args.multirun)
     except ConfigError as e:
         _refuse(e)
     return argv
+
+
+def _check_output_dirs(hydra_overrides, multirun: bool) -> None:
+    """hydra.run.dir (hydra.sweep.dir for -m) as the command line gives it: refused before Hydra creates it."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o for o in hydra_overrides if o.lstrip("+~").split("=", 1)[0] == key and "=" in o]
+    if given:
+        check_output_dir(key, OverridesParser.create().parse_overrides(given[-1:])[0].value())
+
+
+def _with_task_overrides(argv, old, new):
+    """argv with its task overrides replaced by `new` (flags and hydra.* overrides kept, in place)."""
+    return [a for a in argv if a not in old] + list(new)
 
 
 # $HRLPLAN_CONF (a copy of conf/ to edit) is honoured here as by the hrlplan commands and compose();
@@ -71,18 +94,34 @@ def main(cfg: DictConfig):
     from hrlplan.launch.slurm import in_srun_task, in_submitit_task
 
     submitit = in_submitit_task() or bool(os.environ.get("SUBMITIT_EXECUTOR"))
+    hydra_config = HydraConfig.get()
+    lock = None
     try:
-        plain = to_plain(cfg, HydraConfig.get().overrides.task)
+        plain = to_plain(cfg, hydra_config.overrides.task)
+        if plain.get("run_dir"):
+            check_output_dir("run_dir", plain["run_dir"])
         # Inside torchrun or a SLURM task the world size is the launcher's; paths are still ours to check.
         check_environment(plain, launching=not (in_distributed_job() or submitit or in_srun_task()))
-    except ConfigError as e:
+        run_dir = plain.get("run_dir") or hydra_config.runtime.output_dir
+        if takes_lock():
+            key = "run_dir" if plain.get("run_dir") else (
+                "hydra.sweep.dir" if hydra_config.mode == RunMode.MULTIRUN else "hydra.run.dir")
+            lock = RunDirLock(run_dir, key)
+            taken_over = lock.acquire()
+            if taken_over:
+                note(taken_over)
+            write_record(run_dir, hydra_config.overrides.task, plain)
+    except UserError as e:
         if submitit:
             raise  # submitit records it as the job's error
         _refuse(e)
     if not in_distributed_job() and not submitit:
-        print(f"[hrlplan] output directory: {plain.get('run_dir') or HydraConfig.get().runtime.output_dir}",
-              file=sys.stderr, flush=True)
-    return run_from_hydra(typed(plain))  # the submitit launcher hands rank 0's summary back to the sweep
+        print(f"[hrlplan] output directory: {run_dir}", file=sys.stderr, flush=True)
+    try:
+        return run_from_hydra(typed(plain))  # the submitit launcher hands rank 0's summary back to the sweep
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _completion_line() -> None:
