@@ -2,9 +2,10 @@
 
 The end-to-end tests run `python pretrain.py` on a hand-written two-stage plan (both workers train)
 and compare every step's loss with one uninterrupted run of the same plan and settings: a resume
-must continue the same curve to 1e-6 (the same layout replays the same arithmetic). The runs are
-long (train.steps=200, so a signal lands mid-run and the LR schedule is that of a long run) but
-stop early (train.stop_after) once the compared steps are done.
+must continue the same curve to 1e-6 (the same layout replays the same arithmetic). The runs have
+the LR schedule of a long run (train.steps=200) but stop early (train.stop_after) once the compared
+steps are done. A fault lands at a chosen step: the job holds there (tests/_hold.py, the sync point
+of hrlplan/runtime/preempt.py) until the test has sent its signal or killed its rank.
 """
 from __future__ import annotations
 
@@ -21,15 +22,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from _hold import StepHold
 from _runs import ROOT, pretrain
 from hrlplan.errors import UserError
 from hrlplan.launch import local
 from hrlplan.launch.local import Interrupted, launch_workers
 from hrlplan.plan import homogeneous_plan
 from hrlplan.runtime import checkpoint as ckpt
+from hrlplan.runtime import preempt
 
-STEPS = 200     # the configured run: signals land long before its end
-CHECK = 12      # steps compared with the uninterrupted run
+STEPS = 200     # the configured run's LR schedule
+CHECK = 8       # steps compared with the uninterrupted run
+FAULT_AT = 3    # the step at which the job holds for the fault
 TOL = 1e-6
 EXIT_WITHIN_S = 60
 
@@ -46,7 +50,7 @@ def common(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, common):
-    """The uninterrupted run: its run directory (checkpoints at 8, 10, 12) and its loss per step."""
+    """The uninterrupted run: its run directory (checkpoints at 4, 6, 8) and its loss per step."""
     run = tmp_path_factory.mktemp("straight") / "run"
     pretrain(run, *common, "train.checkpoint_interval=2", f"train.stop_after={CHECK}")
     return run, _losses(run)
@@ -67,10 +71,11 @@ def _losses(run_dir: Path) -> dict:
     return out
 
 
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`python pretrain.py ...` in the background, its output in files beside the run directory."""
+def _start(run_dir: Path, *overrides: str, env: dict) -> subprocess.Popen:
+    """`python pretrain.py ...` in the background (env: more variables), its output in files beside
+    the run directory."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1", **env)
     cmd = [sys.executable, str(ROOT / "pretrain.py"), f"hydra.run.dir={run_dir}", *overrides]
     out = open(run_dir.parent / f"{run_dir.name}.out", "w")
     err = open(run_dir.parent / f"{run_dir.name}.err", "w")
@@ -81,27 +86,11 @@ def _output(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.out").read_text() + (run_dir.parent / f"{run_dir.name}.err").read_text()
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while max(_losses(run_dir), default=0) < step:
-        assert proc.poll() is None, f"pretrain.py ended before step {step}:\n{_output(run_dir)[-4000:]}"
-        assert time.monotonic() < end, f"no step {step} in {timeout} s"
-        time.sleep(0.02)
-
-
-def _workers(agent_pid: int) -> list:
-    """The local launcher's worker processes, in rank order (they are started in rank order)."""
-    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
-    found = []
-    for pid in map(int, children):
-        try:
-            if b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue   # multiprocessing's resource tracker
-            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        except FileNotFoundError:
-            continue
-        found.append((started, pid))
-    return [pid for _, pid in sorted(found)]
+def _wait_held(hold: StepHold, run_dir: Path, proc: subprocess.Popen) -> dict:
+    """Until both workers wait at FAULT_AT (step FAULT_AT trained and logged); {rank: pid}."""
+    hold.wait_held(2, alive=lambda: proc.poll() is None, why=lambda: _output(run_dir)[-4000:])
+    assert max(_losses(run_dir)) == FAULT_AT
+    return hold.held_pids()
 
 
 def _ends_within(proc: subprocess.Popen, seconds: float) -> float:
@@ -120,15 +109,68 @@ def _assert_same_curve(resumed: dict, full: dict, first: int) -> None:
         assert resumed[step] == pytest.approx(full[step], abs=TOL), (step, resumed[step], full[step])
 
 
+# ---------------------------------------------------------------- the sync point the fault tests use
+@pytest.fixture
+def fresh_preempt(monkeypatch):
+    """preempt's flag and step-boundary count of a new process; cleared again afterwards."""
+    monkeypatch.setattr(preempt, "_BOUNDARIES", [0])
+    preempt.clear()
+    yield
+    preempt.clear()
+
+
+def test_the_hold_waits_at_its_step_until_released_and_reports_a_stop(tmp_path, monkeypatch, fresh_preempt):
+    hold = StepHold(tmp_path / "hold", 2)
+    for key, value in hold.env.items():
+        monkeypatch.setenv(key, value)
+    assert preempt.stop_agreed() is False          # boundary 1 passes
+    answer = []
+    boundary_two = threading.Thread(target=lambda: answer.append(preempt.stop_agreed()), daemon=True)
+    boundary_two.start()
+    hold.wait_held(1, alive=boundary_two.is_alive, timeout_s=30)
+    assert hold.held_pids() == {0: os.getpid()}
+    time.sleep(0.2)
+    assert boundary_two.is_alive() and answer == []    # still waiting: nothing but the file releases it
+    preempt.request_stop("test")
+    hold.wait_stopping(1, alive=boundary_two.is_alive, timeout_s=30)
+    hold.release()
+    boundary_two.join(30)
+    assert answer == [True]                        # the stop sent during the hold is seen at that step
+    assert preempt.stop_agreed() is True           # later boundaries pass
+
+
+def test_a_released_hold_passes_and_a_bad_one_says_why(tmp_path, monkeypatch, fresh_preempt):
+    hold = StepHold(tmp_path / "hold", 1)
+    hold.release()   # a job resumed after the test released it: no wait
+    for key, value in hold.env.items():
+        monkeypatch.setenv(key, value)
+    assert preempt.stop_agreed() is False and not list(tmp_path.glob("hold.held.*"))
+
+    monkeypatch.setenv(preempt.HOLD_AT_STEP_ENV, "three")
+    with pytest.raises(ValueError, match="HRLPLAN_TEST_HOLD_AT_STEP='three' is not a step number"):
+        preempt.stop_agreed()
+    monkeypatch.setenv(preempt.HOLD_AT_STEP_ENV, "3")
+    monkeypatch.delenv(preempt.HOLD_FILE_ENV)
+    with pytest.raises(ValueError, match="HRLPLAN_TEST_HOLD_FILE"):
+        preempt.stop_agreed()
+
+    monkeypatch.setattr(preempt, "_BOUNDARIES", [0])
+    monkeypatch.setenv(preempt.HOLD_AT_STEP_ENV, "1")
+    monkeypatch.setenv(preempt.HOLD_FILE_ENV, str(tmp_path / "never"))
+    monkeypatch.setenv(preempt.HOLD_TIMEOUT_ENV, "0.1")
+    with pytest.raises(TimeoutError, match="was not created in time"):
+        preempt.stop_agreed()
+
+
 # ---------------------------------------------------------------- kill -9 of one rank
 @pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_the_job_and_auto_resume_continues_the_curve(tmp_path, common, straight):
     run = tmp_path / "killed"
-    proc = _start(run, *common, "train.checkpoint_interval=2")
-    _wait_for_step(run, 3, proc)
-    workers = _workers(proc.pid)
-    assert len(workers) == 2, workers
+    hold = StepHold(tmp_path / "hold", FAULT_AT)
+    proc = _start(run, *common, "train.checkpoint_interval=2", env=hold.env)
+    workers = _wait_held(hold, run, proc)
     os.kill(workers[1], signal.SIGKILL)
+    hold.release()   # rank 0 goes on to the step's stop vote and finds its peer gone
     took = _ends_within(proc, EXIT_WITHIN_S)
     out = _output(run)
     assert proc.returncode == 2, out[-3000:]
@@ -137,7 +179,7 @@ def test_a_rank_killed_mid_step_ends_the_job_and_auto_resume_continues_the_curve
     print(f"every process ended {took:.1f} s after the kill")
 
     last = ckpt.latest_checkpoint(run / "checkpoints")
-    assert last is not None and int(last.name.split("_")[1]) < CHECK
+    assert last is not None and last.name == f"step_{FAULT_AT - 1:06d}"   # the last periodic one
     again = pretrain(run, *common, "train.checkpoint_interval=2", "train.resume=auto", f"train.stop_after={CHECK}")
     assert f"resumed from {last}" in again.stdout + again.stderr
     _assert_same_curve(_losses(run), straight[1], 1)
@@ -148,9 +190,12 @@ def test_a_rank_killed_mid_step_ends_the_job_and_auto_resume_continues_the_curve
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_path, common, straight):
     run = tmp_path / "signalled"
-    proc = _start(run, *common, "train.checkpoint_interval=0")
-    _wait_for_step(run, 3, proc)
+    hold = StepHold(tmp_path / "hold", FAULT_AT)
+    proc = _start(run, *common, "train.checkpoint_interval=0", env=hold.env)
+    _wait_held(hold, run, proc)
     os.kill(proc.pid, sig)
+    hold.wait_stopping(2, alive=lambda: proc.poll() is None, why=lambda: _output(run)[-4000:])
+    hold.release()
     took = _ends_within(proc, EXIT_WITHIN_S)
     out = _output(run)
     assert proc.returncode == 128 + sig, out[-3000:]
@@ -163,7 +208,7 @@ def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_p
     print(f"stopped at step {step}, {took:.1f} s after {sig.name}")
 
     # a complete checkpoint of the step the run stopped at, named by `latest`
-    assert 3 <= step < CHECK and max(_losses(run)) == step
+    assert step == FAULT_AT and max(_losses(run)) == step
     assert ckpt.checkpoint_problem(path) is None and ckpt.latest_checkpoint(run / "checkpoints") == path
     for rank in (0, 1):
         assert torch.load(path / f"extra_rank{rank}.pt", weights_only=True)["step"] == step
