@@ -32,21 +32,24 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from hrlplan.cluster import default_nproc_per_node, load_or_probe_in_job
+from hrlplan.cluster import ClusterSpec, default_nproc_per_node, load_or_probe_in_job
 from hrlplan.config import Config, as_config
 from hrlplan.errors import UserError
 from hrlplan.launch import slurm
 from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, launch_workers
 from hrlplan.launch.planning import (calibrated, check_world, introspect_and_plan, local_device_memory, plan_only,
                                      probes_here, wants_calibration, warn_hrm_memory)
-from hrlplan.launch.ranks import broadcast, init_worker, job_peak_flops, leave_idle_ranks, train_ranks
-from hrlplan.launch.report import JobInfo, make_logger, predicted_step, report
+from hrlplan.launch.ranks import broadcast, init_worker, leave_idle_ranks, train_ranks
+from hrlplan.launch.report import JobInfo, idle_devices_line, make_logger, predicted_step, report
 from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
 from hrlplan.runtime import preempt
 from hrlplan.runtime.checkpoint import checkpoint_problem, latest_checkpoint, list_checkpoints
 from hrlplan.runtime.distributed import cpu_group, shutdown
+from hrlplan.runtime.metrics import duration_text
+from hrlplan.runtime.mfu import job_peak_flops
 from hrlplan.runtime.hrm_trainer import train_hrm
+from hrlplan.runtime.train_core import nonfinite_line
 from hrlplan.runtime.trainer import MFUBasis, PipelineTrainer
 from hrlplan.validate import check_environment
 
@@ -58,8 +61,9 @@ LOCAL_AGENT_ENV = "HRLPLAN_LOCAL_AGENT"
 def run_from_hydra(config: Config) -> Optional[Dict[str, Any]]:
     """The Hydra app's job (hrlplan/app.py, which composed and checked `config`): run in Hydra's
     output directory unless run_dir is set; in a sweep, one W&B group and a numbered run per point."""
-    job = JobInfo()
     hc = HydraConfig.get()
+    # one run: from the command's start; a sweep's jobs share a process, each from its own start
+    job = JobInfo(started_at=time.time()) if hc.mode == RunMode.MULTIRUN else JobInfo()
     config.run_dir = str(Path(config.run_dir or hc.runtime.output_dir).resolve())
     if hc.mode == RunMode.MULTIRUN:
         # One W&B run per job, grouped by the sweep; the run's name says which point it is.
@@ -109,7 +113,9 @@ def run(config: Config, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any
     if in_distributed_job():
         return worker_main(config, raise_errors=situation == "submitit", job=job)
     if not probes_here(config.cluster):
-        return plan_only(config)   # a preset or a cluster.json: planned here, nothing to train on
+        result = plan_only(config)   # a preset or a cluster.json: planned here, nothing to train on
+        _say_idle(Plan.from_dict(result["plan"]), run_dir)
+        return result
     # A probed cluster, mode=plan included: the workers probe (and calibrate) the real devices.
     check_environment(config)   # what a user can get wrong, before any worker starts
     nproc = default_nproc_per_node(config.cluster.nproc_per_node, str(config.train.device))
@@ -225,6 +231,8 @@ def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
                     f"{plan.num_microbatches}x{plan.microbatch_size} schedule={plan.schedule}"
                     + (" (cached plan)" if facts.get("cached") else ""))
     summary = _train(config, plan, logger, device, facts["family"], mfu_basis)
+    if summary.get("nonfinite"):
+        _stop_nonfinite(config, logger, summary, facts["family"])
     if rank == 0:
         report(config, plan, logger, summary, job)
     logger.finish()
@@ -234,6 +242,20 @@ def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
     # seen to abort at exit ("terminate called without an active exception"), failing the step.
     dist.barrier()
     return dict(summary) if rank == 0 else None
+
+
+def _stop_nonfinite(config: Config, logger, summary: Dict[str, Any], family: str) -> None:
+    """Every rank, after a NaN/inf step stopped training (train_core): the run's record, then the one
+    line as the job's error (exit 2)."""
+    info = summary["nonfinite"]
+    line = nonfinite_line(info, config.train, hrm=family == "hrm")
+    logger.summary({"final_step": summary.get("final_step"), "stopped_at_nonfinite_step": info["step"],
+                    "nonfinite": f"{info['what']} {info['value']}", "nonfinite_checkpoint": info.get("checkpoint")})
+    if logger.enabled and logger.text_log is not None:
+        logger.text_log.write(line + "\n")
+    logger.finish()
+    dist.barrier()
+    raise UserError(line)
 
 
 def _measure(config: Config, device) -> Tuple[Any, float]:
@@ -280,9 +302,21 @@ def _stop_after_planning(config: Config, plan: Plan) -> Optional[Dict[str, Any]]
         return None
     run_dir = Path(config.run_dir)
     print(f"[hrlplan] mode=plan: wrote {run_dir / 'plan.yaml'} ({plan.layout()}, predicted step "
-          f"{(predicted_step(plan) or float('nan')) * 1e3:.4g} ms); train it with planner=manual "
+          f"{duration_text(predicted_step(plan))}); train it with planner=manual "
           f"planner.plan_file={run_dir / 'plan.yaml'}", flush=True)
+    _say_idle(plan, run_dir)
     return {"plan": plan.to_dict()}
+
+
+def _say_idle(plan: Plan, run_dir: Path) -> None:
+    """The console line of a plan that leaves some of the cluster's devices idle (cluster.json)."""
+    try:
+        devices = len(ClusterSpec.load(run_dir / "cluster.json").devices)
+    except (OSError, ValueError, KeyError):
+        devices = plan.world_size
+    line = idle_devices_line(plan, devices)
+    if line:
+        print(f"[hrlplan] {line}", flush=True)
 
 
 def _join_training_ranks(config: Config, spec, plan: Plan,
@@ -291,9 +325,8 @@ def _join_training_ranks(config: Config, spec, plan: Plan,
     None on a rank the plan leaves idle, which has left the job."""
     used = train_ranks(plan)
     peak = broadcast(job_peak_flops(spec, used, config.train) if spec is not None else None)
-    if dist.get_rank() == 0 and plan.unused_ranks and not plan.heterogeneous:
-        print(f"[hrlplan] the plan trains on {len(used)} of {plan.world_size} workers (faster than all of them "
-              f"here); idle: ranks {plan.unused_ranks}", flush=True)
+    if dist.get_rank() == 0:
+        _say_idle(plan, Path(config.run_dir))
     trained = leave_idle_ranks(plan, str(config.train.device), config.train)
     return None if trained is None else (trained, MFUBasis(facts["flops_per_token"], peak))
 

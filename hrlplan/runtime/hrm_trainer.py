@@ -49,7 +49,8 @@ from hrlplan.runtime import memory as mem
 # re-exported: where callers found them before runtime/hrm_io.py
 from hrlplan.runtime.hrm_io import (_all_reduce_sum, _forward_dtype, _write_sources,  # noqa: F401
                                    evaluate, evaluate_cli, find_checkpoint)
-from hrlplan.runtime.train_core import LRSchedule, TrainAdapter, TrainCore, pick_device, train_config, warmup_cosine
+from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, nonfinite_check, pick_device,
+                                        raise_if_nonfinite, train_config, warmup_cosine)
 
 log = logging.getLogger("hrlplan.hrm")
 # A config that leaves these train keys out (a script's dict, not the composed one, which has
@@ -321,8 +322,12 @@ class HRMTrainer(TrainAdapter):
             # Losses are sums over sequences; wrappers average gradients over ranks, so dividing by the
             # local batch gives HRM's sum / global_batch_size.
             (loss / (self.gbs // self.world)).backward()
+            grad_norm = None
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            # collective, before the update: a NaN/inf loss or gradient stops the run with the weights intact
+            loss_sum, bad_grad = nonfinite_check(loss, grad_norm)
+            raise_if_nonfinite(loss_sum / self.gbs, bad_grad, grad_norm)
             lr = self.lr.lr("weights")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -9,11 +9,13 @@ hrlplan_config.yaml), the files saved with `save_file` (plan.yaml, cluster.json,
 the media (tables, images) and run-<id>.wandb (metrics, artifacts); `wandb sync` uploads it; the
 logger names the folder and the command when it finishes.
 
-On the console (rank 0 only): a tqdm bar over the training steps (loss, step time, tokens/s, ETA)
-when the terminal is one, with notes and evaluation lines printed above it through tqdm's logging
-redirect; plain lines, one per logged step with the progress and ETA, when output goes to a file
-(SLURM logs). Metric names keep their prefixes (stage0/compute_s, eval/lm_loss). Everything goes
-through the `hrlplan` logger, so Hydra's job log (pretrain.log) holds the run's story too.
+On the console (rank 0 only): on a terminal the tqdm bar alone over the training steps (loss, step
+time, tokens/s, ETA), with notes and evaluation lines printed above it through tqdm's logging
+redirect; off a terminal (a file, SLURM logs) one short line per logged step, `step 10/50 (20%) |
+loss 2.5 | 50.0 ms/step | 12.3k tokens/s | eta 1m02s`, the same in train.log. Every other figure
+(per stage, memory, lr, grad norm, MFU) goes to metrics.jsonl and W&B only; an evaluation's keep their
+prefixes (eval/lm_loss). Times print in plain ms or s (duration_text). Everything goes through the
+`hrlplan` logger, so Hydra's job log (pretrain.log) holds the run's story too.
 """
 from __future__ import annotations
 
@@ -36,8 +38,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from hrlplan.config import LoggerConfig, section
 
 log = logging.getLogger("hrlplan")
-# Per-step keys the progress bar stands for on a terminal; any other key (eval/...) prints its line.
-STEP_PREFIXES = ("train/", "stage/", "stage")
 WANDB_INIT_TIMEOUT_S = 90.0   # offline mode starts in seconds; online, a slow network must not stall the job
 
 
@@ -144,21 +144,28 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in full.items()}}
         self.file.write(json.dumps(record) + "\n")
         self._wandb(lambda run: run.log(full, step=step))
-        line = metrics_line(step, metrics)
-        self.text_log.write(line + "\n")
-        if not self.echo:
-            return
         training = any(k.startswith("train/") for k in metrics)
-        if training and self.progress is None and self.total_steps is not None:
+        shown = console_metrics(metrics)
+        if training and self.progress is None and self.total_steps is not None and self.echo:
             self.progress = Progress(self.total_steps, initial=max(0, step - 1))
-        if not training or self.progress is None:
-            log.info(line)
+        if training:
+            bar_line = self.progress.update(step, metrics) if self.progress is not None and self.echo else None
+            on_bar = self.progress is not None and self.echo and bar_line is None
+            line = step_line(step, metrics, bar_line)
+            self.text_log.write(line + (" | " + metrics_text(shown) if shown else "") + "\n")
+            if not self.echo:
+                return
+            if on_bar:   # a terminal: the bar is the step's line; an evaluation prints above it
+                if shown:
+                    log.info(metrics_line(step, shown))
+            else:
+                log.info(line + (" | " + metrics_text(shown) if shown else ""))
             return
-        plain = self.progress.update(step, metrics)
-        if plain is not None:   # no terminal: the bar becomes this line
-            log.info(f"{line} | {plain}")
-        elif any(not k.startswith(STEP_PREFIXES) for k in metrics):
-            log.info(line)   # e.g. an evaluation: printed above the bar
+        if shown:
+            line = metrics_line(step, shown)
+            self.text_log.write(line + "\n")
+            if self.echo:
+                log.info(line)
 
     def set_total(self, total_steps: Optional[int], initial: int = 0) -> None:
         """The run's length in steps (a trainer that counts in epochs knows it first): shows the
@@ -283,9 +290,49 @@ def read_metrics(run_dir: str | os.PathLike) -> List[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- console
+# Logged, never printed: the per-stage, memory and table figures are for metrics.jsonl and W&B.
+CONSOLE_HIDDEN = ("memory/", "stage/", "stage", "perf/", "probe/", "replan/", "num_params")
+
+
+def metrics_text(metrics: Dict[str, Any]) -> str:
+    return " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+
+
 def metrics_line(step: int, metrics: Dict[str, Any]) -> str:
-    """`step 12 | train/lm_loss=3.21 stage0/compute_s=0.012`: full names, so two stages' compute_s differ."""
-    return f"step {step:>5} | " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    """`step 12 | eval/lm_loss=3.21 stage0/compute_s=0.012`: full names, so two stages' compute_s differ."""
+    return f"step {step:>5} | " + metrics_text(metrics)
+
+
+def console_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """What a log call shows beside the step's short line: neither train/ figures (the line has the
+    ones that matter) nor the hidden prefixes."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("train/", *CONSOLE_HIDDEN))}
+
+
+def step_line(step: int, metrics: Dict[str, Any], progress: Optional[str] = None) -> str:
+    """One short line per logged step: `step 10/50 (20%) | loss 2.5 | 50.0 ms/step | 12.3k tokens/s |
+    eta 1m02s` (progress: Progress.update's text, which has the step count and ETA)."""
+    head = progress.split(", ")[0] if progress else f"{step}"
+    rest = progress.split(", ")[1:] if progress else _progress_fields(metrics)
+    return " | ".join([f"step {head}", *rest])
+
+
+def duration_text(seconds: Optional[float]) -> str:
+    """A time in plain notation, never 4.16e+03 ms: `0.412 ms`, `43.0 ms`, `4.16 s`, `611 s`; `?` unknown."""
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return "?"
+    ms = seconds * 1e3
+    if abs(ms) < 1:
+        return f"{ms:.3f} ms"
+    if abs(ms) < 10:
+        return f"{ms:.2f} ms"
+    if abs(ms) < 1000:
+        return f"{ms:.1f} ms"
+    if abs(seconds) < 10:
+        return f"{seconds:.2f} s"
+    if abs(seconds) < 100:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.0f} s"
 
 
 def _planned_steps(config: Dict[str, Any]) -> Optional[int]:
@@ -369,7 +416,7 @@ def _progress_fields(metrics: Dict[str, Any]) -> List[str]:
                 next((k for k in metrics if "loss" in k), None))
     out = [f"loss {_fmt(metrics[loss])}"] if loss else []
     if "train/step_time_s" in metrics:
-        out.append(f"{1e3 * float(_plain(metrics['train/step_time_s'])):.1f} ms/step")
+        out.append(f"{duration_text(float(_plain(metrics['train/step_time_s'])))}/step")
     if "train/tokens_per_s" in metrics:
         out.append(f"{_si(float(_plain(metrics['train/tokens_per_s'])))} tokens/s")
     return out

@@ -13,7 +13,10 @@ The core owns
   RNG included; a resume that changes the layout is logged (console, replans.jsonl, W&B);
 - metrics and progress: the logger's progress total, one log call per logged step, the history;
 - preemption: hrlplan.runtime.preempt's collective stop flag at every step boundary, then a
-  checkpoint on all ranks and `preempted: True` in the summary.
+  checkpoint on all ranks and `preempted: True` in the summary;
+- a NaN or infinite loss or gradient norm: the adapter's check (collective, before the optimizer
+  takes the update) raises NonFiniteStep; the core stops there, keeps a checkpoint of the last good
+  weights (see `_stop_nonfinite`) and puts `nonfinite` in the summary (`nonfinite_line` says it).
 
 An adapter (see `TrainAdapter`) builds the model, optimizers and data, takes one step, says which
 metrics a step logs and what happens at its boundaries (evaluation, extra checkpoints).
@@ -25,7 +28,7 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -185,6 +188,79 @@ class TrainAdapter:
         return summary
 
 
+# ---------------------------------------------------------------- a NaN or infinite step
+class NonFiniteStep(Exception):
+    """An adapter's train_step raises it on every rank together (its check is a collective) when
+    the loss or the gradient norm of the update it is taking is NaN or infinite, before the
+    optimizer takes that update. what: "loss" or "gradient norm"."""
+
+    def __init__(self, what: str, value: float):
+        super().__init__(f"the {what} is {value}")
+        self.what, self.value = what, float(value)
+
+
+def nonfinite_check(loss: torch.Tensor, grad_norm: Optional[torch.Tensor] = None) -> Tuple[float, bool]:
+    """Collective (one all_reduce): (the loss summed over ranks, whether any rank's gradient norm is
+    NaN/inf). A NaN or inf on any rank makes the sum NaN or inf, so every rank sees the same answer."""
+    bad_grad = torch.zeros((), device=loss.device) if grad_norm is None else \
+        (~torch.isfinite(_plain_tensor(grad_norm).detach().float().reshape(()).to(loss.device))).float()
+    packed = torch.stack([loss.detach().float().reshape(()), bad_grad])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(packed)
+    total, bad = packed.tolist()
+    return total, bad > 0
+
+
+def raise_if_nonfinite(loss_value: float, bad_grad: bool, grad_norm: Optional[torch.Tensor] = None) -> None:
+    """After nonfinite_check: NonFiniteStep on every rank alike."""
+    if not math.isfinite(loss_value):
+        raise NonFiniteStep("loss", loss_value)
+    if bad_grad:
+        value = float(_plain_tensor(grad_norm)) if grad_norm is not None else float("nan")
+        raise NonFiniteStep("gradient norm", value if not math.isfinite(value) else float("nan"))
+
+
+def _plain_tensor(t: Any) -> torch.Tensor:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return torch.as_tensor(t)
+
+
+def likely_cause(train: Any, hrm: bool = False) -> str:
+    """The setting a NaN/inf step most likely comes from, as `key=value (why; what to do)`."""
+    t = train_config(train)
+    lr, wd = float(t.lr), float(t.weight_decay)
+    if not math.isfinite(lr) or lr >= 1.0:
+        return f"train.lr={t.lr} (far too large: models train at 1e-5 to 1e-2; lower it)"
+    if not math.isfinite(wd) or lr * wd >= 1.0:
+        return (f"train.weight_decay={t.weight_decay} (each update shrinks the weights by lr x weight_decay, "
+                "which must stay far below 1; typical values are 0 to 0.1)")
+    if hrm:
+        emb_lr, emb_wd = float(t.puzzle_emb_lr), float(t.puzzle_emb_weight_decay)
+        if not math.isfinite(emb_lr) or not math.isfinite(emb_wd) or emb_lr >= 1.0 or emb_lr * emb_wd >= 1.0:
+            return f"train.puzzle_emb_lr={t.puzzle_emb_lr} / train.puzzle_emb_weight_decay={t.puzzle_emb_weight_decay} " \
+                   "(too large; lower them)"
+    if str(getattr(t.dtype, "value", t.dtype)) != "float32":
+        return f"train.dtype={getattr(t.dtype, 'value', t.dtype)} (overflow in low precision; try train.dtype=float32)"
+    if not t.grad_clip:
+        return f"train.lr={t.lr} without clipping (set train.grad_clip=1.0 or lower train.lr)"
+    return f"train.lr={t.lr} (lower it) or train.dtype / the data"
+
+
+def nonfinite_line(info: Mapping[str, Any], train: Any, hrm: bool = False) -> str:
+    """The one line a run stopped by a NaN/inf step ends with (summary["nonfinite"])."""
+    step, what, value = info["step"], info["what"], info["value"]
+    kept = info.get("checkpoint")
+    if not kept:
+        where = "no checkpoint of good weights was written before it: start again once it is fixed"
+    elif what == "gradient norm":
+        where = (f"the weights before it are checkpointed in {kept}: continue with train.resume={kept} "
+                 "once it is fixed")
+    else:
+        where = f"the last good checkpoint is {kept}: continue with train.resume={kept} once it is fixed"
+    return (f"step {step}: the {what} is {value} (not finite), so the run stopped without taking that update; "
+            f"likely {likely_cause(train, hrm)}; {where}")
+
+
 # ---------------------------------------------------------------- the core
 def tell(logger, line: str) -> None:
     """One line on the console and in train.log (the logger's note), printed without a logger."""
@@ -256,6 +332,37 @@ class TrainCore:
             return self.last_checkpoint
         return self.save(periodic)
 
+    def _stop_nonfinite(self, bad: NonFiniteStep) -> Dict[str, Any]:
+        """Collective. Update self.step + 1 came out NaN/inf and was not taken. A non-finite gradient
+        norm from a finite loss: these weights are still good and are checkpointed. A non-finite
+        loss: these weights produce it, so none of them is written, and a checkpoint that holds
+        them (written at this step) is set aside as nonfinite_step_N; the newest other one is the
+        last good. Returns the summary's `nonfinite` entry."""
+        if bad.what == "gradient norm":
+            kept: Optional[Path] = self.save_once()
+        else:
+            kept = self._set_aside_poisoned()
+        return {"step": self.step + 1, "what": bad.what, "value": bad.value,
+                "checkpoint": str(kept) if kept is not None else None}
+
+    def _set_aside_poisoned(self) -> Optional[Path]:
+        """Collective: the checkpoint of this step renamed out of resume's way; the newest other one."""
+        root = Path(self.adapter.checkpoint_root)
+        poisoned = self.last_checkpoint if self.saved_step == self.step else None
+        if self.adapter.rank == 0 and poisoned is not None and poisoned.is_dir():
+            os.replace(poisoned, poisoned.with_name(f"nonfinite_{poisoned.name}"))
+            remaining = ckpt.list_checkpoints(root)
+            pointer = root / "latest"
+            if remaining:
+                (root / "latest.tmp").write_text(remaining[-1].name)
+                os.replace(root / "latest.tmp", pointer)
+            else:
+                pointer.unlink(missing_ok=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        remaining = ckpt.list_checkpoints(root)
+        return remaining[-1] if remaining else None
+
     # ------------------------------------------------------------ the loop
     def log(self, metrics: Dict[str, float]) -> None:
         if metrics and self.logger is not None and self.adapter.rank == 0:
@@ -297,11 +404,16 @@ class TrainCore:
         step_times: List[float] = []
         self.latest: Dict[str, float] = {}
         self.preempted = False
+        self.nonfinite: Optional[Dict[str, Any]] = None
         first_step_at, started, start_step = None, time.time(), self.step
         with a.profiler() as prof:
             batches: Iterable[Any] = a.batches(self.step) if self.step < a.stop_at else ()
             for batch in batches:
-                out = a.train_step(batch, self.step)
+                try:
+                    out = a.train_step(batch, self.step)
+                except NonFiniteStep as bad:   # on every rank alike: its check was collective
+                    self.nonfinite = self._stop_nonfinite(bad)
+                    break
                 a.lr.step()
                 self.step += 1
                 if prof is not None:
@@ -314,6 +426,6 @@ class TrainCore:
         elapsed = time.time() - started
         summary = {"final_step": self.step, "history": history, "first_step_at": first_step_at,
                    "preempted": self.preempted, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-                   "latest": dict(self.latest),
+                   "latest": dict(self.latest), "nonfinite": self.nonfinite,
                    "steps_per_second": (self.step - start_step) / elapsed if elapsed > 0 else 0.0}
         return a.finish(summary, step_times)

@@ -34,10 +34,11 @@ from hrlplan.plan import Plan
 from hrlplan.runtime import distributed, timing
 from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
+from hrlplan.runtime.mfu import mfu
 from hrlplan.runtime.hetero import HeteroPipelineEngine
 from hrlplan.runtime.torch_engine import SCHEDULES, TorchPipelineEngine, build_schedule  # noqa: F401  (re-exported)
-from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, pick_device,  # noqa: F401  (re-exported)
-                                        train_config, warmup_cosine)
+from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, nonfinite_check,  # noqa: F401
+                                        pick_device, raise_if_nonfinite, train_config, warmup_cosine)
 
 
 def lr_lambda(train: Any, total_steps: int):
@@ -94,7 +95,7 @@ def runs_on_torch_schedules(plan: Plan) -> bool:
 
 class MFUBasis(NamedTuple):
     """Model FLOPs utilization's figures, from the job: training FLOPs per token (model_meta) and the
-    summed peak FLOP/s of the ranks that train (launch/ranks.job_peak_flops)."""
+    summed peak FLOP/s of the ranks that train (runtime/mfu.job_peak_flops)."""
     flops_per_token: float
     peak_flops: float
 
@@ -173,24 +174,29 @@ class PipelineTrainer(TrainAdapter):
             t1 = self._now()
             grad_norm = self.engine.sync_and_clip(grad_clip(self.train))
             t2 = self._now()
+            # each rank holds its share of the global loss (zero off the last stage): summed, and
+            # checked with the gradient norm before the update (a NaN/inf stops here, weights intact)
+            loss_value, bad_grad = nonfinite_check(loss, grad_norm)
+            t3 = self._now()
+            raise_if_nonfinite(loss_value, bad_grad, grad_norm)
             for opt in self.optimizers.values():
                 opt.step()
         lr = self.lr.lr()
-        t3 = self._now()
-        dist.all_reduce(loss)   # each rank holds its share of the global loss (zero off the last stage)
         dt = self._now() - t0
         # where this rank's step went, beside the simulator's breakdown (plan_info.json "phases_s")
-        self.phase_times.append({"schedule": t1 - t0, "sync_and_clip": t2 - t1, "optimizer": t3 - t2,
-                                 "loss_allreduce": t0 + dt - t3})
-        return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
+        self.phase_times.append({"schedule": t1 - t0, "sync_and_clip": t2 - t1, "loss_allreduce": t3 - t2,
+                                 "optimizer": t0 + dt - t3})
+        return {"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": dt}
 
     def step_metrics(self, step: int, out: Dict[str, float], logging_now: bool) -> Dict[str, float]:
         seq = int(self.cfg.data.seq_len)
         tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
         metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
                    "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
-        if self.mfu_basis and self.mfu_basis.flops_per_token and self.mfu_basis.peak_flops:
-            metrics["train/mfu"] = self.mfu_basis.flops_per_token * tokens_per_s / self.mfu_basis.peak_flops
+        utilization = mfu(self.mfu_basis.flops_per_token, tokens_per_s, self.mfu_basis.peak_flops) \
+            if self.mfu_basis else None
+        if utilization is not None:
+            metrics["train/mfu"] = utilization
         if logging_now:
             gathered = self._gather({"compute": self.recorder.compute_by_stage(),
                                      "memory": {**timing.memory_stats(self.device), **self.meter.result()}})
@@ -218,7 +224,8 @@ class PipelineTrainer(TrainAdapter):
         measured = self.report_plan_vs_measured(step_times)
         if self.train.profile and self.logger is not None:
             self.logger.note(f"profiler traces: {self.run_dir / 'profile'} (tensorboard --logdir, or chrome://tracing)")
-        return {k: summary[k] for k in ("final_step", "history", "first_step_at", "preempted")} | {"measured": measured}
+        return {k: summary[k] for k in ("final_step", "history", "first_step_at", "preempted", "nonfinite",
+                                        "checkpoint")} | {"measured": measured}
 
     # ------------------------------------------------------------ one step
     def local_batch(self, step: int):
