@@ -219,7 +219,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def _file_arguments(args: argparse.Namespace) -> List[str]:
-    return [f"{flag} {getattr(args, dest)}" for dest, flag, _ in ARGUMENT_CHECKS.get(args.command, [])
+    return [f"{flag} {getattr(args, dest)}".strip() for dest, flag, _ in ARGUMENT_CHECKS.get(args.command, [])
             if getattr(args, dest, None) is not None]
 
 
@@ -329,9 +329,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.func(args)
     except UserError as e:
         _refuse(one_line(e, 1000))
+    except BrokenPipeError:   # `hrlplan ... | head`: the reader left; nothing to report (Python's advice)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (ValueError, OSError, yaml.YAMLError) as e:   # a parser's or the OS's word on an input file
         message = one_line(e, 600)
-        named = [a for a in _file_arguments(args) if a.split(" ", 1)[1] in message]
+        named = [a for a in _file_arguments(args) if a.split(" ")[-1] in message]
         _refuse(message if named or not _file_arguments(args) else
                 f"{message} (reading {', '.join(_file_arguments(args))})")
 

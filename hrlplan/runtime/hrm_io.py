@@ -1,5 +1,6 @@
 """HRM runs' checkpoints and evaluation: finding step_<N> directories, the test-split metrics, and
-`hrlplan evaluate` (our checkpoints, older ones, or HRM's own step files).
+`hrlplan evaluate` of an HRM checkpoint (ours, older ones, or HRM's own step files; the command
+itself, for every model, is runtime/evaluate_run.py).
 
 Checkpoints are the training core's (runtime/train_core.py, runtime/checkpoint.py): sharded
 torch.distributed.checkpoint directories written atomically, plus what HRM's users expect beside
@@ -74,6 +75,13 @@ def find_checkpoint(path: str) -> Optional[str]:
     return None
 
 
+def is_hrm_checkpoint(checkpoint: str | os.PathLike) -> bool:
+    """An HRM run's checkpoint: its all_config.yaml beside it (in the step directory or the
+    checkpoints directory above), or an older step_<N>/model.pt (only HRM wrote those)."""
+    return (_is_legacy(checkpoint) or os.path.isfile(os.path.join(checkpoint, "all_config.yaml"))
+            or os.path.isfile(os.path.join(os.path.dirname(os.path.normpath(checkpoint)), "all_config.yaml")))
+
+
 def _strip_compile_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k.replace("_orig_mod.", ""): v for k, v in state.items()}
 
@@ -135,10 +143,11 @@ def _load_for_eval(checkpoint: str) -> Tuple[Dict[str, Any], Optional[Dict[str, 
     else:
         found = find_checkpoint(checkpoint)
         if found is None:
-            raise FileNotFoundError(f"{checkpoint}: no HRM checkpoint (step_<N>/ with model shards or model.pt) found")
+            raise UserError(f"{checkpoint}: no checkpoint here (no step_<N>/ directory with model shards or model.pt); "
+                            "give <run dir>/checkpoints of a run that saved one")
         config_path, weights = os.path.join(found, "all_config.yaml"), os.path.join(found, "model.pt")
     if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} is missing: the checkpoint's training config is needed to rebuild the model")
+        raise UserError(f"{config_path} is missing: the checkpoint's training config is needed to rebuild the model")
     with open(config_path) as f:
         cfg = yaml.safe_load(f)
     if found is not None and _is_dcp(found):
