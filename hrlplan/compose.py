@@ -20,7 +20,7 @@ from hrlplan.config import (HRM_RECIPE, TOP_LEVEL_ALIASES, Config, DataConfig, E
                             HRLPlannerSchema, HRMArchConfig, HRMLossConfig, LlamaArchConfig, LoggerConfig,
                             ManualPlannerSchema, RandomPlannerSchema, TrainConfig, ClusterConfig)
 from hrlplan.model_meta import conf_dir
-from hrlplan.validate import check_values, explain_compose_error, is_compose_error
+from hrlplan.validate import check_values, explain_compose_error, is_compose_error, override_keys
 
 
 def apply_top_level_aliases(cfg: Any) -> Any:
@@ -30,16 +30,6 @@ def apply_top_level_aliases(cfg: Any) -> Any:
         if value is not None:
             cfg[group][sub] = value
     return cfg
-
-
-def override_keys(overrides: Iterable[str]) -> set:
-    """The dotted keys a list of Hydra overrides sets ("+train.seed=1" -> "train.seed")."""
-    keys = set()
-    for o in overrides:
-        key = str(o).split("=", 1)[0].lstrip("+~").strip()
-        if key and not key.startswith("hydra"):
-            keys.add(key.split("@", 1)[0])
-    return keys
 
 
 def normalize_overrides(overrides: Iterable[str]) -> List[str]:
@@ -94,7 +84,7 @@ def to_plain(cfg: Any, overrides: Sequence[str] = (), check: bool = True) -> Dic
     if isinstance(config.get("arch"), dict):
         _sync_hrm_loss(config["arch"])
     if check:
-        check_values(config)
+        check_values(config, override_keys(overrides))
     return config
 
 

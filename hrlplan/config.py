@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from hrlplan.errors import UserError
+from hrlplan.errors import ConfigError, UserError
 
 
 # ---------------------------------------------------------------- closed choices
@@ -256,6 +257,34 @@ class ClusterConfig:
     probe_repeats: int = 3
 
 
+# ---------------------------------------------------------------- timeouts
+# train.<key> when set, else the environment variable, else the default (minutes); docs/runtime.md.
+TIMEOUTS = {"plan_timeout_min": ("HRLPLAN_PLAN_TIMEOUT_MIN", 60.0),
+            "collective_timeout_min": ("HRLPLAN_TRAIN_TIMEOUT_MIN", 10.0)}
+
+
+def timeout_minutes(train: Any, env: Dict[str, str]) -> Dict[str, float]:
+    """Each of TIMEOUTS in minutes, from the train config (typed, plain, or missing keys), else its
+    environment variable, else its default; a value that is not a positive number raises ConfigError
+    naming the key or the variable."""
+    out = {}
+    for key, (var, default) in TIMEOUTS.items():
+        value = train.get(key) if isinstance(train, Mapping) else getattr(train, key, None)
+        where = f"train.{key}"
+        if value is None and env.get(var) not in (None, ""):
+            value, where = env[var], f"{var} (environment)"
+        try:
+            minutes = default if value is None else float(value)
+        except (TypeError, ValueError):
+            minutes = float("nan")
+        if not (0 < minutes < float("inf")):
+            raise ConfigError(where, value, message=f"{where}={value} is not a positive number of minutes: "
+                              f"{'unset it' if where != f'train.{key}' else 'leave it out'} (default {default:g}) "
+                              "or give a number > 0")
+        out[key] = minutes
+    return out
+
+
 # ---------------------------------------------------------------- train / data / logger
 @dataclass
 class TrainConfig:
@@ -285,8 +314,10 @@ class TrainConfig:
     measure_memory: bool = True       # peak memory per rank and its split, tracked over the first 2 steps
     vocab_parallel: bool = True       # tp>1: token embedding and head sharded over the vocabulary (whole if vocab % tp != 0)
     tf32: bool = True                 # CUDA: float32 matmuls in TF32 (costed at the TF32 peak); false: full fp32
-    plan_timeout_min: float = 60.0    # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans
-    collective_timeout_min: float = 10.0  # training collectives (NCCL/gloo): a dead rank ends the job this fast
+    # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans; null: $HRLPLAN_PLAN_TIMEOUT_MIN, else 60
+    plan_timeout_min: Optional[float] = None
+    # training collectives (NCCL/gloo): a dead rank ends the job this fast; null: $HRLPLAN_TRAIN_TIMEOUT_MIN, else 10
+    collective_timeout_min: Optional[float] = None
     # Evaluation on the validation split: every eval_interval steps (language models; always at the
     # end) or epochs (HRM, which also counts its run in epochs).
     eval_interval: Optional[int] = None

@@ -221,7 +221,7 @@ def test_oversubscription_is_allowed_when_asked(files):
 def test_a_good_plan_file_passes(files):
     good = files / "good.yaml"
     good.write_text(PLAN.format(pp=2, tp=1))
-    check_environment(compose(["planner=manual", f"planner.plan_file={good}"]), launching=False)
+    check_environment(compose(["planner=manual", f"planner.plan_file={good}", "arch.n_layer=2"]), launching=False)
 
 
 # ---- end to end: `python pretrain.py ...` as a user types it

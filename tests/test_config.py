@@ -81,7 +81,7 @@ def test_hrm_overrides_users_know_compose():
     assert cfg["arch"]["hidden_size"] == 32 and cfg["arch"]["puzzle_emb_ndim"] == 32
 
 
-ALIAS_VALUES = {"data_path": "x/y", "epochs": 7, "eval_interval": 3, "checkpoint_every_eval": True,
+ALIAS_VALUES = {"data_path": "x/y", "epochs": 6, "eval_interval": 3, "checkpoint_every_eval": True,
                 "global_batch_size": 12, "lr": 2e-4, "lr_min_ratio": 0.5, "lr_warmup_steps": 11, "beta1": 0.8,
                 "beta2": 0.9, "weight_decay": 0.5, "puzzle_emb_lr": 3e-4, "puzzle_emb_weight_decay": 0.25,
                 "seed": 5, "project_name": "Sudoku-extreme-1k-aug-1000", "run_name": "my-run",

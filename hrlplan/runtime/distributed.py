@@ -18,10 +18,9 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hrlplan.config import timeout_minutes
 from hrlplan.devices import DeviceChoice, activate, choose_device
 
-PLAN_TIMEOUT_MIN = 60.0     # rank 0 plans and calibrates while the others wait (CPU side, gloo)
-TRAIN_TIMEOUT_MIN = 10.0    # collectives during training: a dead rank ends the job after this
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 _CPU_GROUP = None
@@ -35,23 +34,12 @@ class Timeouts:
 
 def timeouts(cfg: Any = None, env: Optional[Mapping[str, str]] = None) -> Timeouts:
     """train.plan_timeout_min / train.collective_timeout_min when the train config (a TrainConfig, or
-    a plain mapping that may lack them) has them, else
-    HRLPLAN_PLAN_TIMEOUT_MIN / HRLPLAN_TRAIN_TIMEOUT_MIN, else 60 and 10 minutes. The planning one
-    never drops below the training one."""
-    env = os.environ if env is None else env
-    cfg = cfg or {}
-
-    def pick(key: str, var: str, default: float) -> float:
-        value = cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-        if value is None:
-            value = env.get(var)
-        minutes = float(default if value in (None, "") else value)
-        if minutes <= 0:
-            raise ValueError(f"{key} (or {var}) must be a positive number of minutes, got {value!r}")
-        return minutes
-
-    train = pick("collective_timeout_min", "HRLPLAN_TRAIN_TIMEOUT_MIN", TRAIN_TIMEOUT_MIN)
-    plan = max(pick("plan_timeout_min", "HRLPLAN_PLAN_TIMEOUT_MIN", PLAN_TIMEOUT_MIN), train)
+    a plain mapping that may lack them) sets them, else HRLPLAN_PLAN_TIMEOUT_MIN /
+    HRLPLAN_TRAIN_TIMEOUT_MIN, else 60 and 10 minutes (hrlplan.config.timeout_minutes). The planning
+    one never drops below the training one."""
+    minutes = timeout_minutes(cfg or {}, dict(os.environ if env is None else env))
+    train = minutes["collective_timeout_min"]
+    plan = max(minutes["plan_timeout_min"], train)
     return Timeouts(plan=timedelta(minutes=plan), train=timedelta(minutes=train))
 
 

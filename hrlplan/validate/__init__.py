@@ -1,40 +1,43 @@
 """Checks a user can trip, before any work starts: one line naming the key, the value and what is allowed.
+What is refused, and why, is listed in docs/refused.md.
 
-- check_values: ranges of a composed config (positive steps, batch, seq_len, lr > 0, ...), run by
+- check_values: ranges of a composed config (positive steps, batch, seq_len, lr > 0, finite numbers,
+  probabilities in [0, 1), ...) and the checks across keys of consistency.py (unknown keys, a key of
+  another option, HRM's keys without arch=hrm, values refused together), run by
   hrlplan.compose.to_plain, so every composed config is checked.
 - explain_compose_error: Hydra's composition errors (a typo, a bad choice, a wrong type) as one
-  ConfigError line, with the nearest key we have instead of Hydra's "+key" hint.
-- check_environment: what the launcher checks on this host before it starts workers: paths that
-  must exist (resume, data, plan and cluster files, a model's config.json), a world size the host
-  can run, a device that is there.
-- load_yaml_text / parse_yaml_limited: YAML parsing with a size and expansion budget (an alias bomb
-  cannot hang anything); every plan load (hrlplan.plan.Plan.from_yaml) goes through it.
+  ConfigError line, with the nearest key we have (or the option that has it) instead of Hydra's
+  "+key" hint.
+- precheck_overrides: every point of a sweep composed and checked before the first job starts.
+- check_environment (host.py): what the launcher checks on this host before it starts workers.
+- load_yaml_text / parse_yaml_limited (files.py): YAML parsing with a size and expansion budget.
 """
 from __future__ import annotations
 
 import difflib
-import json
-import os
+import math
 import re
+import sys
 import typing
 from dataclasses import fields, is_dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob, Transformer
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from hrlplan import config as c
-from hrlplan.data.sudoku import dataset_exists, resolve_preset
 from hrlplan.errors import ConfigError, one_line
+from hrlplan.validate.consistency import another_option_hint, check_together, override_keys
+from hrlplan.validate.files import (MAX_YAML_BYTES, MAX_YAML_NODES, YamlBudgetError, load_yaml_text,
+                                    parse_yaml_limited)
+from hrlplan.validate.host import check_environment, check_world_size, host_capacity
 
-MAX_YAML_BYTES = 4 * 2**20
-MAX_YAML_NODES = 1_000_000   # values after alias expansion
-LM_DATA = ("synthetic", "code")
+__all__ = ["check_values", "explain_compose_error", "is_compose_error", "nearest_key", "precheck_overrides",
+           "check_environment", "check_world_size", "host_capacity", "override_keys", "load_yaml_text",
+           "parse_yaml_limited", "YamlBudgetError", "MAX_YAML_BYTES", "MAX_YAML_NODES"]
 
 
 # ---------------------------------------------------------------- value ranges
@@ -48,12 +51,16 @@ def _int(v: Any) -> bool:
 
 POS_INT = ("a positive integer", lambda v: _int(v) and v > 0)
 NONNEG_INT = ("an integer >= 0", lambda v: _int(v) and v >= 0)
-POS = ("a number > 0", lambda v: _num(v) and v > 0)
-NONNEG = ("a number >= 0", lambda v: _num(v) and v >= 0)
+POS = ("a finite number > 0", lambda v: _num(v) and 0 < v < math.inf)
+NONNEG = ("a finite number >= 0", lambda v: _num(v) and 0 <= v < math.inf)
 UNIT = ("a number in [0, 1]", lambda v: _num(v) and 0 <= v <= 1)
 BETA = ("a number in [0, 1)", lambda v: _num(v) and 0 <= v < 1)
+PROBABILITY = ("a probability in [0, 1) (1 would drop everything)", BETA[1])
+VOCAB = ("an integer >= 2 (with one token there is nothing to predict, and nothing trains)",
+         lambda v: _int(v) and v >= 2)
 MARGIN = ("a number in (0, 1]", lambda v: _num(v) and 0 < v <= 1)
 AUTO_OR_POS_INT = ("auto or a positive integer", lambda v: v == "auto" or _int(v) and v > 0)
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")   # auto: searched per stage (hrlplan.plan.checks)
 
 
 def _optional(rule):
@@ -79,15 +86,26 @@ RULES = {
                                  lambda v: isinstance(v, list) and bool(v) and all(_int(x) and x > 0 for x in v)),
     "planner.samples": POS_INT, "planner.train_steps": NONNEG_INT, "planner.batch_size": POS_INT,
     "planner.lr": POS, "planner.max_evaluations": POS_INT, "planner.refine_evaluations": NONNEG_INT,
-    "planner.greedy_configs": NONNEG_INT,
+    "planner.greedy_configs": NONNEG_INT, "planner.max_simulations": POS_INT, "planner.hidden": POS_INT,
+    "planner.entropy_coef": NONNEG,
+    "planner.calibrate": ("one of " + ", ".join(c.CALIBRATE_CHOICES),
+                          lambda v: isinstance(v, bool) or str(v).lower() in c.CALIBRATE_CHOICES),
+    "planner.recompute": ("one of " + ", ".join(RECOMPUTE_CHOICES), lambda v: v in RECOMPUTE_CHOICES),
+    "train.plan_timeout_min": _optional(POS), "train.collective_timeout_min": _optional(POS),
+    "cluster.inter_node_GBps": POS, "cluster.inter_node_latency_us": NONNEG, "cluster.intra_node_latency_us": NONNEG,
 }
+NODE_GROUP_RULES = {"count": POS_INT, "devices_per_node": POS_INT, "memory_gb": POS, "tflops": POS,
+                    "intra_node_GBps": POS}
 ARCH_RULES = {
-    "gpt2": {k: POS_INT for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")},
-    "llama": {k: POS_INT for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "max_position_embeddings", "vocab_size")},
+    "gpt2": {**{k: POS_INT for k in ("n_layer", "n_embd", "n_head", "n_positions")}, "vocab_size": VOCAB,
+             **{k: PROBABILITY for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}},
+    "llama": {**{k: POS_INT for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "max_position_embeddings")}, "vocab_size": VOCAB,
+              "rms_norm_eps": POS, "rope_theta": POS},
     "hrm": {**{k: POS_INT for k in ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "num_heads",
                                     "halt_max_steps")},
-            "puzzle_emb_ndim": NONNEG_INT, "expansion": POS, "halt_exploration_prob": UNIT},
+            "puzzle_emb_ndim": NONNEG_INT, "expansion": POS, "halt_exploration_prob": UNIT, "rms_norm_eps": POS,
+            "rope_theta": POS},
 }
 # (model kind, width key, heads key): the width must split evenly over the heads
 HEAD_SPLITS = [("gpt2", "n_embd", "n_head"), ("llama", "hidden_size", "num_attention_heads"),
@@ -109,8 +127,9 @@ def _arch_kind(arch: Dict[str, Any]) -> Optional[str]:
     return arch.get("model_type") if arch.get("model_type") in ("gpt2", "llama") else None
 
 
-def check_values(config: Dict[str, Any]) -> None:
-    """Range checks of a plain (to_plain) config; the first bad value raises ConfigError."""
+def check_values(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None:
+    """Range checks of a plain (to_plain) config, then the checks across keys (consistency.py);
+    explicit: the keys the command line set. The first bad value raises ConfigError."""
     for key, (desc, ok) in RULES.items():
         try:
             value = _get(config, key)
@@ -118,6 +137,10 @@ def check_values(config: Dict[str, Any]) -> None:
             continue   # a key of another planner or an older tree
         if not ok(value):
             raise ConfigError(key, value, desc)
+    for i, group in enumerate((config.get("cluster") or {}).get("node_groups") or []):
+        for key, (desc, ok) in NODE_GROUP_RULES.items():
+            if isinstance(group, dict) and key in group and not ok(group[key]):
+                raise ConfigError(f"cluster.node_groups.{i}.{key}", group[key], desc)
     arch = config.get("arch") or {}
     kind = _arch_kind(arch)
     if arch.get("model_id"):
@@ -128,6 +151,7 @@ def check_values(config: Dict[str, Any]) -> None:
     for k, width, heads in HEAD_SPLITS:
         if k == kind and _int(arch.get(width)) and _int(arch.get(heads)) and arch[width] % arch[heads]:
             raise ConfigError(f"arch.{width}", arch[width], f"a multiple of arch.{heads}={arch[heads]}")
+    check_together(config, explicit)
 
 
 # ---------------------------------------------------------------- Hydra's composition errors
@@ -202,7 +226,8 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
         key = getattr(cause, "full_key", None) or re.search(r"Key '([^']+)'", str(cause)).group(1)
         value = _override_value(key, overrides)
         near = nearest_key(key)
-        hint = f"did you mean {near}?" if near else "python pretrain.py --help lists the keys"
+        hint = another_option_hint(key) if near == key else None   # the key of another arch or planner
+        hint = hint or (f"did you mean {near}?" if near and near != key else "python pretrain.py --help lists the keys")
         return ConfigError(key, value, message=f"unknown key {key}" + (f" (in {key}={value})" if value else "")
                            + f": {hint}")
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -232,195 +257,17 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
     return ConfigError("config", message=one_line(text + (f" ({cause})" if cause is not None else "")))
 
 
-# ---------------------------------------------------------------- YAML with a budget
-class YamlBudgetError(ValueError):
-    """A YAML text over the size or alias-expansion budget; the message says which and the limit."""
-
-
-def parse_yaml_limited(text: str) -> Any:
-    """yaml.safe_load within MAX_YAML_BYTES and MAX_YAML_NODES once aliases are expanded; raises
-    YamlBudgetError beyond them, yaml.YAMLError for text that is not YAML. An alias bomb (a billion
-    laughs) is small on disk and expands exponentially in whatever walks the loaded tree: the node
-    graph is composed first (aliases share their node, so this is linear) and its expanded size
-    counted with memoization, before anything is built."""
-    if len(text) > MAX_YAML_BYTES:
-        raise YamlBudgetError(f"is {len(text) / 2**20:.1f} MiB; a plan or cluster file is at most "
-                              f"{MAX_YAML_BYTES // 2**20} MiB")
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    expanded = _expanded_size(node, {}) if node is not None else 0
-    if expanded > MAX_YAML_NODES:
-        raise YamlBudgetError(f"expands to {expanded:.3g} values through its YAML aliases (at most "
-                              f"{MAX_YAML_NODES}); write the values out")
-    return yaml.safe_load(text)
-
-
-def load_yaml_text(text: str, source: str, key: str) -> Any:
-    """parse_yaml_limited, its refusals as a ConfigError naming `key` (key=source ...)."""
-    try:
-        return parse_yaml_limited(text)
-    except YamlBudgetError as err:
-        raise ConfigError(key, source, message=f"{key}={source} {err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(key, source, message=f"{key}={source} is not valid YAML: {one_line(err, 200)}") from None
-
-
-def _expanded_size(node: Any, seen: Dict[int, int]) -> int:
-    if id(node) in seen:
-        return seen[id(node)]
-    seen[id(node)] = MAX_YAML_NODES + 1   # a node reached again while counting it: a cycle, refuse
-    if isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(n, seen) for n in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
-    else:
-        size = 1
-    seen[id(node)] = size
-    return size
-
-
-def _read_file(key: str, path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(key, path, message=f"{key}={path}: no such file" +
-                          (" (it is a directory)" if p.is_dir() else ""))
-    if p.stat().st_size > MAX_YAML_BYTES:
-        raise ConfigError(key, path, message=f"{key}={path} is {p.stat().st_size / 2**20:.1f} MiB; at most "
-                                             f"{MAX_YAML_BYTES // 2**20} MiB")
-    try:
-        return p.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(key, path, message=f"{key}={path} cannot be read: {one_line(err, 200)}") from None
-
-
-def _refuse_on(key: str, path: str, load: Callable[[], Any]) -> Any:
-    """load(), its error (whatever the parser raised) as one line naming the key."""
-    try:
-        return load()
-    except ConfigError:
-        raise
-    except Exception as err:  # a hand-edited file can fail in any parser: say which key and why
-        raise ConfigError(key, path, message=f"{key}={path} is not a valid file: {one_line(err, 300)}") from None
-
-
-# ---------------------------------------------------------------- this host, before workers start
-def check_environment(config: Any, launching: bool = True) -> None:
-    """Everything the launcher can check before it starts workers; launching=False inside a job
-    someone else launched (torchrun, SLURM), where the world size is theirs. config: the run's Config
-    or its plain form (checked as plain values, the keys as users type them)."""
-    config = c.as_dict(config)
-    train, data, arch = config["train"], config.get("data") or {}, config.get("arch") or {}
-    resume = str(train.get("resume", "none"))
-    if resume not in ("none", "auto") and not Path(resume).exists():
-        raise ConfigError("train.resume", resume, "none, auto or an existing checkpoint directory")
-    _check_data(config, arch, data)
-    _check_model_config(arch)
-    planner, cluster = config.get("planner") or {}, config.get("cluster") or {}
-    if str(planner.get("name")) == "manual":
-        _check_plan_file(planner.get("plan_file"))
-    if cluster.get("spec_file"):
-        path = str(cluster["spec_file"])
-        _refuse_on("cluster.spec_file", path, lambda: _load_cluster_spec(path))
-    if train.get("device") == "cuda":
-        import torch   # why: composing and checking a config never needs torch (`--help`, completion)
-
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
-                                                              "use train.device=auto or cpu")
-    local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
-    if launching and local:
-        check_world_size(cluster, str(train.get("device", "auto")))
-
-
-def _check_data(config: Dict[str, Any], arch: Dict[str, Any], data: Dict[str, Any]) -> None:
-    if arch.get("family") == "hrm":
-        path = data.get("path") or config.get("data_path")
-        if not path:
-            return   # the trainer's default preset, built on first use
-        if not dataset_exists(str(path)) and resolve_preset(str(path)) is None:
-            key = "data_path" if config.get("data_path") else "data.path"
-            raise ConfigError(key, path, message=f"{key}={path} has no train/dataset.json and test/dataset.json, "
-                              "and its name is not a preset to build (sudoku-extreme-small, "
-                              "sudoku-extreme-1k-aug-1000): give HRM's data directory, or build one with "
-                              f"`hrlplan build-sudoku sudoku-extreme-small --out-dir {path}`")
-    elif data.get("name") not in LM_DATA:
-        raise ConfigError("data", data.get("name"), message=f"data={data.get('name')} is not a language-model "
-                          f"data set: choose data=synthetic or data=code (or arch=hrm for puzzle data)")
-    elif data.get("name") == "code" and data.get("source") and not Path(str(data["source"])).exists():
-        raise ConfigError("data.source", data["source"], "an existing directory of .py/.jsonl(.gz)/.parquet files")
-
-
-def _check_model_config(arch: Dict[str, Any]) -> None:
-    """A local model directory (arch.model_id) must hold a readable config.json."""
-    model_id = arch.get("model_id")
-    if not model_id:
-        return
-    path = Path(str(model_id))
-    target = path / "config.json" if path.is_dir() else path if path.suffix == ".json" else None
-    if target is None:
-        if str(model_id).startswith((".", "/", "~")) and not path.exists():
-            raise ConfigError("arch.model_id", model_id, "a shipped arch, a local directory with config.json, "
-                                                         "or a model id in the local HF cache")
-        return   # an HF-cache id: model_meta resolves it, offline
-    text = _read_file("arch.model_id", str(target))
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError("arch.model_id", model_id, message=f"arch.model_id={model_id}: {target} is not valid "
-                          f"JSON ({err.msg} at line {err.lineno}); restore the model's config.json") from None
-    if not isinstance(parsed, dict) or "model_type" not in parsed:
-        raise ConfigError("arch.model_id", model_id, message=f"arch.model_id={model_id}: {target} has no "
-                          "model_type; restore the model's config.json")
-
-
-def _check_plan_file(plan_file: Any) -> None:
-    if not plan_file:
-        raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
-    from hrlplan.plan import Plan   # why: plan loads its YAML through this module
-
-    path = str(plan_file)
-    text = _read_file("planner.plan_file", path)
-    data = load_yaml_text(text, path, "planner.plan_file")
-    _refuse_on("planner.plan_file", path, lambda: Plan.from_dict(data, source=path))
-
-
-def _load_cluster_spec(path: str) -> Any:
-    from hrlplan.cluster import ClusterSpec   # why: it brings torch, as above
-
-    data = json.loads(_read_file("cluster.spec_file", path))
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    return ClusterSpec.from_dict(data)
-
-
-def host_capacity(device: str = "auto") -> tuple:
-    """(workers this host runs without sharing, what they are): GPUs, else CPU cores."""
-    if device != "cpu":
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count(), "GPU(s)"
-    return len(os.sched_getaffinity(0)), "CPU core(s)"
-
-
-def check_world_size(cluster: Dict[str, Any], device: str = "auto") -> None:
-    """More local workers than GPUs (or CPU cores) would share devices, or hang a CPU host for
-    minutes in rendezvous and probing: refused unless cluster.oversubscribe=true."""
-    n = cluster.get("nproc_per_node", "auto")
-    if n in (None, "auto") or cluster.get("oversubscribe"):
-        return
-    capacity, what = host_capacity(device)
-    if int(n) > capacity:
-        raise ConfigError("cluster.nproc_per_node", n, message=f"cluster.nproc_per_node={n} is more workers than "
-                          f"this host has {what} ({capacity}): use at most {capacity} (or auto), or set "
-                          "cluster.oversubscribe=true to start them anyway")
-
-
 def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], Any], multirun: bool = True,
                        limit: int = 24) -> List[Any]:
     """Compose each point a (multirun) override list describes, one sweep value at a time, so a bad
-    value anywhere in a sweep is refused before the first job starts. Returns the composed configs."""
+    value anywhere in a sweep is refused before the first job starts. Returns the composed configs.
+    `hydra.searchpath=[...]` (the user's own arch/cluster/... options) is composed with every point:
+    from the overrides, or else from the command line itself (sys.argv)."""
+    overrides = list(overrides)
+    if not any(_is_searchpath(o) for o in overrides):
+        overrides += [a for a in sys.argv[1:] if _is_searchpath(a)]
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
         if not is_compose_error(e):
             raise
@@ -452,3 +299,7 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
             point[i] = f"{k}={v}"
             points.append(point)
     return [compose(base + p) for p in points[:limit]]
+
+
+def _is_searchpath(override: str) -> bool:
+    return str(override).lstrip("+~").startswith("hydra.searchpath=")

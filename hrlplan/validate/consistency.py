@@ -1,0 +1,219 @@
+"""Checks across keys of a composed config, before anything starts: keys no schema has (`+train.foo=1`),
+a key of another option (`planner.train_steps` without `planner=hrl`), HRM's keys without `arch=hrm`,
+and values that are fine alone but not together (stages per rank and the schedule, micro-batches and
+the batch, HRM's evaluation interval and epochs, the sequence length and the model's positions).
+
+`explicit`: the dotted keys the command line set (compose.override_keys); a value a user typed is
+refused where the same value coming from a default or a recipe is not (HRM's data.seq_len).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import fields
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import yaml
+
+from hrlplan import config as c
+from hrlplan.errors import ConfigError
+from hrlplan.model_meta import conf_dir
+
+PLANNER_SCHEMAS = {"exact": c.ExactPlannerSchema, "hrl": c.HRLPlannerSchema, "manual": c.ManualPlannerSchema,
+                   "random": c.RandomPlannerSchema}
+ARCH_SCHEMAS = {"gpt2_schema": c.GPT2ArchConfig, "llama_schema": c.LlamaArchConfig, "hrm_schema": c.HRMArchConfig}
+GROUP_SCHEMAS = {"train": c.TrainConfig, "data": c.DataConfig, "logger": c.LoggerConfig, "cluster": c.ClusterConfig}
+# Keys only HRM's trainer reads: without arch=hrm they would be stored and silently unused.
+# Refused rather than selecting HRM: a language-model command with a stray key must not turn into
+# another model on another data set (docs/refused.md).
+HRM_ONLY_TOP = ("data_path", "epochs", "checkpoint_every_eval", "puzzle_emb_lr", "puzzle_emb_weight_decay",
+                "checkpoint_path")
+HRM_ONLY_TRAIN = ("epochs", "checkpoint_every_eval", "checkpoint_path", "puzzle_emb_lr", "puzzle_emb_weight_decay")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # as hrlplan.plan.checks (which needs no import here)
+
+
+def override_keys(overrides: Iterable[str]) -> set:
+    """The dotted keys a list of Hydra overrides sets ("+train.seed=1" -> "train.seed"; HRM's top-level
+    spellings also as their group key: "lr=1e-4" -> "lr" and "train.lr")."""
+    keys = set()
+    for o in overrides:
+        key = str(o).split("=", 1)[0].lstrip("+~").strip()
+        if key and not key.startswith("hydra"):
+            key = key.split("@", 1)[0]
+            keys.add(key)
+            if key in c.TOP_LEVEL_ALIASES:
+                keys.add(".".join(c.TOP_LEVEL_ALIASES[key]))
+    return keys
+
+
+def _names(schema: type) -> List[str]:
+    return [f.name for f in fields(schema)]
+
+
+@functools.lru_cache(maxsize=None)
+def arch_options_by_schema() -> Dict[str, List[str]]:
+    """The shipped arch options, by the schema their YAML extends (gpt2_schema: gpt2, gpt2-tiny, ...)."""
+    out: Dict[str, List[str]] = {name: [] for name in ARCH_SCHEMAS}
+    for path in sorted((conf_dir() / "arch").glob("*.yaml")):
+        try:
+            defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        for d in defaults:
+            if isinstance(d, str) and d in out:
+                out[d].append(path.stem)
+    return out
+
+
+def options_owning(full_key: str) -> List[str]:
+    """The options (`planner=hrl`, `arch=hrm`) whose schema has this key; [] when none or not a group key."""
+    group, _, rest = full_key.partition(".")
+    leaf = rest.split(".")[0]
+    if group == "planner":
+        return [f"planner={name}" for name, schema in PLANNER_SCHEMAS.items() if leaf in _names(schema)]
+    if group == "arch":
+        if rest.startswith("loss.") or leaf == "loss":
+            return ["arch=hrm"]
+        owned = []
+        for schema_name, schema in ARCH_SCHEMAS.items():
+            if leaf in _names(schema):
+                owned += [f"arch={o}" for o in arch_options_by_schema().get(schema_name, [])]
+        return owned
+    return []
+
+
+def another_option_hint(full_key: str) -> Optional[str]:
+    """'planner.train_steps is a key of planner=hrl; add planner=hrl' when the key is another option's."""
+    owners = options_owning(full_key)
+    if not owners:
+        return None
+    shown = owners if len(owners) <= 4 else owners[:4] + ["..."]
+    return (f"{full_key} is a key of {' or '.join(shown)}, not of the {full_key.split('.')[0]} this run uses; "
+            f"add {owners[0]}" + (" (or another of those)" if len(owners) > 1 else "") + " to use it, or leave it out")
+
+
+def _unknown(full_key: str, known: Iterable[str]) -> ConfigError:
+    leaf = full_key.rpartition(".")[2]
+    parent = full_key.rpartition(".")[0]
+    hint = another_option_hint(full_key)
+    if hint is None:
+        near = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.6)
+        hint = (f"did you mean {parent + '.' if parent else ''}{near[0]}?" if near
+                else "python pretrain.py --help lists the keys")
+    return ConfigError(full_key, message=f"unknown key {full_key} (added with +{full_key}=...): {hint}")
+
+
+def _arch_schema(arch: Dict[str, Any]) -> Optional[type]:
+    if arch.get("family") == "hrm":
+        return c.HRMArchConfig
+    return {"gpt2": c.GPT2ArchConfig, "llama": c.LlamaArchConfig}.get(arch.get("model_type"))
+
+
+def check_known_keys(config: Dict[str, Any]) -> None:
+    """Every key of the composed tree is one its schema has: `+train.foo=1` is refused here, not by a
+    traceback when the run's typed config is built."""
+    top = set(_names(c.Config))
+    for key in config:
+        if key not in top:
+            raise _unknown(key, top)
+    for group, schema in GROUP_SCHEMAS.items():
+        known = _names(schema)
+        for key in config.get(group) or {}:
+            if key not in known:
+                raise _unknown(f"{group}.{key}", known)
+    for i, node in enumerate((config.get("cluster") or {}).get("node_groups") or []):
+        known = _names(c.NodeGroupConfig)
+        for key in node if isinstance(node, dict) else ():
+            if key not in known:
+                raise _unknown(f"cluster.node_groups.{i}.{key}", known)
+    planner = config.get("planner") or {}
+    schema = PLANNER_SCHEMAS.get(str(planner.get("name")))
+    if schema is not None:
+        known = _names(schema)
+        for key in planner:
+            if key not in known:
+                raise _unknown(f"planner.{key}", known)
+    arch = config.get("arch") or {}
+    schema = _arch_schema(arch)
+    if schema is not None:
+        known = _names(schema)
+        for key in arch:
+            if key not in known:
+                raise _unknown(f"arch.{key}", known)
+
+
+def check_hrm_keys(config: Dict[str, Any], explicit: Sequence[str]) -> None:
+    """HRM's own keys without arch=hrm (HRM's command typed without its arch) are refused, naming them."""
+    if (config.get("arch") or {}).get("family") == "hrm":
+        return
+    train = config.get("train") or {}
+    typed = [k for k in HRM_ONLY_TOP if config.get(k) is not None]
+    typed += [f"train.{k}" for k in HRM_ONLY_TRAIN if config.get(k) is None and (
+        f"train.{k}" in explicit or (k in ("epochs", "checkpoint_path") and train.get(k) is not None))]
+    if typed:
+        names = ", ".join(dict.fromkeys(typed))
+        raise ConfigError(typed[0], message=f"{names}: HRM's key{'s' if len(typed) > 1 else ''}, which a language "
+                          f"model ({(config.get('arch') or {}).get('name')}) does not read: add arch=hrm (or "
+                          "experiment=hrm-sudoku) to train HRM, or leave them out (a language model trains "
+                          "train.steps steps)")
+
+
+def check_together(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None:
+    """Values that are refused together; each message names both keys and what to do."""
+    explicit = set(explicit)
+    check_known_keys(config)
+    check_hrm_keys(config, explicit)
+    train, data = config.get("train") or {}, config.get("data") or {}
+    arch, planner = config.get("arch") or {}, config.get("planner") or {}
+    _check_stages_per_rank(train, planner)
+    _check_microbatches(train)
+    if arch.get("family") == "hrm":
+        _check_hrm(train, data, explicit)
+    elif not arch.get("model_id"):
+        _check_positions(arch, data)
+
+
+def _check_stages_per_rank(train: Dict[str, Any], planner: Dict[str, Any]) -> None:
+    spr = train.get("stages_per_rank", 1)
+    if not isinstance(spr, int) or spr <= 1:
+        return
+    schedules = [str(s) for s in planner.get("schedules") or []] or [str(train.get("schedule"))]
+    if not any(s in MULTI_STAGE_SCHEDULES for s in schedules):
+        where = (f"planner.schedules={schedules}" if planner.get("schedules")
+                 else f"train.schedule={train.get('schedule')}")
+        raise ConfigError("train.stages_per_rank", spr, message=f"train.stages_per_rank={spr} needs a schedule that "
+                          f"runs several stages per rank ({' or '.join(MULTI_STAGE_SCHEDULES)}), but {where} runs "
+                          f"one: set train.schedule=interleaved_1f1b, or train.stages_per_rank=1")
+
+
+def _check_microbatches(train: Dict[str, Any]) -> None:
+    m, batch = train.get("microbatches"), train.get("global_batch_size")
+    if not isinstance(m, int) or isinstance(m, bool) or not isinstance(batch, int) or batch <= 0:
+        return
+    if m > batch or batch % m:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ConfigError("train.microbatches", m, message=f"train.microbatches={m} does not divide "
+                          f"train.global_batch_size={batch} into equal micro-batches: set train.microbatches to "
+                          f"one of {shown} (or auto, the planner's choice), or change train.global_batch_size")
+
+
+def _check_hrm(train: Dict[str, Any], data: Dict[str, Any], explicit: set) -> None:
+    epochs, every = train.get("epochs"), train.get("eval_interval")
+    if isinstance(epochs, int) and isinstance(every, int) and every > 0 and epochs % every:
+        raise ConfigError("train.eval_interval", every, message=f"eval_interval={every} does not divide "
+                          f"epochs={epochs}: HRM trains in rounds of eval_interval epochs, so epochs must be a "
+                          f"multiple of it (e.g. epochs={epochs - epochs % every or every})")
+    if "data.seq_len" in explicit:
+        raise ConfigError("data.seq_len", data.get("seq_len"), message=f"data.seq_len={data.get('seq_len')} is not "
+                          "used by arch=hrm: HRM's sequence length is its data set's (81 for sudoku, from "
+                          "data.path); leave data.seq_len out")
+
+
+def _check_positions(arch: Dict[str, Any], data: Dict[str, Any]) -> None:
+    key = "n_positions" if "n_positions" in arch else "max_position_embeddings"
+    positions, seq = arch.get(key), data.get("seq_len")
+    if isinstance(positions, int) and isinstance(seq, int) and seq > positions:
+        raise ConfigError("data.seq_len", seq, message=f"data.seq_len={seq} is longer than the model's "
+                          f"{positions} positions (arch.{key}={positions}): set data.seq_len<={positions} or "
+                          f"arch.{key}={seq}")

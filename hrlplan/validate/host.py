@@ -1,0 +1,237 @@
+"""What the launcher checks on this host before it starts workers: the files a run names (a checkpoint
+to resume, data, a model's config.json, a plan, a cluster spec) exist and hold what the run needs, a
+manual plan agrees with the model, the job and the keys the user typed, the world size fits the host,
+the environment holds no leftover rendezvous (environ.py)."""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from hrlplan import config as c
+from hrlplan.data.sudoku import dataset_exists, resolve_preset
+from hrlplan.errors import ConfigError, UserError, one_line
+from hrlplan.validate.consistency import override_keys
+from hrlplan.validate.environ import check_environment_variables
+from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
+from hrlplan.validate.model_files import check_model_config, model_shape
+
+LM_DATA = ("synthetic", "code")
+CHECKPOINT_METADATA = ".metadata"   # torch.distributed.checkpoint's index beside its shards
+# plan field -> the train key that means the same; a manual plan decides these, so a different value
+# typed on the command line would be silently ignored
+PLAN_TRAIN_KEYS = {"global_batch_size": "train.global_batch_size", "schedule": "train.schedule",
+                   "stages_per_rank": "train.stages_per_rank", "num_microbatches": "train.microbatches"}
+
+
+def check_environment(config: Any, launching: bool = True, overrides: Optional[Sequence[str]] = None,
+                      env: Optional[Mapping[str, str]] = None) -> None:
+    """Everything the launcher can check before it starts workers; launching=False inside a job
+    someone else launched (torchrun, SLURM), where the world size is theirs. config: the run's Config
+    or its plain form (checked as plain values, the keys as users type them). overrides: the command
+    line's (default: Hydra's, inside the app), to tell what the user typed from a default."""
+    config = c.as_dict(config)
+    check_environment_variables(os.environ if env is None else env)
+    train, data, arch = config["train"], config.get("data") or {}, config.get("arch") or {}
+    _check_resume(str(train.get("resume", "none")))
+    _check_data(config, arch, data)
+    model = check_model_config(arch, int(data.get("seq_len") or 0) if arch.get("family") != "hrm" else 0)
+    shape = model_shape(arch, model)
+    if data.get("name") == "code" and arch.get("family") != "hrm":
+        _check_code_vocab(data, shape.get("vocab_size"), shape.get("vocab_key", "arch.vocab_size"))
+    planner, cluster = config.get("planner") or {}, config.get("cluster") or {}
+    spec = None
+    if cluster.get("spec_file"):
+        path = str(cluster["spec_file"])
+        spec = refuse_on("cluster.spec_file", path, lambda: _load_cluster_spec(path))
+    if str(planner.get("name")) == "manual":
+        plan = _check_plan_file(planner.get("plan_file"))
+        _check_plan_against_run(plan, config, _explicit(config, overrides), shape, spec, launching)
+    if train.get("device") == "cuda":
+        import torch   # why: composing and checking a config never needs torch (`--help`, completion)
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
+                                                              "use train.device=auto or cpu")
+    local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
+    if launching and local:
+        check_world_size(cluster, str(train.get("device", "auto")))
+
+
+def _explicit(config: Dict[str, Any], overrides: Optional[Sequence[str]]) -> set:
+    """The keys the user set: from the overrides, Hydra's inside the app, else those of the train
+    section that differ from the schema's defaults."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig   # why: only inside the Hydra app is there one
+
+        if HydraConfig.initialized():
+            overrides = list(HydraConfig.get().overrides.task)
+    if overrides is not None:
+        return override_keys(overrides)
+    defaults = c.as_dict(c.TrainConfig())
+    return {f"train.{k}" for k, v in (config.get("train") or {}).items() if k in defaults and defaults[k] != v}
+
+
+def _check_resume(resume: str) -> None:
+    """A named checkpoint must be there and look whole (its index, rank 0's state): the full check,
+    shard sizes included, runs when it loads (runtime/checkpoint.py checkpoint_problem)."""
+    if resume in ("none", "auto"):
+        return
+    path = Path(resume)
+    if not path.exists():
+        raise ConfigError("train.resume", resume, "none, auto or an existing checkpoint directory")
+    if not path.is_dir():
+        raise ConfigError("train.resume", resume, message=f"train.resume={resume} is a file, not a checkpoint "
+                          "directory: name a step_N directory (or the checkpoints/ directory holding them), or auto")
+    steps = sorted(p for p in path.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    if steps or (path / "latest").exists():
+        if not steps:
+            raise ConfigError("train.resume", resume, message=f"train.resume={resume} names a checkpoints "
+                              "directory with no complete step_N checkpoint in it: use train.resume=none")
+        return   # the newest complete one is chosen when it loads, damaged newer ones skipped (and told)
+    problem = _checkpoint_problem(path)
+    if problem:
+        raise ConfigError("train.resume", resume, message=f"train.resume={resume}: the checkpoint cannot be "
+                          f"loaded: {problem}; name an earlier one, use train.resume=auto (the newest complete "
+                          "one) or start fresh with train.resume=none")
+
+
+def _checkpoint_problem(path: Path) -> Optional[str]:
+    meta = path / CHECKPOINT_METADATA
+    if not meta.is_file() or meta.stat().st_size == 0:
+        older = " (a checkpoint of an older hrlplan: it can be evaluated, not resumed)" \
+            if (path / "model.pt").exists() else ""
+        return f"{meta} is missing or empty{older}"
+    extra = path / "extra_rank0.pt"
+    if not extra.is_file():
+        return f"{extra} is missing"
+    try:
+        with zipfile.ZipFile(extra):   # torch.save's format: a file cut short has no directory
+            pass
+    except (OSError, zipfile.BadZipFile) as err:
+        return f"{extra} is truncated or damaged ({one_line(err, 120)})"
+    return None
+
+
+def _check_data(config: Dict[str, Any], arch: Dict[str, Any], data: Dict[str, Any]) -> None:
+    if arch.get("family") == "hrm":
+        path = data.get("path") or config.get("data_path")
+        if not path:
+            return   # the trainer's default preset, built on first use
+        if not dataset_exists(str(path)) and resolve_preset(str(path)) is None:
+            key = "data_path" if config.get("data_path") else "data.path"
+            raise ConfigError(key, path, message=f"{key}={path} has no train/dataset.json and test/dataset.json, "
+                              "and its name is not a preset to build (sudoku-extreme-small, "
+                              "sudoku-extreme-1k-aug-1000): give HRM's data directory, or build one with "
+                              f"`hrlplan build-sudoku sudoku-extreme-small --out-dir {path}`")
+    elif data.get("name") not in LM_DATA:
+        raise ConfigError("data", data.get("name"), message=f"data={data.get('name')} is not a language-model "
+                          f"data set: choose data=synthetic or data=code (or arch=hrm for puzzle data)")
+    elif data.get("name") == "code" and data.get("source") and not Path(str(data["source"])).exists():
+        raise ConfigError("data.source", data["source"], "an existing directory of .py/.jsonl(.gz)/.parquet files")
+
+
+def _code_vocab(data: Dict[str, Any]) -> tuple:
+    """(the code corpus's vocabulary size, where it comes from): a corpus already built with these
+    settings, else the tokenizer to be trained (data.vocab_size); (None, ...) for a tokenizer named
+    by data.tokenizer that is not built yet (its size is known once loaded)."""
+    path = Path(str(data.get("path") or "data/code"))
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        settings = meta.get("settings") or {}
+        if settings.get("vocab_size_requested") == data.get("vocab_size") \
+                and settings.get("tokenizer") == data.get("tokenizer"):
+            return int(meta["vocab_size"]), f"the tokenizer of the code corpus in {path} ({meta['vocab_size']} tokens)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if data.get("tokenizer"):
+        return None, ""
+    return int(data.get("vocab_size") or 0), f"the tokenizer data=code trains (data.vocab_size={data.get('vocab_size')})"
+
+
+def _check_code_vocab(data: Dict[str, Any], model_vocab: Optional[int], vocab_key: str) -> None:
+    """The tokenizer's ids must fit the model's embedding: refused here, not after building the corpus."""
+    vocab, where = _code_vocab(data)
+    if vocab and model_vocab and vocab > model_vocab:
+        raise ConfigError(vocab_key, model_vocab, message=f"the model's vocabulary ({vocab_key}={model_vocab}) is "
+                          f"smaller than {where}: set {vocab_key}={vocab} (or larger)")
+
+
+def _check_plan_file(plan_file: Any) -> Any:
+    if not plan_file:
+        raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
+    from hrlplan.plan import Plan   # why: plan loads its YAML through this package
+
+    path = str(plan_file)
+    text = read_file("planner.plan_file", path)
+    data = load_yaml_text(text, path, "planner.plan_file")
+    return refuse_on("planner.plan_file", path, lambda: Plan.from_dict(data, source=path))
+
+
+def _check_plan_against_run(plan: Any, config: Dict[str, Any], explicit: set, shape: Dict[str, Any],
+                            spec: Any, launching: bool) -> None:
+    """A manual plan decides the batch, schedule and micro-batching: a different value typed for one of
+    them is refused, naming both; its depth must be the model's and its world size the job's."""
+    path = config["planner"].get("plan_file")
+    train = config.get("train") or {}
+    for field, key in PLAN_TRAIN_KEYS.items():
+        ours, theirs = train.get(key.split(".")[1]), getattr(plan, field)
+        if key in explicit and ours != "auto" and str(ours) != str(theirs):
+            raise ConfigError(key, ours, message=f"{key}={ours} conflicts with planner.plan_file={path}, whose "
+                              f"{field} is {theirs}: the plan decides it; leave {key} out, or write a plan "
+                              f"with {field}: {ours}")
+    n_layer = shape.get("n_layer")
+    if n_layer and plan.n_layer != n_layer:
+        raise ConfigError("planner.plan_file", path, message=f"planner.plan_file={path} is a plan for {plan.n_layer} "
+                          f"layers (n_layer: {plan.n_layer}, model {plan.model}) but the model has {n_layer} "
+                          f"({shape['n_layer_key']}={n_layer}): re-plan for this model, or choose the plan's model")
+    world, where = None, ""
+    if spec is not None:
+        world, where = spec.world_size, f"cluster.spec_file={config['cluster']['spec_file']} has"
+    elif launching and (config.get("cluster") or {}).get("probe", True):
+        from hrlplan.cluster import default_nproc_per_node   # why: it brings torch, as in _load_cluster_spec
+
+        setting = config["cluster"].get("nproc_per_node", "auto")
+        world = default_nproc_per_node(setting, str(train.get("device", "auto")))
+        where = f"this job starts (cluster.nproc_per_node={setting})"
+    if world is not None and plan.world_size != world:
+        raise ConfigError("planner.plan_file", path, message=f"planner.plan_file={path} needs {plan.world_size} "
+                          f"ranks but {where} {world}: set cluster.nproc_per_node={plan.world_size} "
+                          "(cluster.oversubscribe=true beyond this host's devices), or re-plan for this job")
+
+
+def _load_cluster_spec(path: str) -> Any:
+    from hrlplan.cluster import ClusterSpec   # why: it brings torch; composing a config never needs it
+
+    data = json.loads(read_file("cluster.spec_file", path))
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return ClusterSpec.from_dict(data)
+    except UserError as err:
+        raise ValueError(str(err)) from None
+
+
+def host_capacity(device: str = "auto") -> tuple:
+    """(workers this host runs without sharing, what they are): GPUs, else CPU cores."""
+    if device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "GPU(s)"
+    return len(os.sched_getaffinity(0)), "CPU core(s)"
+
+
+def check_world_size(cluster: Dict[str, Any], device: str = "auto") -> None:
+    """More local workers than GPUs (or CPU cores) would share devices, or hang a CPU host for
+    minutes in rendezvous and probing: refused unless cluster.oversubscribe=true."""
+    n = cluster.get("nproc_per_node", "auto")
+    if n in (None, "auto") or cluster.get("oversubscribe"):
+        return
+    capacity, what = host_capacity(device)
+    if int(n) > capacity:
+        raise ConfigError("cluster.nproc_per_node", n, message=f"cluster.nproc_per_node={n} is more workers than "
+                          f"this host has {what} ({capacity}): use at most {capacity} (or auto), or set "
+                          "cluster.oversubscribe=true to start them anyway")
