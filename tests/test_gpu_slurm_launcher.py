@@ -1,10 +1,14 @@
 """The sbatch script submitit generates for the README's GPU sweep: host memory and cores grow
-with the GPUs asked for. Built by submitit's own generator from the composed Hydra launcher config
-(as hydra-submitit-launcher passes it), no SLURM needed."""
+with the GPUs asked for. Built by submitit's own generator from the composed Hydra launcher config,
+fitted by the launcher (hrlplan.launch.slurm_fit) to a recorded GPU partition, no SLURM needed."""
 import re
 
 import pytest
 
+# `scontrol show partition|node -o` of a GPU partition: 4 nodes of 64 CPUs, 4 A100s and 512 GB each.
+GPU_PARTITION = "PartitionName=gpu Default=NO MaxNodes=UNLIMITED MaxTime=2-00:00:00 Nodes=g[1-4] State=UP"
+GPU_NODES = "\n".join(f"NodeName=g{i} CPUTot=64 AvailableFeatures=gpu,a100 Gres=gpu:a100:4(S:0-1) "
+                      f"RealMemory=515000 State=IDLE Partitions=gpu" for i in range(1, 5))
 README_GPU_SWEEP = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=myproj",
                     "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4", "hydra.launcher.tasks_per_node=4"]
 
@@ -23,7 +27,11 @@ def sbatch_text(overrides, tmp_path, monkeypatch) -> str:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"hydra.launcher.submitit_folder={tmp_path}/%j",
                                            "hydra.launcher.name=pretrain"], return_hydra_config=True)
-    params = dict(instantiate(cfg.hydra.launcher).params)
+    from hrlplan.launch.slurm_fit import fit_request, parse_partition
+    from hrlplan.launch.slurm_launcher import explicit_launcher_keys
+
+    params = fit_request(dict(instantiate(cfg.hydra.launcher).params), explicit_launcher_keys(overrides),
+                         parse_partition(GPU_PARTITION, GPU_NODES)).params
     # hydra-submitit-launcher's launch(), up to the submission
     monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
     executor = submitit.AutoExecutor(cluster="slurm", folder=params["submitit_folder"],
@@ -57,6 +65,17 @@ def test_host_resources_stay_overridable(tmp_path, monkeypatch):
     f = flags(sbatch_text([*README_GPU_SWEEP, "hydra.launcher.mem_per_cpu=null", "hydra.launcher.mem_gb=400",
                            "hydra.launcher.cpus_per_task=12"], tmp_path, monkeypatch))
     assert f["mem"] == "400GB" and "mem-per-cpu" not in f and f["cpus-per-task"] == "12"
+
+
+def test_memory_per_node_on_the_command_line_replaces_the_yamls_per_cpu(tmp_path, monkeypatch):
+    f = flags(sbatch_text([*README_GPU_SWEEP, "hydra.launcher.mem_gb=400"], tmp_path, monkeypatch))
+    assert f["mem"] == "400GB" and "mem-per-cpu" not in f
+
+
+def test_gpus_asked_where_the_partition_has_them(tmp_path, monkeypatch):
+    """gpus_per_node left null: one GPU per task on a GPU partition (no task left on the CPU by mistake)."""
+    f = flags(sbatch_text(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu"], tmp_path, monkeypatch))
+    assert f["gpus-per-node"] == "2" and f["ntasks-per-node"] == "2" and f["cpus-per-task"] == "8"
 
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "slurm_site_example"])
