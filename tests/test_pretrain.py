@@ -62,13 +62,14 @@ def requeued(tmp_path_factory):
     first = pretrain(interrupted, *common, "train.stop_after=4", env=env)
     stopped_after = len(read_metrics(interrupted))
     calibrated = json.loads((interrupted / "cluster.json").read_text())["calibration"]
-    again = pretrain(interrupted, *common, "train.resume=auto", env=env)
+    again = pretrain(interrupted, "train.resume=auto", env=env)   # as the README says: its config is restored
     return dict(root=root, env=env, common=common, run=interrupted, first=first, again=again,
                 stopped_after=stopped_after, calibrated=calibrated)
 
 
 def test_resume_continues_the_same_loss_curve(requeued):
     straight, interrupted = requeued["root"] / "straight", requeued["run"]
+    assert f"[hrlplan] resuming {interrupted} at step 4: restored its config (" in requeued["again"].stderr
     pretrain(straight, *requeued["common"], env=requeued["env"])
     assert requeued["stopped_after"] == 4
     full = {m["step"]: m["train/lm_loss"] for m in read_metrics(straight)}

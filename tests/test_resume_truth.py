@@ -37,6 +37,13 @@ def test_one_table_says_how_each_key_is_treated(key, kind):
     assert all(k in (PER_INVOCATION, SAFE, TRAINED) and why for _, k, why in RESUME_KEYS)
 
 
+def test_docs_list_every_key_of_the_table():
+    from _runs import ROOT
+
+    docs = (ROOT / "docs" / "resume.md").read_text()
+    assert all(f"`{pattern}`" in docs for pattern, _, _ in RESUME_KEYS)
+
+
 # ---------------------------------------------------------------- restoring a recorded run
 def _recorded_run(tmp_path, overrides, step=4):
     run = tmp_path / "run"
@@ -192,12 +199,17 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path):
 
 
 def test_the_same_slurm_job_takes_its_own_lock_again(tmp_path, live_process, monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(name, value)
     run = tmp_path / "run"
-    _lock_held_by(run, pid=live_process.pid, host="another-node", slurm_job="4242")
+    _lock_held_by(run, pid=live_process.pid, host="another-node", slurm_job="4242", slurm_restart="0")
     lock = RunDirLock(run)
     assert lock.acquire() is None   # a requeue of the same job: silent
     lock.release()
+    # another step of the same allocation, running: another job
+    _lock_held_by(run, pid=live_process.pid, host=socket.gethostname(), slurm_job="4242", slurm_step="1")
+    with pytest.raises(UserError, match="is in use by another job"):
+        RunDirLock(run).acquire()
     _lock_held_by(run, pid=live_process.pid, host="another-node", slurm_job="77")
     monkeypatch.setenv("PATH", str(tmp_path))   # no scontrol: whether job 77 runs is unknown
     with pytest.raises(UserError, match="SLURM job 77"):

@@ -121,6 +121,8 @@ def recorded_run(resume: str, run_dir: Optional[str]) -> Optional[Path]:
     if resume == "auto":
         return Path(run_dir) if run_dir else None
     path = Path(resume).expanduser()
+    if not path.is_dir():
+        return None   # the environment check names it
     for candidate in (path, path.parent, path.parent.parent):
         if (candidate / RECORD).is_file() or (candidate / ".hydra" / "config.yaml").is_file():
             return candidate
@@ -220,6 +222,10 @@ def resumed_overrides(overrides: Sequence[str], hydra_overrides: Sequence[str],
     if resume in (None, "", "none"):
         return list(overrides)
     run_dir = _value(overrides, "run_dir") or _value(hydra_overrides, "hydra.run.dir")
+    if resume == "auto" and run_dir is None:
+        say("[hrlplan] train.resume=auto without hydra.run.dir: this run gets a new directory, so there is nothing "
+            "to resume; name the run's directory (hydra.run.dir=<its directory>) to continue it")
+        return list(overrides)
     run = recorded_run(str(resume), None if run_dir is None else str(run_dir))
     record = load_record(run) if run is not None else None
     if record is None:

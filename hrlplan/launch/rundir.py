@@ -60,10 +60,14 @@ def check_output_dir(key: str, value: Any) -> None:
 
 # ---------------------------------------------------------------- one job per run directory
 def this_job() -> Dict[str, Any]:
-    """Who holds a lock: this process, its host, and the job it belongs to (SLURM's, or torchrun's run id)."""
+    """Who holds a lock: this process, its host, and the job it belongs to -- a SLURM job step (an
+    interactive run inside salloc is no step: two of them are two jobs), or a torchrun run."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID") or None,
-            "torchrun_id": run_id if run_id and run_id != "none" else None, "started": _process_start(os.getpid()),
+    in_step = bool(os.environ.get("SLURM_STEP_ID") or os.environ.get("SUBMITIT_EXECUTOR"))
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_start(os.getpid()),
+            "slurm_job": os.environ.get("SLURM_JOB_ID") if in_step else None,
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"), "slurm_step": os.environ.get("SLURM_STEP_ID"),
+            "torchrun_id": run_id if run_id and run_id != "none" else None,
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -111,7 +115,11 @@ def _slurm_job_ended(job_id: str) -> bool:
 
 
 def _same_job(held: Dict[str, Any], mine: Dict[str, Any]) -> bool:
-    return any(held.get(k) and held.get(k) == mine.get(k) for k in ("slurm_job", "torchrun_id"))
+    """The holder is this job: the same SLURM job requeued (another restart count) or the same step of
+    it, or the same torchrun run (restarted by torchrun). Two steps of one allocation are two jobs."""
+    if held.get("slurm_job") and held["slurm_job"] == mine["slurm_job"]:
+        return held.get("slurm_restart") != mine["slurm_restart"] or held.get("slurm_step") == mine["slurm_step"]
+    return bool(held.get("torchrun_id")) and held["torchrun_id"] == mine["torchrun_id"]
 
 
 def _describe(held: Dict[str, Any]) -> str:
