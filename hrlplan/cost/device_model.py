@@ -174,14 +174,37 @@ def calibrated_peak_flops(cluster, name: str) -> float:
     return statistics.median(d.peak_flops for d in cluster.devices if d.name == name)
 
 
-def matmul_peak(device, bytes_per_value: int) -> float:
-    """A device's matmul peak in the run's dtype: its (16-bit) figure, scaled for float32 matmuls by the
-    datasheet's TF32/bf16 ratio (hrlplan.devices), half when the device is not in the table."""
-    if bytes_per_value <= 2:
-        return device.peak_flops
+def matmul_dtype_key(bytes_per_value: int, tf32: bool = True) -> str:
+    """The datasheet column a run's matmuls reach: 16-bit, or float32 on TF32 (train.tf32) or not."""
+    return "bf16" if bytes_per_value <= 2 else ("tf32" if tf32 else "fp32")
 
-    half, tf32 = peak_flops(device.name, "bf16") or peak_flops(device.name, "fp16"), peak_flops(device.name, "tf32")
-    return device.peak_flops * (tf32 / half if half and tf32 else 0.5)
+
+def _datasheet(name: str, key: str) -> Optional[float]:
+    """A device's datasheet peak in a dtype column: bf16 falls back to fp16 (V100), tf32 to fp32
+    (a part without TF32 runs float32 matmuls in float32: V100's 15.7 TF/s, not 62.5)."""
+    fallback = {"bf16": "fp16", "tf32": "fp32"}.get(key)
+    return peak_flops(name, key) or (peak_flops(name, fallback) if fallback else None)
+
+
+def matmul_peak(device, bytes_per_value: int, tf32: bool = True) -> float:
+    """A device's matmul peak in the run's dtype: its figure (a preset's 16-bit datasheet peak, or a
+    probe's measurement in `peak_dtype`) converted by the datasheet's ratio of the two columns
+    (hrlplan.devices). A device the table lacks keeps its figure for 16-bit, half of it for TF32
+    and a sixteenth for plain float32 (the A100/H100 ratios), and says so (unknown_peak_ratio)."""
+    target = matmul_dtype_key(bytes_per_value, tf32)
+    source = {"fp16": "bf16"}.get(getattr(device, "peak_dtype", "bf16"), getattr(device, "peak_dtype", "bf16"))
+    if target == source:
+        return device.peak_flops
+    have, want = _datasheet(device.name, source), _datasheet(device.name, target)
+    if have and want:
+        return device.peak_flops * want / have
+    rank = {"bf16": 16.0, "tf32": 8.0, "fp32": 1.0}
+    return device.peak_flops * rank[target] / rank[source]
+
+
+def unknown_peak_ratio(device) -> bool:
+    """True when matmul_peak had to guess the device's dtype ratio (a GPU not in the datasheet table)."""
+    return device.kind == "cuda" and _datasheet(device.name, "bf16") is None
 
 
 class DeviceModel:

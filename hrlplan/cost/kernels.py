@@ -34,13 +34,25 @@ GPU_FACTS = (("H200", 4.8e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 13
              ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("MI300X", 5.3e12, 304))
 
 
-def gpu_facts(name: str, peak: float) -> Tuple[float, int]:
-    """(HBM bandwidth, SM count) of a device name; unknown: a 150 FLOP/byte ridge and 108 SMs."""
+def _table_entry(name: str) -> Optional[Tuple[str, float, int]]:
     upper = name.upper().replace("-", " ").split()
     for key, bw, sms in GPU_FACTS:
         if any(tok.startswith(key) for tok in upper):
-            return bw, sms
-    return peak / 150.0, 108
+            return key, bw, sms
+    return None
+
+
+def in_kernel_table(name: str) -> bool:
+    """Whether GPU_FACTS knows the device (its HBM bandwidth and SM count are then the part's own)."""
+    return _table_entry(name) is not None
+
+
+def gpu_facts(name: str, peak: float) -> Tuple[float, int]:
+    """(HBM bandwidth, SM count) of a device name. A GPU the table lacks gets a guess -- a 150
+    FLOP/byte ridge and an A100's 108 SMs -- that the cost model reports as such (cost_options'
+    kernel_table_missing in every prediction's breakdown, and a warning)."""
+    entry = _table_entry(name)
+    return (entry[1], entry[2]) if entry else (peak / 150.0, 108)
 
 
 @dataclass(frozen=True)

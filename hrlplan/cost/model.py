@@ -9,7 +9,8 @@ their links and the calibrated overheads are hrlplan.cost.device_model's (re-exp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,9 +18,13 @@ import numpy as np
 from hrlplan.cost import kernels, memory as mem
 from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
 from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners and tests import them here)
-    GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, interpolate_by_tokens, matmul_peak)
+    GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, interpolate_by_tokens, matmul_peak,
+    unknown_peak_ratio)
 from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
 from hrlplan.plan import stage_to_group
+
+log = logging.getLogger(__name__)
+_WARNED: set = set()
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,11 @@ class CostOptions:
     # torch.distributed.pipelining keeps one receive buffer per micro-batch per stage, from step to step
     # (memory.receive_buffer_bytes); False: a runtime that frees each message once used (Megatron-LM)
     receive_buffers: bool = True
+    # The runtime priced (planner.cost.runtime: torch | megatron), recorded with the figure; the options
+    # above that it sets are resolved by hrlplan.cost.plans.options_for_train.
+    runtime: str = "torch"
+    # float32 matmuls on TF32 tensor cores (train.tf32) where the device has them; else at the fp32 peak
+    tf32: bool = True
 
 
 @dataclass
@@ -111,9 +121,19 @@ class StageCostModel:
         # shape-aware kernels for uncalibrated GPUs of a model whose blocks are alike (kernels.py)
         uniform = len(set(meta.block_matmul_params)) <= 1 and meta.family == "hf"
         self.kernels = [None if self.dev.flat_compute or not uniform else
-                        kernels.kernels_for(d, matmul_peak(d, opts.bytes_per_value), self.dev.measured)
+                        kernels.kernels_for(d, matmul_peak(d, opts.bytes_per_value, opts.tf32), self.dev.measured)
                         for d in cluster.devices]
         self._kernel_cache: Dict[tuple, Tuple[float, float, float]] = {}
+        self.guessed = guessed_device_facts(cluster, any(k is not None for k in self.kernels), opts.bytes_per_value > 2)
+        # the flat model's FLOP/s are a device's 16-bit figure: float32 runs at its datasheet ratio
+        # (a calibration measured in the run's dtype already)
+        self.dtype_scale = [1.0 if self.dev.flat_compute or d.kind != "cuda" else
+                            matmul_peak(d, opts.bytes_per_value, opts.tf32) / d.peak_flops for d in cluster.devices]
+
+    def options_record(self) -> Dict[str, object]:
+        """The options this model prices under (plan_info.json, with every prediction's breakdown),
+        and the devices whose facts it had to guess."""
+        return dict(asdict(self.opts), **{k: v for k, v in self.guessed.items() if v})
 
     # ------------------------------------------------------------ pieces shared with the planners
     def _prefix(self, which: str, index):
@@ -187,7 +207,7 @@ class StageCostModel:
         block_flops = tokens * (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp
         head_flops = tokens * (self.span_flops(0, 0, False, True, tp) if last else 0.0)
         core = tokens * mem.attention_core_flops_per_token(meta) / tp
-        slowest = min(self.dev.throughput(d, tokens) for d in group)
+        slowest = min(self.dev.throughput(d, tokens) * self.dtype_scale[d] for d in group)
         return block_flops / slowest, head_flops / slowest, core / slowest
 
     def _kernel_parts(self, dev: int, tokens: float, tp: int, last: bool) -> Tuple[float, float, float]:
@@ -299,3 +319,21 @@ class StageCostModel:
 
     def activation_message(self, microbatch_size: int) -> float:
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value
+
+
+def guessed_device_facts(cluster, shape_aware: bool, float32: bool) -> Dict[str, list]:
+    """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS) or dtype ratios
+    (hrlplan.devices.PEAKS) are not in the tables, so the cost model guesses them; each warned of once."""
+    gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
+    out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
+           "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)})}
+    for key, names in out.items():
+        for name in names:
+            if (key, name) not in _WARNED:
+                _WARNED.add((key, name))
+                log.warning("cost model: device %r is not in %s; its %s are guessed (add it to the table, or "
+                            "calibrate: planner.calibrate=true)", name,
+                            "hrlplan/cost/kernels.py GPU_FACTS" if key == "kernel_table_missing" else
+                            "hrlplan/devices.py PEAKS",
+                            "HBM bandwidth and SM count" if key == "kernel_table_missing" else "dtype peak ratios")
+    return out

@@ -9,23 +9,52 @@ the world and the optimizer.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.simulator import Simulator
+from hrlplan.errors import UserError
+
+
+# What each runtime the cost model can price does (planner.cost.runtime); a planner.cost key set
+# to a value overrides its runtime's. torch: this package's runtime -- SDPA's fused attention keeps no
+# s x s scores, torch.distributed.pipelining keeps one receive buffer per micro-batch per stage.
+# megatron: Megatron-LM as its SC'21 paper ran it -- scores materialised and read back by its fused
+# softmax, each pipeline message freed once used.
+RUNTIME_DEFAULTS: Dict[str, Dict[str, bool]] = {
+    "torch": {"fused_attention": True, "receive_buffers": True},
+    "megatron": {"fused_attention": False, "receive_buffers": False},
+}
+
+
+def cost_settings(planner: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """planner.cost (a mapping, a CostConfig, or absent) resolved: {runtime, fused_attention, receive_buffers}."""
+    raw = (planner or {}).get("cost") or {}
+    raw = raw if isinstance(raw, dict) else {k: getattr(raw, k) for k in ("runtime", "fused_attention", "receive_buffers")}
+    runtime = str(raw.get("runtime") or "torch")
+    if runtime not in RUNTIME_DEFAULTS:
+        raise UserError(f"planner.cost.runtime={runtime!r} is not one of {', '.join(RUNTIME_DEFAULTS)}")
+    out: Dict[str, Any] = {"runtime": runtime}
+    for key, default in RUNTIME_DEFAULTS[runtime].items():
+        value = raw.get(key)
+        out[key] = default if value is None else bool(value)
+    return out
 
 
 def options_for_train(train: TrainConfig, planner: Optional[Dict[str, Any]] = None) -> CostOptions:
-    """CostOptions from a train config, typed or plain (the same rule as hrlplan.search.common.cost_options)."""
+    """CostOptions from a train config, typed or plain, and the planner's settings (planner.cost,
+    dp_overlap, memory_margin): every option that changes a prediction comes from a config key."""
     train, planner = section(TrainConfig, train), planner or {}
     return CostOptions(bytes_per_value=2 if train.dtype == "bfloat16" else 4,
                        dp_mode=str(train.dp_mode),
                        dp_overlap=bool(planner.get("dp_overlap", True)),
                        memory_margin=float(planner.get("memory_margin", 0.9)),
                        # as the runtime runs tp stages (train.vocab_parallel, default on)
-                       vocab_parallel=bool(train.vocab_parallel))
+                       vocab_parallel=bool(train.vocab_parallel), tf32=bool(train.tf32),
+                       **cost_settings(planner))
 
 
 def rank_devices(plan) -> List[int]:
@@ -103,11 +132,15 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
 
 def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                      sim: Optional[Simulator] = None) -> Dict[str, Any]:
-    """{feasible, reason, step_time_s, bubble_fraction, memory_bytes_per_rank, breakdown} for any plan."""
+    """{feasible, reason, step_time_s, bubble_fraction, memory_bytes_per_rank, breakdown} for any plan. A plan
+    over memory is infeasible with the refusal as reason and a time-only step_time_s (time_only: True)."""
     sim = sim or Simulator(meta, cluster, opts or CostOptions())
     devices = rank_devices(plan)
     if not plan.heterogeneous and plan.uniform_tp:
         r = sim.evaluate(layout_of_plan(plan), detail=True)
+        memory = [int(r.memory_bytes.get(devices[k], 0)) for k in range(plan.world_size)]
+        if not r.feasible and worst_memory_reason(sim, [r]) is not None:
+            return _time_only(plan, meta, cluster, sim, r.reason, memory)
         return {"feasible": r.feasible, "reason": r.reason, "step_time_s": r.step_time_s,
                 "bubble_fraction": r.bubble_fraction, "breakdown": r.breakdown, "stages": r.stages,
                 "memory_bytes_per_rank": [int(r.memory_bytes.get(devices[k], 0)) for k in range(plan.world_size)]}
@@ -135,6 +168,9 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     mem = [int(memory.get(devices[k], 0)) for k in range(plan.world_size)]
     bad = [r for r in results if not r.feasible]
     if bad:
+        reason = worst_memory_reason(sim, results)
+        if reason is not None:   # the refusal names the worst replica's worst device; the time still predicted
+            return _time_only(plan, meta, cluster, sim, reason, mem)
         return {"feasible": False, "reason": bad[0].reason, "step_time_s": float("inf"), "bubble_fraction": 0.0,
                 "breakdown": {}, "stages": [], "memory_bytes_per_rank": mem}
     scale = sim.devices.time_scale
@@ -151,6 +187,26 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     breakdown.pop("memory_bytes_per_device", None)
     return {"feasible": True, "reason": "", "step_time_s": step, "bubble_fraction": worst.bubble_fraction,
             "breakdown": breakdown, "stages": [s for r in results for s in r.stages], "memory_bytes_per_rank": mem}
+
+
+def worst_memory_reason(sim: Simulator, results) -> Optional[str]:
+    """The out-of-memory reason of the replica most over its devices' memory (need / limit), naming
+    the replica when there are several; None when some failure is not about memory."""
+    bad = [(p, r) for p, r in enumerate(results) if not r.feasible]
+    if not bad or not all(r.reason.startswith("out of memory") for _, r in bad):
+        return None
+    limit, margin = sim.devices.memory_limit, sim.opts.memory_margin
+    p, worst = max(bad, key=lambda pr: max((need / limit(d, margin) for d, need in pr[1].memory_bytes.items()),
+                                           default=0.0))
+    return worst.reason + (f" (replica {p} of {len(results)}; {len(bad)} over memory)" if len(results) > 1 else "")
+
+
+def _time_only(plan, meta, cluster, sim: Simulator, reason: str, memory: List[int]) -> Dict[str, Any]:
+    """An over-memory plan's prediction: its step time with memory unchecked (what a plan run anyway
+    under planner.allow_over_memory takes), infeasible, the refusal and the memory it needs."""
+    unchecked = Simulator(meta, cluster, dataclasses.replace(sim.opts, memory_margin=float("inf")))
+    out = predict_any_plan(plan, meta, cluster, sim=unchecked)
+    return dict(out, feasible=False, reason=reason, time_only=True, memory_bytes_per_rank=memory)
 
 
 # ---------------------------------------------------------------- memory per rank

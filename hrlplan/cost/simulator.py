@@ -275,6 +275,7 @@ class _StepRun:
             "bubble_fraction": bubble_fraction,
             "bottleneck_position": crit,
             "memory_bytes_per_device": {str(d): v for d, v in sorted(memory.items())},
+            "cost_options": self.sim.costs.options_record(),
         }
 
     def stage_details(self, pos_need: List[float]) -> List[Dict[str, Any]]:
