@@ -6,6 +6,7 @@ It composes the config and refuses what a user can get wrong before anything sta
 Then hrlplan.launch.job runs probe -> plan -> train. Living in the package (not in pretrain.py) lets
 an installed hrlplan run it from any directory and lets submitit pickle the task by its module name.
 """
+import atexit
 import os
 import re
 import sys
@@ -103,14 +104,7 @@ def main(cfg: DictConfig):
         # Inside torchrun or a SLURM task the world size is the launcher's; paths are still ours to check.
         check_environment(plain, launching=not (in_distributed_job() or submitit or in_srun_task()))
         run_dir = plain.get("run_dir") or hydra_config.runtime.output_dir
-        if takes_lock():
-            key = "run_dir" if plain.get("run_dir") else (
-                "hydra.sweep.dir" if hydra_config.mode == RunMode.MULTIRUN else "hydra.run.dir")
-            lock = RunDirLock(run_dir, key)
-            taken_over = lock.acquire()
-            if taken_over:
-                note(taken_over)
-            write_record(run_dir, hydra_config.overrides.task, plain)
+        lock = _claim(run_dir, plain, hydra_config)
     except UserError as e:
         if submitit:
             raise  # submitit records it as the job's error
@@ -122,6 +116,22 @@ def main(cfg: DictConfig):
     finally:
         if lock is not None:
             lock.release()
+
+
+def _claim(run_dir: str, plain, hydra_config) -> "RunDirLock | None":
+    """One process per job locks the run directory (a second job there is refused) and records the
+    run's config there, which a resume restores (hrlplan/launch/resume_run.py)."""
+    if not takes_lock():
+        return None
+    key = "run_dir" if plain.get("run_dir") else (
+        "hydra.sweep.dir" if hydra_config.mode == RunMode.MULTIRUN else "hydra.run.dir")
+    lock = RunDirLock(run_dir, key)
+    taken_over = lock.acquire()
+    atexit.register(lock.release)   # whatever ends this process; main's finally ends a sweep's job
+    if taken_over:
+        note(taken_over)
+    write_record(run_dir, hydra_config.overrides.task, plain)
+    return lock
 
 
 def _completion_line() -> None:
