@@ -1,5 +1,5 @@
-"""What the user sees: metric lines with their prefixes, a progress bar (or plain progress lines off a
-terminal), and one message naming the rank when a local worker fails or is killed."""
+"""What the user sees: one short line per step off a terminal (the tqdm bar alone on one), metric lines
+with their prefixes, and one message naming the rank when a local worker fails or is killed."""
 import logging
 import os
 import signal
@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from hrlplan.errors import UserError
+from hrlplan.runtime import metrics
 from hrlplan.runtime.metrics import MetricsLogger, Progress, metrics_line
 from hrlplan.launch.local import describe_failure, launch_workers
 
@@ -35,18 +36,39 @@ def test_on_a_terminal_the_bar_shows_loss_speed_and_eta(capsys):
     assert "10/50" in bar and "loss 2.5" in bar and "tokens/s" in bar and "<" in bar   # tqdm's [elapsed<eta]
 
 
-def test_logger_prints_training_steps_with_progress_and_keeps_prefixes(tmp_path, caplog):
+def test_logger_prints_one_short_line_per_step_and_the_rest_goes_to_the_files(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(metrics, "_is_tty", lambda: False)
     config = {"train": {"steps": 4}, "arch": {"family": "hf"}}
     logger = MetricsLogger(tmp_path, config, {"mode": "disabled"})
     with caplog.at_level(logging.INFO, logger="hrlplan"):
-        logger.log(STEP, step=1)
-        logger.log({"stage0/compute_s": 0.01}, step=1)
+        logger.log({**STEP, "train/grad_norm": 0.5, "stage/0/compute_s": 0.01, "memory/peak_gib": 0.1}, step=1)
+        logger.log({"eval/lm_loss": 2.4}, step=1)
+        logger.log({"memory/rank0/peak_gib": 0.1}, step=1)
         logger.note("plan: pp=2")
     logger.finish()
-    text = caplog.text
-    assert "1/4 (25%)" in text and "train/lm_loss=2.5" in text and "stage0/compute_s=0.01" in text
-    assert "plan: pp=2" in text
-    assert "train/lm_loss=2.5" in (tmp_path / "train.log").read_text()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("step 1/4 (25%) | loss 2.5 | 50.0 ms/step | 12.3k tokens/s | eta")
+    assert len(lines[0]) < 100 and "grad_norm" not in caplog.text and "memory" not in caplog.text
+    assert lines[1:] == ["step     1 | eval/lm_loss=2.4", "plan: pp=2"]
+    record = metrics.read_metrics(tmp_path)[0]
+    assert record["stage/0/compute_s"] == 0.01 and record["train/grad_norm"] == 0.5   # only in the files
+    assert "loss 2.5" in (tmp_path / "train.log").read_text()
+
+
+def test_on_a_terminal_the_bar_alone_stands_for_the_steps(tmp_path, caplog, capsys, monkeypatch):
+    monkeypatch.setattr(metrics, "_is_tty", lambda: True)
+    logger = MetricsLogger(tmp_path, {"train": {"steps": 4}, "arch": {"family": "hf"}}, {"mode": "disabled"})
+    with caplog.at_level(logging.INFO, logger="hrlplan"):
+        logger.log(STEP, step=1)
+        logger.log({**STEP, "eval/lm_loss": 2.4}, step=2)
+    logger.finish()
+    assert [r.getMessage() for r in caplog.records] == ["step     2 | eval/lm_loss=2.4"]   # no per-step lines
+    assert "2/4" in capsys.readouterr().err
+
+
+def test_large_step_times_print_in_seconds():
+    line = Progress(50, tty=False).update(10, {**STEP, "train/step_time_s": 4.16})
+    assert "4.16 s/step" in line and "e+" not in line
 
 
 # ---------------------------------------------------------------- local workers that fail

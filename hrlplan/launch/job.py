@@ -304,17 +304,17 @@ def _stop_after_planning(config: Config, plan: Plan) -> Optional[Dict[str, Any]]
     print(f"[hrlplan] mode=plan: wrote {run_dir / 'plan.yaml'} ({plan.layout()}, predicted step "
           f"{duration_text(predicted_step(plan))}); train it with planner=manual "
           f"planner.plan_file={run_dir / 'plan.yaml'}", flush=True)
-    _say_idle(plan, run_dir)
+    _say_idle(plan, run_dir, unit="workers")
     return {"plan": plan.to_dict()}
 
 
-def _say_idle(plan: Plan, run_dir: Path) -> None:
+def _say_idle(plan: Plan, run_dir: Path, unit: str = "devices") -> None:
     """The console line of a plan that leaves some of the cluster's devices idle (cluster.json)."""
     try:
         devices = len(ClusterSpec.load(run_dir / "cluster.json").devices)
     except (OSError, ValueError, KeyError):
         devices = plan.world_size
-    line = idle_devices_line(plan, devices)
+    line = idle_devices_line(plan, devices, unit)
     if line:
         print(f"[hrlplan] {line}", flush=True)
 
@@ -326,7 +326,7 @@ def _join_training_ranks(config: Config, spec, plan: Plan,
     used = train_ranks(plan)
     peak = broadcast(job_peak_flops(spec, used, config.train) if spec is not None else None)
     if dist.get_rank() == 0:
-        _say_idle(plan, Path(config.run_dir))
+        _say_idle(plan, Path(config.run_dir), unit="workers")
     trained = leave_idle_ranks(plan, str(config.train.device), config.train)
     return None if trained is None else (trained, MFUBasis(facts["flops_per_token"], peak))
 

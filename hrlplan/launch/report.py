@@ -161,16 +161,18 @@ def _load_per_core() -> Optional[float]:
         return None
 
 
-def idle_devices_line(plan, devices: int) -> Optional[str]:
-    """One console line when the plan leaves some of the job's `devices` idle; None when it uses all."""
+def idle_devices_line(plan, devices: int, unit: str = "devices") -> Optional[str]:
+    """One console line when the plan leaves some of the job's `devices` idle; None when it uses all.
+    unit: "workers" for a job's probed workers (planner.allow_idle_ranks governs those), "devices" for
+    a preset or spec file (whose planner may leave a slower device type out)."""
     idle_ranks = set(plan.unused_ranks)
     used = [r for r in range(plan.world_size) if r not in idle_ranks]
     idle = sorted(idle_ranks | set(range(plan.world_size, devices)))
     if not idle:
         return None
-    return (f"the plan trains on {len(used)} of {devices} devices; {len(idle)} stay idle (ranks {rank_ranges(idle)}): "
-            "predicted faster than using all of them (plan_info.json has the alternatives); "
-            "planner.allow_idle_ranks=false uses every device")
+    advice = "; planner.allow_idle_ranks=false uses every worker" if unit == "workers" else ""
+    return (f"the plan trains on {len(used)} of {devices} {unit}; {len(idle)} stay idle (ranks {rank_ranges(idle)}): "
+            f"predicted faster than using all of them (plan_info.json has the alternatives){advice}")
 
 
 def rank_ranges(ranks) -> str:

@@ -50,11 +50,11 @@ def cpu_flops_per_cycle(flags: Iterable[str], dtype: str) -> int:
     return 8
 
 
-def cpu_clock_hz(cpuinfo: Optional[str] = None, cpufreq_root: Path = CPUFREQ) -> Optional[float]:
+def cpu_clock_hz(cpuinfo: Optional[str] = None, cpufreq_root: Optional[Path] = None) -> Optional[float]:
     """The highest clock this machine reports: cpufreq's cpuinfo_max_freq, the `cpu MHz` lines, the
     model name's `@ 2.50GHz`; None when none is readable."""
     clocks: List[float] = []
-    for path in cpufreq_root.glob("cpu[0-9]*/cpufreq/cpuinfo_max_freq"):
+    for path in (cpufreq_root or CPUFREQ).glob("cpu[0-9]*/cpufreq/cpuinfo_max_freq"):
         try:
             clocks.append(float(path.read_text().strip()) * 1e3)   # kHz
         except (OSError, ValueError):
@@ -68,7 +68,7 @@ def cpu_clock_hz(cpuinfo: Optional[str] = None, cpufreq_root: Path = CPUFREQ) ->
 def cpu_peak_flops(dtype: str, threads: int, cpuinfo: Optional[str] = None) -> Optional[float]:
     """Peak FLOP/s of `threads` cores of this machine in `dtype`; None when its clock is unknown."""
     text = cpuinfo if cpuinfo is not None else _read(CPUINFO)
-    clock = cpu_clock_hz(text)
+    clock = cpu_clock_hz(text, cpufreq_root=None if cpuinfo is None else Path("/nonexistent"))
     if clock is None:
         return None
     match = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
