@@ -15,14 +15,14 @@ from typing import Any, Dict, List
 import yaml
 
 from hrlplan.config import GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
-from hrlplan.errors import UserError
+from hrlplan.errors import UserError, one_line
 
 SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
 
 
-class ModelResolutionError(ValueError):
-    pass
+class ModelResolutionError(UserError, ValueError):
+    """A model id, arch or config file that cannot be resolved or introspected: the message names it."""
 
 
 @dataclass
@@ -119,7 +119,10 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
     if path.is_dir() and (path / "config.json").exists():
         return {"name": path.name, "family": "hf", "model_id": str(path)}
     if path.is_file() and path.suffix in (".yaml", ".yml", ".json"):
-        data = yaml.safe_load(path.read_text())
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ModelResolutionError(f"{path}: not a readable model config ({one_line(e, 200)})") from None
         if not isinstance(data, dict):
             raise ModelResolutionError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
         if "model_type" not in data:
@@ -257,7 +260,12 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
     # why here: a cycle (models.hf imports ModelResolutionError), and torch
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 
-    config = hf_config_from_arch(arch)
+    try:
+        config = hf_config_from_arch(arch)
+    except (OSError, ValueError, KeyError, TypeError) as e:   # a damaged config.json: transformers' traceback
+        where = arch.get("model_id") or arch.get("name")
+        raise ModelResolutionError(f"{where}: its config cannot be read ({type(e).__name__}: {one_line(e, 200)}); "
+                                   "restore the model's config.json") from None
     try:
         model = build_hf_model(config, on_meta=True)
     except ValueError as e:   # transformers lists every causal LM class it knows, over many lines

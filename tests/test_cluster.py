@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from hrlplan.errors import UserError
+
 from hrlplan.cli import main
 from hrlplan.cluster import ClusterSpec, _round_robin
 
@@ -36,5 +38,6 @@ def test_probe_cluster_cli_measures_three_workers(tmp_path):
 def test_unsupported_schema_version_is_refused(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"schema_version": 99, "devices": []}))
-    with pytest.raises(ValueError, match="schema_version 99"):
+    with pytest.raises(UserError, match="schema_version 99") as e:
         ClusterSpec.load(path)
+    assert str(path) in str(e.value)   # the file is named

@@ -45,7 +45,7 @@ CASES = {
     "missing key": (lambda d: d.pop("pp"), "pp", "missing"),
     "unknown key": (lambda d: d.update(ppp=2), "ppp", "unknown key"),
     "tp*dp != ranks": (lambda d: d["stages"][0].update(tp=2), "stages[0].ranks", "tp*dp"),
-    "unequal groups": (lambda d: d["device_groups"][1].append(9), "device_groups", "equal size"),
+    "unequal groups": (lambda d: d["device_groups"][1].append(0), "device_groups", "equal size"),
     "string tp": (lambda d: d["stages"][0].update(tp="2"), "stages[0].tp", "must be an integer, got '2'"),
     "word tp": (lambda d: d["stages"][1].update(tp="two"), "stages[1].tp", "must be an integer, got 'two'"),
     "float dp": (lambda d: d["stages"][0].update(dp=2.0), "stages[0].dp", "must be an integer, got 2.0"),

@@ -185,6 +185,13 @@ class Plan:
                                                                      ("pp", "microbatch_size", "num_microbatches")):
             if not isinstance(d[key], int) or isinstance(d[key], bool):
                 raise PlanError(key, f"must be an integer, got {d[key]!r}", source)
+        groups = d.get("device_groups", [])
+        if not isinstance(groups, list) or not all(isinstance(g, list) and all(_is_int(r) for r in g) for g in groups):
+            raise PlanError("device_groups", f"must be a list of lists of integer ranks, got {groups!r}", source)
+        if not isinstance(d.get("unused_ranks", []), list) or not all(_is_int(r) for r in d.get("unused_ranks", [])):
+            raise PlanError("unused_ranks", f"must be a list of integer ranks, got {d['unused_ranks']!r}", source)
+        if not isinstance(d.get("meta", {}), dict):
+            raise PlanError("meta", f"must be a mapping, got {type(d['meta']).__name__}", source)
         d = dict(d)
         d.setdefault("meta", {})
         if hetero:
@@ -211,7 +218,14 @@ class Plan:
         path = Path(path)
         if not path.exists():
             raise PlanError("<file>", "does not exist; write one with `hrlplan plan-hrl` or planner=exact", str(path))
-        return cls.from_yaml(path.read_text(), source=str(path))
+        if path.is_dir():
+            inside = " (it holds a plan.yaml: give that)" if (path / "plan.yaml").is_file() else ""
+            raise PlanError("<file>", f"is a directory, not a plan file{inside}", str(path))
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError("<file>", f"cannot be read as a plan (YAML text): {one_line(e, 200)}", str(path)) from None
+        return cls.from_yaml(text, source=str(path))
 
 
 def _parse_stages(raw: Any, where: str, source: str) -> List[StagePlan]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List
 
+from hrlplan.errors import UserError
+
 if TYPE_CHECKING:   # annotations only: hrlplan.plan imports this module
     from hrlplan.plan import Plan, StagePlan
 
@@ -20,7 +22,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 HETERO_SCHEDULES = ("gpipe", "1f1b")
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan that cannot run; `field` is the dotted path of the offending entry."""
 
     def __init__(self, field_path: str, message: str, source: str = "plan.yaml"):
@@ -64,6 +66,18 @@ def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) 
             raise err(f"{where}[{i}].recompute", f"unknown mode {s.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
 
 
+def _check_rank_range(plan: Plan, err) -> None:
+    """Every rank a plan names is one of 0..world_size-1, named where it is not."""
+    lists = [(f"{where}[{i}].ranks", s.ranks) for where, stages in _stage_lists(plan) for i, s in enumerate(stages)]
+    lists += [(f"device_groups[{g}]", group) for g, group in enumerate(plan.device_groups)]
+    lists.append(("unused_ranks", plan.unused_ranks))
+    for where, ranks in lists:
+        beyond = [r for r in ranks if not 0 <= r < plan.world_size]
+        if beyond:
+            raise err(where, f"rank {beyond[0]} is beyond world_size {plan.world_size} (ranks 0..{plan.world_size - 1}); "
+                      "use ranks below world_size, or raise world_size")
+
+
 def _check_world(plan: Plan, used: List[int], err) -> None:
     all_ranks = used + list(plan.unused_ranks)
     if len(set(all_ranks)) != len(all_ranks):
@@ -73,6 +87,12 @@ def _check_world(plan: Plan, used: List[int], err) -> None:
     if sorted(all_ranks) != list(range(plan.world_size)):
         raise err("world_size", f"the plan's groups use {len(all_ranks)} ranks but world_size is {plan.world_size}; "
                   "the ranks must be exactly 0..world_size-1 (list idle ones in unused_ranks)")
+
+
+def _stage_lists(plan: Plan):
+    if plan.pipelines:
+        return [(f"pipelines[{p}].stages", pipe.stages) for p, pipe in enumerate(plan.pipelines)]
+    return [("stages", plan.stages)]
 
 
 def _check_launch(plan: Plan, err) -> None:
@@ -104,6 +124,9 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
     err = lambda f, m: PlanError(f, m, source)  # noqa: E731
     if plan.schedule not in SCHEDULES:
         raise err("schedule", f"unknown schedule '{plan.schedule}'; choose one of {', '.join(SCHEDULES)}")
+    if plan.world_size < 1:
+        raise err("world_size", f"must be >= 1, got {plan.world_size}")
+    _check_rank_range(plan, err)
     if plan.pipelines:
         _validate_heterogeneous(plan, err)
         _check_launch(plan, err)
