@@ -227,12 +227,16 @@ def test_job_states_from_scontrol():
 
 
 class FakeJob:
-    def __init__(self, job_id, done=False):
-        self.job_id, self._done = job_id, done
-        self.paths = SimpleNamespace(stderr=Path(f"/sweep/.submitit/{job_id}/{job_id}_0_log.err"))
+    """submitit's Job as the watch reads it: one task, its result file and its log."""
+    num_tasks = 1
 
-    def done(self):
-        return self._done
+    def __init__(self, job_id, done=False):
+        self.job_id = job_id
+        self.paths = SimpleNamespace(stderr=Path(f"/sweep/.submitit/{job_id}/{job_id}_0_log.err"),
+                                     result_pickle=SimpleNamespace(exists=lambda: done))
+
+    def task(self, k):
+        return self
 
 
 class Clock:
@@ -336,3 +340,88 @@ def test_launcher_yaml_names_a_class_hydra_accepts():
     launcher = cls(partition="debug")
     back = pickle.loads(pickle.dumps(launcher))
     assert type(back) is slurm_launcher.FittedSlurmLauncher and back.params == {"partition": "debug"}
+
+
+# ---------------------------------------------------------------- end to end, on the local SLURM
+SWEEP = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "train.schedule=gpipe,1f1b"]
+
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    from test_slurm import start_local_slurm, stop_local_slurm
+
+    conf, started = start_local_slurm()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    if started:
+        stop_local_slurm()
+
+
+def sweep(args, sweep_dir, timeout_s=420, **env):
+    cmd = [sys.executable, str(ROOT / "pretrain.py"), "-m", *args, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          env=dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1", **env))
+
+
+def array_state(job_id: str) -> set:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return {s.state for s in parse_jobs(out)}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_the_issues_sweep_runs_on_the_two_cpu_node(local_slurm, tmp_path):
+    """The issue's command (shortened to 3 steps): the request is fitted, both points train."""
+    proc = sweep([*SWEEP, "train.steps=3", "logger.mode=disabled"], tmp_path / "sweep")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "cpus_per_task 8 -> 1 (2 CPUs per node for 2 task(s))" in proc.stderr
+    [script] = (tmp_path / "sweep" / ".submitit").glob(".submission_file_*.sh")   # what sbatch was given
+    text = script.read_text()
+    assert "#SBATCH --cpus-per-task=1" in text and "#SBATCH --ntasks-per-node=2" in text
+    assert "#SBATCH --mem-per-cpu=4GB" in text and "--gpus-per-node" not in text
+    for num in (0, 1):
+        metrics = (tmp_path / "sweep" / str(num) / "metrics.jsonl").read_text().splitlines()
+        assert len(metrics) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.parametrize("args, line", [
+    (["hydra.launcher.cpus_per_task=8"], "hydra.launcher.cpus_per_task=8 but partition debug's nodes have 2 CPUs "
+                                         "(16 CPUs asked per node for 2 task(s)): lower it, or pick another partition"),
+    (["hydra.launcher.partition=nosuch"], "hydra.launcher.partition=nosuch: SLURM has no such partition "
+                                          "(partitions: debug)"),
+    (["hydra.launcher.mem_gb=64"], "hydra.launcher.mem_gb=64 but partition debug's nodes have 21759 MB of memory"),
+    (["+hydra.launcher.additional_parameters.tmp=10G"], "sbatch refused the sweep: sbatch: error: Temporary disk "
+                                                        "specification can not be satisfied"),
+])
+def test_impossible_requests_refused_before_submission(local_slurm, tmp_path, args, line):
+    proc = sweep([*SWEEP, *args], tmp_path / "sweep", timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith("hrlplan: error: " + line), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "sweep").rglob("*_submitted.pkl"))     # nothing reached SLURM's queue
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_sweep_pending_for_ever_fails_and_is_cancelled(local_slurm, tmp_path):
+    """A request the launcher cannot see (sbatch options passed through additional_parameters) that SLURM
+    leaves pending with Reason=PartitionConfig: the sweep fails in one line and its array is cancelled."""
+    start = time.monotonic()
+    proc = sweep([*SWEEP, "+hydra.launcher.additional_parameters.cpus_per_task=8"], tmp_path / "sweep",
+                 timeout_s=180, HRLPLAN_SLURM_PENDING_GRACE_S="2")
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hrlplan: error: SLURM job ") and "Reason=PartitionConfig" in last, proc.stderr[-3000:]
+    assert "cancelled the sweep's jobs" in last and "Traceback" not in proc.stderr
+    array = last.split("(array ")[1].split(")")[0]
+    assert array_state(array) <= {"CANCELLED"}
+    assert took < 120

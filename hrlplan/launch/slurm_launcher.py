@@ -10,6 +10,8 @@ and fails with one line; so does a job that ended without a result (cancelled, k
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -118,7 +120,7 @@ class JobWatch:
 
     def poll(self) -> bool:
         """One look; True when every job has a result."""
-        done = {str(j.job_id): j.done() for j in self.jobs}
+        done = {str(j.job_id): _has_result(j) for j in self.jobs}
         if all(done.values()):
             return True
         text = self.read(self.array_id)
@@ -150,7 +152,7 @@ class JobWatch:
                 ended = "is no longer known to SLURM" if state is None else f"ended {state.state}"
                 key = (job_id, "ended")
                 current.add(key)
-                if now - self._first_time(key, now) >= max(self.grace_s, 30.0) and not job.done():
+                if now - self._first_time(key, now) >= max(self.grace_s, 30.0) and not _has_result(job):
                     raise NeverStarts(f"SLURM job {job_id} {ended} without a result; its log: "
                                       f"{job.paths.stderr}")
         self.since = {k: v for k, v in self.since.items() if k in current}
@@ -174,6 +176,12 @@ class JobWatch:
     def wait(self, poll_s: float = POLL_S) -> None:
         while not self.poll():
             time.sleep(poll_s)
+
+
+def _has_result(job) -> bool:
+    """Every task wrote its result (what submitit's done() checks first, without its sacct calls:
+    a cluster without accounting would log a warning each poll)."""
+    return all(job.task(k).paths.result_pickle.exists() for k in range(job.num_tasks))
 
 
 def _running_jobs_of_user() -> Optional[int]:
@@ -239,10 +247,14 @@ class FittedSlurmLauncher(SlurmLauncher):
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             _say(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        printed = io.StringIO()   # submitit prints sbatch's stderr before it raises: said once, below
         try:
-            return executor.map_array(self, *zip(*job_params))
+            with contextlib.redirect_stderr(printed):
+                jobs = executor.map_array(self, *zip(*job_params))
         except FailedJobError as e:   # sbatch's own refusal (EnforcePartLimits, a bad account, ...)
             _refuse(UserError(f"sbatch refused the sweep: {one_line(e)}"))
+        sys.stderr.write(printed.getvalue())
+        return jobs
 
 
 def _restore(state: dict) -> FittedSlurmLauncher:
