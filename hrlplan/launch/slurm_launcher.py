@@ -56,7 +56,7 @@ def _run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
 
 def read_partition(name: Optional[str]) -> Partition:
     """The partition a job with `partition: name` goes to (None: SLURM's default), and its nodes."""
-    listing = _run("scontrol", "show", "partition", "-o")
+    listing = _run("scontrol", "--all", "--oneliner", "show", "partition")
     if listing.returncode:
         raise UserError(f"{_NEEDS_SLURM}: scontrol show partition failed: {one_line(listing.stderr)}")
     names = [line.split()[0].partition("=")[2] for line in listing.stdout.splitlines() if line.strip()]
@@ -69,7 +69,7 @@ def read_partition(name: Optional[str]) -> Partition:
         raise UserError(f"hydra.launcher.partition={name}: SLURM has no such partition (partitions: "
                         f"{', '.join(names) or '(none)'})")
     [line] = [ln for ln in listing.stdout.splitlines() if ln.startswith(f"PartitionName={name} ")][:1]
-    nodes = _run("scontrol", "show", "node", "-o")
+    nodes = _run("scontrol", "--all", "--oneliner", "show", "node")
     if nodes.returncode:
         raise UserError(f"{_NEEDS_SLURM}: scontrol show node failed: {one_line(nodes.stderr)}")
     own = [ln for ln in nodes.stdout.splitlines() if name in _words_value(ln, "Partitions").split(",")]
