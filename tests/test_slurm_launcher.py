@@ -164,7 +164,7 @@ def test_memory_preference_lowered_to_the_node():
 def test_requests_no_node_can_hold_are_refused_naming_the_key(values, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")) as err:
         fit(local(), partition="debug", **values)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and err.value.key == message.split("=")[0]
 
 
 def test_explicit_values_that_fit_are_kept_and_replace_the_yaml_memory_form():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from hrlplan.errors import ConfigError, UserError
 
@@ -189,25 +189,26 @@ def _memory_asked_mb(params: dict) -> int:
     return 0
 
 
-def _node_shortfall(params: dict, node: Node, part: Partition) -> Optional[str]:
-    """Why this node cannot hold the request as it stands (None: it can)."""
+def _node_shortfall(params: dict, node: Node, part: Partition) -> Optional[Tuple[str, str]]:
+    """(the launcher key, why) this node cannot hold the request as it stands; None: it can."""
     cpus = min(node.cpus, part.max_cpus_per_node or node.cpus)
     mem = min(node.mem_mb, part.max_mem_per_node_mb or node.mem_mb)
     tasks = int(params.get("tasks_per_node") or 1)
     gpus = _gpus_asked(params)
     if gpus > node.gpus:
         key = next(k for k in ("gpus_per_node", "gpus_per_task", "gres") if params.get(k) is not None)
-        return f"{_shown(key, params)} but partition {part.name}'s nodes have {node.gpus} GPUs"
+        return key, f"{_shown(key, params)} but partition {part.name}'s nodes have {node.gpus} GPUs"
     if tasks > cpus:
-        return f"{_shown('tasks_per_node', params)} but partition {part.name}'s nodes have {cpus} CPUs (one per task at least)"
+        return "tasks_per_node", (f"{_shown('tasks_per_node', params)} but partition {part.name}'s nodes have "
+                                  f"{cpus} CPUs (one per task at least)")
     if _cpus_asked(params) > cpus:
         key = "cpus_per_gpu" if params.get("cpus_per_gpu") is not None else "cpus_per_task"
-        return (f"{_shown(key, params)} but partition {part.name}'s nodes have {cpus} CPUs "
-                f"({_cpus_asked(params)} CPUs asked per node for {tasks} task(s))")
+        return key, (f"{_shown(key, params)} but partition {part.name}'s nodes have {cpus} CPUs "
+                     f"({_cpus_asked(params)} CPUs asked per node for {tasks} task(s))")
     if _memory_asked_mb(params) > mem:
         key = next(k for k in MEMORY_KEYS if params.get(k) is not None)
-        return (f"{_shown(key, params)} but partition {part.name}'s nodes have {mem} MB of memory "
-                f"({_memory_asked_mb(params)} MB asked per node)")
+        return key, (f"{_shown(key, params)} but partition {part.name}'s nodes have {mem} MB of memory "
+                     f"({_memory_asked_mb(params)} MB asked per node)")
     return None
 
 
@@ -238,7 +239,7 @@ def _exclusive_forms(params: dict, explicit: Set[str]) -> dict:
     for group in (MEMORY_KEYS, ("cpus_per_task", "cpus_per_gpu")):
         given = [k for k in group if k in explicit and params.get(k) is not None]
         if len(given) > 1:
-            raise ConfigError(f"hydra.launcher.{given[1]}", message=f"{' and '.join(_shown(k, params) for k in given)}"
+            raise ConfigError(f"hydra.launcher.{given[0]}", message=f"{' and '.join(_shown(k, params) for k in given)}"
                               f": SLURM takes one of them; set the other to null")
         if given:
             params.update({k: None for k in group if k not in given})
@@ -266,9 +267,9 @@ def fit_request(params: dict, explicit: Iterable[str], part: Partition) -> Fitte
     able = [n for n in candidates if why[n.name] is None]
     if len(able) < nodes_needed:
         biggest = max(candidates, key=lambda n: (n.gpus, n.cpus, n.mem_mb))
-        reason = why[biggest.name] or (f"{_shown('nodes', params)} but only {len(able)} node(s) of partition "
-                                       f"{part.name} can hold the request")
-        raise ConfigError("hydra.launcher", message=f"{reason}: lower it, or pick another partition")
+        key, reason = why[biggest.name] or ("nodes", f"{_shown('nodes', params)} but only {len(able)} node(s) "
+                                            f"of partition {part.name} can hold the request")
+        raise ConfigError(f"hydra.launcher.{key}", message=f"{reason}: lower it, or pick another partition")
     # Size the preferences for the `nodes` roomiest nodes that can hold the explicit part.
     chosen = sorted(able, key=lambda n: (n.gpus, n.cpus, n.mem_mb), reverse=True)[:nodes_needed]
     cpus = min(min(n.cpus for n in chosen), part.max_cpus_per_node or 10 ** 9)
@@ -305,7 +306,7 @@ def fit_request(params: dict, explicit: Iterable[str], part: Partition) -> Fitte
                    f"{mem} MB per node" + (f" for {units} {key[8:].upper()}s" if units > 1 else ""))
     left = next(filter(None, (_node_shortfall(fitted, n, part) for n in chosen)), None)
     if left:   # a preference could not be lowered far enough
-        raise ConfigError("hydra.launcher", message=f"{left}: lower it, or pick another partition")
+        raise ConfigError(f"hydra.launcher.{left[0]}", message=f"{left[1]}: lower it, or pick another partition")
     return Fitted(fitted, changes)
 
 
