@@ -27,6 +27,7 @@ import inspect
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -292,6 +293,7 @@ class HRMTrainer(TrainAdapter):
     # ------------------------------------------------------------ the loop's hooks
     def start(self, step: int, resumed_from: Optional[Path]) -> None:
         self.measured_at = min(step + mem.MEASURED_STEPS, self.stop_at)
+        self.logged_at = (time.perf_counter(), step)   # step time: the mean over the steps between logs
         if self.rank == 0:
             os.makedirs(self.checkpoint_root, exist_ok=True)
             _write_sources(self.checkpoint_root, as_dict(self.cfg))
@@ -348,6 +350,13 @@ class HRMTrainer(TrainAdapter):
         result = {f"train/{k}": v / (self.gbs if k.endswith("loss") else count) for k, v in values.items()}
         examples = self.train_split.metadata["total_groups"] * self.train_split.metadata.get("mean_puzzle_examples", 1)
         result.update({"train/lr": out["lr"], "train/epoch": step * self.gbs / examples})
+        # after the all-reduce above, which waits for the device: no extra synchronisation per step
+        now, (then, last) = time.perf_counter(), self.logged_at
+        if step > last:
+            step_s = (now - then) / (step - last)
+            result.update({"train/step_time_s": step_s,
+                           "train/tokens_per_s": self.gbs * self.train_split.metadata["seq_len"] / step_s})
+        self.logged_at = (now, step)
         return result
 
     def after_step(self, step: int) -> None:
@@ -370,6 +379,7 @@ class HRMTrainer(TrainAdapter):
                               f"eval exact_accuracy {metrics.get('eval/exact_accuracy', float('nan')):.4f}")
         if self.train.checkpoint_every_eval or last:
             self.core.save_once()
+        self.logged_at = (time.perf_counter(), step)   # evaluation and its checkpoint are no training step
         if self.periodic == self.core.last_checkpoint:
             self.periodic = None   # now an evaluation checkpoint: kept
         return metrics
