@@ -1,4 +1,5 @@
-"""Measuring helpers: one clock, timers, a point-to-point ping-pong and the straight-line fits.
+"""Measuring helpers: one clock, timers, the spread of repeated timings, a point-to-point ping-pong and
+the straight-line fits.
 
 The probe (hrlplan.cluster), calibration (hrlplan.runtime.calibrate) and `hrlplan doctor` time with
 these. A leaf: it imports torch only, nothing of hrlplan.
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,15 +35,42 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int = 0) -> fl
     return now(device) - t0
 
 
-def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """The median of `repeats` timed calls of fn, after one untimed call (which pays for allocation)."""
+def timed_samples(fn: Callable[[], object], repeats: int, device: torch.device) -> List[float]:
+    """Seconds of each of `repeats` timed calls of fn, after one untimed call (which pays for allocation)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = now(device)
         fn()
         times.append(now(device) - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The median of `repeats` timed calls of fn, after one untimed call (which pays for allocation)."""
+    return statistics.median(timed_samples(fn, repeats, device))
+
+
+# ---------------------------------------------------------------- spread of repeated timings
+def relative_spread(samples: Sequence[float]) -> float:
+    """How far the median of repeated timings sits above the quickest of them, as a fraction of the
+    quickest: (median - min) / min. The median is the figure a calibration keeps; the quickest repeat
+    is the best estimate of the undisturbed time (load only ever adds). One stray slow repeat leaves
+    it at 0; a burst of foreign load over half the repeats or more -- which does move the median --
+    shows in full. 0 for fewer than two samples; inf when the quickest took no time."""
+    if len(samples) < 2:
+        return 0.0
+    quickest, middle = min(samples), statistics.median(samples)
+    if quickest <= 0:
+        return 0.0 if middle <= 0 else float("inf")
+    return (middle - quickest) / quickest
+
+
+def sample_summary(samples: Sequence[float]) -> Dict[str, float]:
+    """{median_s, min_s, max_s, spread, n} of repeated timings (spread: relative_spread)."""
+    xs = [float(x) for x in samples]
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs),
+            "spread": relative_spread(xs), "n": len(xs)}
 
 
 def timed_forward_backward(block: torch.nn.Module, x: torch.Tensor, device: torch.device) -> Tuple[float, float]:

@@ -31,12 +31,19 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
           "--out", str(tmp_path / "calibrated.json")])
     cal = json.loads((tmp_path / "calibrated.json").read_text())["calibration"]
     assert {"compute_efficiency", "half_saturation_tokens", "bandwidth_efficiency", "step_time_scale"} <= set(cal)
-    assert set(cal) - {"measurements"} <= set(CALIBRATION_KEYS)
+    assert set(cal) - {"measurements"} <= set(CALIBRATION_KEYS)   # "steadiness" is documented there too
     assert 0 < cal["compute_efficiency"]["cpu"] and cal["step_time_scale"] > 0
     # two ranks: the pair micro-benchmarks ran, tensor parallel among them
     assert [p["tokens"] for p in cal["tp_block_overhead_s"]] == sorted(p["tokens"] for p in cal["tp_block_overhead_s"])
     assert all(p["fwd"] >= 0 and p["bwd"] >= 0 for p in cal["tp_block_overhead_s"])
     assert cal["optimizer_s_per_block"]["tp"] > 0 and cal["optimizer_fixed_s"]["tp"] >= 0
+    # every judged timing repeated at least 3 times, its median and spread recorded
+    verdict = cal["steadiness"]
+    assert verdict["steady"] in (True, False) and verdict["threshold"] > 0
+    from hrlplan.runtime.calibrate.steadiness import MIN_REPEATS, judged
+    assert all(verdict["benchmarks"][n]["n"] >= MIN_REPEATS for n in judged(list(verdict["benchmarks"]))
+               if n != "reference step predicted from the record vs measured")
+    assert all({"median_s", "spread", "n"} <= set(s) for s in verdict["benchmarks"].values())
     model = DeviceModel(ClusterSpec.load(tmp_path / "calibrated.json"))
     assert model.flops[0] == pytest.approx(2e10 * cal["compute_efficiency"]["cpu"])
 

@@ -64,6 +64,12 @@ CALIBRATION_KEYS = {
     "pipeline_compute_factor": "float (default 1): how much longer a block computes inside a real two-stage "
                                "pipeline than alone, beyond contention_factor's compute; multiplies the compute "
                                "of every stage of a pipeline (pp > 1)",
+    "steadiness": "{steady, threshold, worst, worst_spread, too_few_repeats, benchmarks: {name: {median_s, min_s, "
+                  "max_s, spread, n}}} (informational; the cost model reads none of it): each benchmark's repeats and "
+                  "their spread ((median - quickest) / quickest), and whether the machine held steady while measured "
+                  "(hrlplan.runtime.calibrate.steadiness); an unsteady record plans one job and is never cached. "
+                  "{steady: false, over_budget: why} alone: calibration stopped at planner.calibrate_budget_s and the "
+                  "plan used peak figures",
     "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "

@@ -11,18 +11,24 @@ from hrlplan.compose import compose
 from hrlplan.config import DataConfig, TrainConfig, typed
 from hrlplan.launch.local import launch_workers
 from hrlplan.model_meta import resolve_arch
+from hrlplan.errors import UserError
 from hrlplan.runtime.calibrate import calibrate_in_job
+from hrlplan.runtime.calibrate.progress import CalibrationOverBudget, budget_seconds
+from hrlplan.runtime.calibrate.steadiness import is_steady, unsteady_reason
 from hrlplan.runtime.distributed import init_distributed, shutdown
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.instances import load_cluster
 
 
-def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: TrainConfig, data: DataConfig):
+def _cli_worker(spec_dict: Dict[str, Any], arch: Dict[str, Any], train: TrainConfig, data: DataConfig,
+                planner: Dict[str, Any]):
     init_distributed(str(train.device), train)
     prepare_worker()
     try:
-        spec = calibrate_in_job(ClusterSpec.from_dict(spec_dict), arch, train, data)
+        spec = calibrate_in_job(ClusterSpec.from_dict(spec_dict), arch, train, data, planner=planner)
         return spec.to_dict() if dist.get_rank() == 0 else None
+    except CalibrationOverBudget as over:   # every rank raised it; rank 0 tells the parent
+        return {"over_budget": str(over)} if dist.get_rank() == 0 else None
     finally:
         shutdown()
 
@@ -41,8 +47,12 @@ def calibrate_cli(args) -> None:
     cfg = typed(compose([f"train.dtype={getattr(args, 'dtype', 'float32')}"]))
     nproc = min(spec.node_sizes()[0], default_nproc_per_node("auto"))
     sub = _first_ranks(spec, nproc)
-    result = launch_workers(_cli_worker, (sub.to_dict(), arch, cfg.train, cfg.data), nproc,
+    planner = dict(cfg.planner)
+    budget_seconds(planner)   # a bad budget is refused before any worker starts
+    result = launch_workers(_cli_worker, (sub.to_dict(), arch, cfg.train, cfg.data, planner), nproc,
                             name="hrlplan-calibrate")[0]
+    if "over_budget" in result:
+        raise UserError(f"{result['over_budget']}; nothing written to {args.out or args.cluster}")
     spec.calibration = result["calibration"]
     out = args.out or args.cluster
     spec.save(out)
@@ -51,3 +61,6 @@ def calibrate_cli(args) -> None:
           f"half_saturation_tokens {spec.calibration['half_saturation_tokens']}, bandwidth_efficiency "
           f"{spec.calibration.get('bandwidth_efficiency', 'n/a')}, step_time_scale "
           f"{spec.calibration['step_time_scale']:.3g}; wrote {out}")
+    if not is_steady(spec.calibration):
+        print(f"warning: unsteady calibration -- {unsteady_reason(spec.calibration['steadiness'])}; a busy node? "
+              f"plans costed from {out} may be far off: calibrate again on a quiet machine")

@@ -49,6 +49,11 @@ def cache_dir(config: Config) -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path(config.run_dir) / "plan_cache")
 
 
+def shared() -> bool:
+    """Plans are cached where other runs read them too ($HRLPLAN_PLAN_CACHE), not in this run's directory."""
+    return bool(os.environ.get(CACHE_ENV))
+
+
 def calibration_dir(config: Config) -> Path:
     explicit = os.environ.get(CALIBRATION_CACHE_ENV) or os.environ.get(CACHE_ENV)
     if explicit:
@@ -94,27 +99,36 @@ def load(config: Config, key: str) -> Optional[Tuple[Any, Dict[str, Any]]]:
     return plan, info
 
 
-def _store_entry(root: Path, key: str, write, replace: bool = False) -> None:
-    """write(tmp_dir) fills a fresh directory, which is then renamed into place as the entry."""
+def _store_entry(root: Path, key: str, write, replace: bool = False) -> Optional[str]:
+    """write(tmp_dir) fills a fresh directory, which is then renamed into place as the entry. None
+    when the entry is there (stored now, or by another job first); else why nothing was stored."""
     final = root / key
     if final.exists():
         if not replace:
-            return
+            return None
         old = root / f".{key}.{uuid.uuid4().hex[:8]}.old"
         try:
             os.replace(final, old)
-        except OSError:
-            return
+        except OSError as e:
+            return _why(e, final)
         shutil.rmtree(old, ignore_errors=True)
     tmp = root / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir(parents=True)
         write(tmp)
         os.replace(tmp, final)
-    except OSError:
-        pass  # another job stored it first, or the cache is read-only: the run goes on without it
+    except OSError as e:
+        if not final.exists():   # another job stored it first: it is there all the same
+            return _why(e, root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return None
+
+
+def _why(error: OSError, where: Path) -> str:
+    """An OSError in a few words, naming the path: "permission denied: /shared/cache"."""
+    reason = (error.strerror or str(error) or type(error).__name__).lower()
+    return f"{reason}: {error.filename or where}"
 
 
 def store(config: Config, key: str, plan, info: Dict[str, Any]) -> None:
@@ -190,9 +204,17 @@ def load_calibration(config: Config, key: str,
     return cal
 
 
-def store_calibration(config: Config, key: str, calibration: Dict[str, Any], replace: bool = False) -> None:
+def store_calibration(config: Config, key: str, calibration: Dict[str, Any], replace: bool = False) -> Optional[str]:
+    """Store key's entry and release its lock. None when it is stored, else why it could not be (a
+    read-only or full cache): the run goes on, and the next one measures again."""
     try:
-        _store_entry(calibration_dir(config), key,
-                     lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)), replace)
+        return _store_entry(calibration_dir(config), key,
+                            lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)),
+                            replace)
     finally:
         _unlock_calibration(config, key)
+
+
+def release_calibration(config: Config, key: str) -> None:
+    """Give key's lock up without storing (an unsteady calibration): a job waiting for it measures."""
+    _unlock_calibration(config, key)

@@ -23,6 +23,8 @@ from hrlplan.model_meta import introspect
 from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
 from hrlplan.runtime.calibrate import calibrate_in_job
+from hrlplan.runtime.calibrate.progress import BUDGET_KEY, CalibrationOverBudget, budget_seconds
+from hrlplan.runtime.calibrate.steadiness import is_steady, unsteady_reason
 from hrlplan.search import make_plan
 
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
@@ -117,8 +119,13 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
             plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
-        if key:
+        if key and (is_steady(spec.calibration) or not plan_cache.shared()):
+            # a plan from an unsteady calibration stays in this run's own cache (a requeued job trains
+            # the plan it started with), out of a cache that other runs share
             plan_cache.store(config, key, plan, info)
+    facts = calibration_facts(spec)
+    if facts is not None:
+        info["calibration"] = facts
     plan.save(run_dir / "plan.yaml")
     (run_dir / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
     return plan, info, meta
@@ -127,9 +134,12 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
 def calibrated(config: Config, spec):
     """Collective: the spec with its calibration, the cached one for this cluster shape, model and
     settings when there is one (a requeued job, a sweep: see hrlplan/launch/plan_cache.py), else measured
-    now on every rank and cached."""
+    now on every rank -- within planner.calibrate_budget_s, its progress on the console -- and cached
+    when the machine held steady (hrlplan.runtime.calibrate.steadiness). An unsteady calibration plans
+    this job only; one past its budget leaves peak figures. Both say so on the console and in plan_info.json."""
     rank = dist.get_rank()
     refresh = calibration_mode(config.planner) == "refresh"
+    budget = budget_seconds(config.planner)   # a bad value: the same one-line error on every rank
     key = plan_cache.calibration_key(config, spec) if rank == 0 else None
     cached = plan_cache.load_calibration(config, key) if rank == 0 and not refresh else None
     if broadcast(cached is not None):
@@ -140,14 +150,66 @@ def calibrated(config: Config, spec):
         return spec
     if rank == 0:
         print(f"[hrlplan] calibrating: timing blocks, pipeline hops and collectives on the {spec.world_size} "
-              "workers (~10-30 s, once per cluster shape and model; cached)", flush=True)
+              f"workers, at most {budget:g} s ({BUDGET_KEY}); once per cluster shape and model, cached when the "
+              "machine holds steady", flush=True)
     t0 = time.time()
-    spec = calibrate_in_job(spec, config.arch, config.train, config.data, planner=config.planner)
+    try:
+        measured = calibrate_in_job(spec, config.arch, config.train, config.data, planner=config.planner)
+    except CalibrationOverBudget as over:
+        if rank == 0:
+            plan_cache.release_calibration(config, key)
+            spec.calibration = {"steadiness": {"steady": False, "over_budget": str(over)}}
+            print(f"[hrlplan] warning: {over}; planning from peak FLOP/s and probed links, nothing cached: raise "
+                  f"{BUDGET_KEY} to let it finish, or planner.calibrate=false to skip it", flush=True)
+        return spec
     if rank == 0:
-        plan_cache.store_calibration(config, key, spec.calibration, replace=refresh)
-        print(f"[hrlplan] calibrated in {time.time() - t0:.1f} s; cached in "
-              f"{plan_cache.calibration_dir(config) / key}", flush=True)
-    return spec
+        _keep_calibration(config, key, measured.calibration, time.time() - t0, refresh)
+    return measured
+
+
+def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], took_s: float, refresh: bool) -> None:
+    """Rank 0: cache a steady calibration and say where (or why it could not); an unsteady one is
+    used for this plan only, and the console says why."""
+    where = plan_cache.calibration_dir(config) / key
+    if not is_steady(calibration):
+        plan_cache.release_calibration(config, key)
+        print(f"[hrlplan] warning: calibrated in {took_s:.1f} s, but unsteady -- "
+              f"{unsteady_reason(calibration['steadiness'])}; a busy node? This plan uses it, nothing is cached: "
+              "the next run measures again (planner.calibrate=false plans from peak figures)", flush=True)
+        return
+    why = plan_cache.store_calibration(config, key, calibration, replace=refresh)
+    print(f"[hrlplan] calibrated in {took_s:.1f} s; " + (f"cached in {where}" if why is None else
+          f"could not cache it in {where} ({why}); the next run measures again "
+          f"(${plan_cache.CALIBRATION_CACHE_ENV} names a writable cache)"), flush=True)
+
+
+def calibration_facts(spec) -> Optional[Dict[str, Any]]:
+    """plan_info.json's "calibration": what the plan was costed from -- steady measurements, an
+    unsteady one (used once, not cached), a calibration stopped at its budget (peak figures) -- or
+    None without calibration."""
+    cal = getattr(spec, "calibration", None) or {}
+    if not cal:
+        return None
+    verdict = cal.get("steadiness")
+    if verdict is None:
+        return {"steady": None, "note": "a calibration without a steadiness verdict (written by hand or by an "
+                                        "older version): taken as it is"}
+    facts = {k: verdict.get(k) for k in ("steady", "worst", "worst_spread", "threshold") if k in verdict}
+    if verdict.get("over_budget"):
+        facts["note"] = f"{verdict['over_budget']}: planned from peak FLOP/s and probed links"
+    elif not verdict.get("steady"):
+        facts["note"] = f"planned from an unsteady measurement ({unsteady_reason(verdict)}); not cached"
+    return facts
+
+
+def announce_workers(config: Config, nproc: int) -> str:
+    """The parent's line before its workers start: their imports and rendezvous take 3-5 s on a quiet
+    2-core machine and 17 s on a busy one, before the first of them can say anything."""
+    first = "probe this machine" + (", then calibrate or reuse the cached calibration" if wants_calibration(config)
+                                    else "")
+    line = f"[hrlplan] starting {nproc} worker{'s' if nproc != 1 else ''}: they {first}, then plan"
+    print(line, flush=True)
+    return line
 
 
 def plan_only(config: Config) -> Dict[str, Any]:

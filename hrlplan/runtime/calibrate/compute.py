@@ -27,7 +27,7 @@ from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import options_for_train
 from hrlplan.cost.simulator import Simulator
 from hrlplan.data.lm import build_lm_data
-from hrlplan.measure import least_squares_line, median_time, now, sync_device, timed_forward_backward
+from hrlplan.measure import least_squares_line, median_time, now, sync_device, timed_forward_backward, timed_samples
 from hrlplan.models.hf import HFStage, build_hf_model, causal_lm_loss, hf_config_from_arch
 from hrlplan.runtime.calibrate.blocks import REPEATS, block_stage
 from hrlplan.runtime.parallel import clip_grad_norm
@@ -38,7 +38,8 @@ from hrlplan.runtime.trainer import build_full_model, make_optimizer
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                   repeats: int = REPEATS) -> List[Dict[str, float]]:
-    """Median forward and backward time of one block per micro-batch size."""
+    """Median forward and backward time of one block per micro-batch size, and each repeat's
+    forward + backward (samples_s: their spread says how steady the machine was)."""
     block, hidden = block_stage(arch, device)
     out = []
     for mbs in microbatch_sizes:
@@ -49,7 +50,8 @@ def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int
             if i:
                 fwd.append(f)
                 bwd.append(b)
-        out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd)})
+        out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
+                    "samples_s": [f + b for f, b in zip(fwd, bwd)]})
     return out
 
 
@@ -132,7 +134,9 @@ def measure_optimizer(arch: Dict[str, Any], train: TrainConfig, device: torch.de
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = make_optimizer(part, train)
-        out[name] = median_time(lambda: _clip_and_step(params, opt), repeats, device)
+        samples = timed_samples(lambda: _clip_and_step(params, opt), repeats, device)
+        out[name] = statistics.median(samples)
+        out[f"{name}_samples_s"] = samples
     out["deep_blocks"] = OPTIMIZER_DEEP_BLOCKS
     return out
 

@@ -200,11 +200,13 @@ def fit_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig, roun
         predicted = predict_one_process_step(meta, ref, train)
     predicted = predicted["step_time_s"]
     cal["step_overhead_s"] = max(measured - predicted, 0.0)
-    if cal.get("contention_factor"):
+    if cal.get("contention_factor") or len(gathered) == 1:
         # CPU work is then costed as measured alone, times the contention factor; so is the split
         # of a block's time into forward and backward (with ranks time-sliced, a backward measured
         # right after its forward loses more of its slices: 4.1x the forward at 512 tokens with 4
-        # ranks on 2 cores, 1.4x alone)
+        # ranks on 2 cores, 1.4x alone). One worker has no contention, and its blocks alone are
+        # medians over REFERENCE_ROUNDS moments, not one burst: the first timing alone, taken in a
+        # busy moment, once costed a one-worker plan 76x slower than it trained.
         cal["compute_efficiency"] = dict(cal["compute_efficiency"], **ref.calibration["compute_efficiency"])
         cal["half_saturation_tokens"] = dict(cal["half_saturation_tokens"],
                                              **ref.calibration["half_saturation_tokens"])
@@ -217,6 +219,14 @@ def fit_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig, roun
             hops, alone, seq_len, cal.get("op_overhead_s") or {},
             float((cal.get("contention_factor") or {}).get("compute", 1.0)))
     return measured, predicted, alone
+
+
+def predict_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig) -> float:
+    """The finished record's prediction of the one-process reference step (which ran alone: no
+    contention), for the steadiness check against its measured time."""
+    ref = copy.deepcopy(spec)
+    ref.calibration = dict(cal, contention_factor=None)
+    return float(predict_one_process_step(meta, ref, train)["step_time_s"])
 
 
 def measurements(meta, seq_len: int, train: TrainConfig, gathered: List[Dict[str, Any]], msg_bytes: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -20,7 +21,9 @@ from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_p2p, measure_
 from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_contention,
                                                measure_optimizer, measure_pipeline_ops, measure_step,
                                                measure_tp_optimizer, measure_zb_split)
-from hrlplan.runtime.calibrate.record import fit_calibration, fit_reference_step, measurements
+from hrlplan.runtime.calibrate.progress import CalibrationOverBudget, Progress, budget_seconds
+from hrlplan.runtime.calibrate.record import fit_calibration, fit_reference_step, measurements, predict_reference_step
+from hrlplan.runtime.calibrate.steadiness import assess, calibration_samples, prediction_check
 from hrlplan.runtime.distributed import all_gather_object, broadcast_object, local_device
 
 REFERENCE_ROUNDS = 5        # reference steps, interleaved with block timings: a shared machine's load drifts
@@ -68,15 +71,20 @@ def calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: DataC
     machine a rank's speed depends on how many others compete for it); rank 0 fits and broadcasts.
     Everything runs on the training device (the current GPU under NCCL); with
     train.dtype=bfloat16 every forward runs under bf16 autocast, as the runtime computes. Sizes stop
-    at the largest micro-batch the planner (planner.microbatch_sizes) may pick and what fits."""
+    at the largest micro-batch the planner (planner.microbatch_sizes) may pick and what fits.
+    Rank 0 says which group of micro-benchmarks runs (.progress); past planner.calibrate_budget_s every
+    rank raises CalibrationOverBudget. The record's "steadiness" says whether the machine held still
+    (.steadiness): an unsteady record is for this plan only, never cached."""
+    started = time.monotonic()
     train, data = section(TrainConfig, train), section(DataConfig, data)   # typed, or a script's plain mappings
     device = local_device()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
-        spec = _calibrate_in_job(spec, arch, train, data, device, planner or {})
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return spec
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
+            return _calibrate_in_job(spec, arch, train, data, device, planner or {}, started)
+    finally:   # over budget too: the benchmarks' models and buffers go before the plan's
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _sizes(meta, train: TrainConfig, seq: int, device: torch.device,
@@ -96,20 +104,70 @@ def _sizes(meta, train: TrainConfig, seq: int, device: torch.device,
     return sizes, block_sizes, step_batch
 
 
+# The groups of micro-benchmarks, as the console names them (calibration k/n: ...)
+STAGE_BLOCKS = "one block's forward + backward per micro-batch size, zero-bubble's split backward"
+STAGE_SOLO = "the pipeline library's per-op overhead (rank 0 alone), clipping + AdamW"
+STAGE_PAIRS = "pairs of ranks: pipeline hops, FSDP, tensor parallel; all-reduces"
+STAGE_SHARED = "ping-pong, every rank at once vs one alone, all-reduces"
+STAGE_REFERENCE = f"the whole model's one-process step (rank 0 alone, {REFERENCE_ROUNDS} rounds)"
+
+
+def calibration_stages(world: int, reference_step: bool) -> List[str]:
+    """The groups a calibration of `world` ranks runs, in order (with a reference step or without)."""
+    return ([STAGE_BLOCKS, STAGE_SOLO] + ([STAGE_PAIRS] if world > 1 else []) + [STAGE_SHARED]
+            + ([STAGE_REFERENCE] if reference_step else []))
+
+
 def _calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: DataConfig, device: torch.device,
-                      planner: Dict[str, Any]):
+                      planner: Dict[str, Any], started: float):
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = broadcast_object(spec)   # the probe returns the spec on rank 0 only
     seq = int(data.seq_len)
     meta = introspect(arch, seq_len=seq)
     sizes, block_sizes, step_batch = _sizes(meta, train, seq, device, planner)
-    g = max(sizes)
-    samples = measure_block(arch, seq, block_sizes, device)
-    zb_split = measure_zb_split(arch, seq, sizes, device)
+    progress = Progress(calibration_stages(world, step_batch >= 1), budget_seconds(planner), rank,
+                        agree=broadcast_object, started=started)
     # groups are created collectively, in one order on every rank
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = _pairs(world)
     pair_groups = [dist.new_group(p) for p in pairs]
+    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
+                  for k, lists in allreduce_partitions(world)]
+    try:
+        local, p2p, msg = _measure_everything(arch, train, device, meta, seq, sizes, block_sizes, progress,
+                                              singles, pairs, pair_groups, partitions)
+        gathered = all_gather_object(local)
+        outcome: Any = None
+        if step_batch >= 1:
+            progress.start(STAGE_REFERENCE)
+        if rank == 0:
+            try:
+                outcome = _fit_record(spec, meta, gathered, p2p, msg, step_batch,
+                                      Config(arch=arch, train=train, data=data), block_sizes, device, progress)
+            except CalibrationOverBudget as over:   # rank 0's alone: the others learn it below
+                outcome = over
+        dist.barrier()
+        outcome = broadcast_object(outcome)
+        if isinstance(outcome, CalibrationOverBudget):
+            raise outcome
+        spec.calibration = outcome
+    finally:
+        for group in singles + pair_groups + [g for _, _, groups in partitions for g in groups if g is not None]:
+            dist.destroy_process_group(group)
+    return spec
+
+
+def _measure_everything(arch: Dict[str, Any], train: TrainConfig, device: torch.device, meta, seq: int,
+                        sizes: List[int], block_sizes: List[int], progress: Progress, singles, pairs,
+                        pair_groups, partitions) -> Tuple[Dict[str, Any], Any, int]:
+    """Collective: every rank's micro-benchmarks, group by group as `progress` announces them (and
+    stops them at its budget). (this rank's measurements, rank 0's ping-pong, its message bytes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = max(sizes)
+    progress.start(STAGE_BLOCKS)
+    samples = measure_block(arch, seq, block_sizes, device)
+    zb_split = measure_zb_split(arch, seq, sizes, device)
+    progress.start(STAGE_SOLO)
     # The pipeline library's per-op overhead is an alone figure (contention_factor scales it): rank 0
     # measures it with the others waiting. Measured on every rank at once, ranks time-sliced on
     # shared cores put their slices into the slope of the longer schedule: 0.3-2.7 ms per backward
@@ -120,8 +178,8 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: Data
         ops = measure_pipeline_ops(arch, seq, device, singles[0], alone_one["fwd_s"], alone_one["bwd_s"])
     dist.barrier()
     optim = measure_optimizer(arch, train, device)
-    partitions = [(k, lists, [dist.new_group(r) if len(r) > 1 else None for r in lists])
-                  for k, lists in allreduce_partitions(world)]
+    if world > 1:
+        progress.start(STAGE_PAIRS)
     # The all-reduces and the pipeline hops are measured in passes at different moments and pooled:
     # a burst of another tenant's load then inflates one pass, not the figure (a 2-rank all-reduce
     # once measured 2.5 ms instead of 0.25 ms, every pipelined plan predicted 25% slow).
@@ -129,22 +187,14 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: Data
     dist.barrier()
     paired = _pair_benchmarks(arch, seq, train, device, meta, sizes, pairs, pair_groups)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
+    progress.start(STAGE_SHARED)
     msg = max(1, g // 2) * seq * meta.hidden_size * (2 if train.dtype == "bfloat16" else 4)
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
     local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, **paired,
              "contention": contention, "allreduce": pool_allreduce_passes(allreduce_passes)}
-    gathered = all_gather_object(local)
-    cal: Optional[Dict[str, Any]] = None
-    if rank == 0:
-        cal = _fit_record(spec, meta, gathered, p2p, msg, step_batch, Config(arch=arch, train=train, data=data),
-                          block_sizes, device)
-    dist.barrier()
-    spec.calibration = broadcast_object(cal)
-    for group in singles + pair_groups + [g for _, _, groups in partitions for g in groups if g is not None]:
-        dist.destroy_process_group(group)
-    return spec
+    return local, p2p, msg
 
 
 def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device: torch.device, meta,
@@ -188,7 +238,7 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device:
 
 
 def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_batch: int, config: Config,
-                block_sizes: List[int], device: torch.device) -> Dict[str, Any]:
+                block_sizes: List[int], device: torch.device, progress: Progress) -> Dict[str, Any]:
     """Rank 0: the calibration record, with the reference step's figures when the whole model fits
     one device. The reference step runs on rank 0 alone (the others wait), in interleaved rounds with
     the blocks timed alone (medians: a shared machine's load drifts between two measurements)."""
@@ -197,13 +247,19 @@ def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_
     if step_batch < 1:
         cal["step_overhead_s"] = 0.0   # the whole model does not fit one device: no reference step
         cal["measurements"] = measurements(meta, seq, config.train, gathered, msg, p2p, one_process_step_s=None)
+        cal["steadiness"] = assess(calibration_samples(gathered))
         return cal
     train = dataclasses.replace(config.train, global_batch_size=step_batch)   # the reference step's batch, predicted alike
     step_config = dataclasses.replace(config, train=train)
-    rounds = [(measure_step(step_config, device), measure_block(config.arch, seq, block_sizes, device))
-              for _ in range(REFERENCE_ROUNDS)]
+    rounds = []
+    for i in range(REFERENCE_ROUNDS):
+        if i:
+            progress.check(STAGE_REFERENCE, collective=False)
+        rounds.append((measure_step(step_config, device), measure_block(config.arch, seq, block_sizes, device)))
     measured, predicted, alone = fit_reference_step(cal, spec, meta, train, rounds, gathered, seq)
     cal["measurements"] = measurements(meta, seq, train, gathered, msg, p2p, one_process_step_s=measured,
-                                       block_alone=alone,
+                                       block_alone=alone, one_process_step_rounds_s=[r[0]["step_s"] for r in rounds],
                                        one_process_step_predicted_without_step_overhead_s=predicted)
+    cal["steadiness"] = assess(calibration_samples(gathered, rounds),
+                               prediction_check(predict_reference_step(cal, spec, meta, train), measured))
     return cal
