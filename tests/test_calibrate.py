@@ -40,7 +40,7 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
     # every judged timing repeated at least 3 times, its median and spread recorded
     verdict = cal["steadiness"]
     assert verdict["steady"] in (True, False) and verdict["threshold"] > 0
-    from hrlplan.runtime.calibrate.steadiness import MIN_REPEATS, judged
+    from hrlplan.runtime.calibrate.record import MIN_REPEATS, judged
     assert all(verdict["benchmarks"][n]["n"] >= MIN_REPEATS for n in judged(list(verdict["benchmarks"]))
                if n != "reference step predicted from the record vs measured")
     assert all({"median_s", "spread", "n"} <= set(s) for s in verdict["benchmarks"].values())

@@ -9,12 +9,11 @@ from hrlplan.cluster import ClusterSpec, DeviceInfo
 from hrlplan.errors import ConfigError
 from hrlplan.launch import plan_cache, planning
 from hrlplan.measure import relative_spread, sample_summary
-from hrlplan.runtime.calibrate import steadiness
+from hrlplan.runtime.calibrate import record as steadiness
 from hrlplan.runtime.calibrate.compute import predict_one_process_step
-from hrlplan.runtime.calibrate.progress import (DEFAULT_BUDGET_S, CalibrationOverBudget, Progress,
-                                                budget_seconds)
 from hrlplan.runtime.calibrate.record import fit_calibration, fit_reference_step, predict_reference_step
-from hrlplan.runtime.calibrate.worker import REFERENCE_ROUNDS, calibration_stages
+from hrlplan.runtime.calibrate.worker import (DEFAULT_BUDGET_S, REFERENCE_ROUNDS, CalibrationOverBudget, Progress,
+                                              budget_seconds, calibration_stages)
 from tests.test_cost import toy_meta
 
 

@@ -67,7 +67,7 @@ CALIBRATION_KEYS = {
     "steadiness": "{steady, threshold, worst, worst_spread, too_few_repeats, benchmarks: {name: {median_s, min_s, "
                   "max_s, spread, n}}} (informational; the cost model reads none of it): each benchmark's repeats and "
                   "their spread ((median - quickest) / quickest), and whether the machine held steady while measured "
-                  "(hrlplan.runtime.calibrate.steadiness); an unsteady record plans one job and is never cached. "
+                  "(hrlplan.runtime.calibrate.record.assess); an unsteady record plans one job and is never cached. "
                   "{steady: false, over_budget: why} alone: calibration stopped at planner.calibrate_budget_s and the "
                   "plan used peak figures",
     "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "

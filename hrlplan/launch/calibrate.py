@@ -12,9 +12,8 @@ from hrlplan.config import DataConfig, TrainConfig, typed
 from hrlplan.launch.local import launch_workers
 from hrlplan.model_meta import resolve_arch
 from hrlplan.errors import UserError
-from hrlplan.runtime.calibrate import calibrate_in_job
-from hrlplan.runtime.calibrate.progress import CalibrationOverBudget, budget_seconds
-from hrlplan.runtime.calibrate.steadiness import is_steady, unsteady_reason
+from hrlplan.runtime.calibrate import (CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
+                                       unsteady_reason)
 from hrlplan.runtime.distributed import init_distributed, shutdown
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.instances import load_cluster

@@ -22,9 +22,8 @@ from hrlplan.launch.report import log_timeline, make_logger, predicted_step
 from hrlplan.model_meta import introspect
 from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
-from hrlplan.runtime.calibrate import calibrate_in_job
-from hrlplan.runtime.calibrate.progress import BUDGET_KEY, CalibrationOverBudget, budget_seconds
-from hrlplan.runtime.calibrate.steadiness import is_steady, unsteady_reason
+from hrlplan.runtime.calibrate import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
+                                       unsteady_reason)
 from hrlplan.search import make_plan
 
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
@@ -135,7 +134,7 @@ def calibrated(config: Config, spec):
     """Collective: the spec with its calibration, the cached one for this cluster shape, model and
     settings when there is one (a requeued job, a sweep: see hrlplan/launch/plan_cache.py), else measured
     now on every rank -- within planner.calibrate_budget_s, its progress on the console -- and cached
-    when the machine held steady (hrlplan.runtime.calibrate.steadiness). An unsteady calibration plans
+    when the machine held steady (hrlplan.runtime.calibrate.record.assess). An unsteady calibration plans
     this job only; one past its budget leaves peak figures. Both say so on the console and in plan_info.json."""
     rank = dist.get_rank()
     refresh = calibration_mode(config.planner) == "refresh"

@@ -38,13 +38,18 @@ hrlplan.measure's timers and fits, the models, cost and the runtime's stages):
   compute.py      blocks, the optimizer, the pipeline's per-op overhead, contention, the one-process step
   comm.py         the ping-pong, the real two-stage pipeline hop, tensor-parallel stages
   collectives.py  FSDP2 over a pair, all-reduces over groups of every size
-  record.py       the fits into the record (fit_calibration, fit_reference_step): data the cost model reads
-  worker.py       calibrate_in_job: every rank measures at once, rank 0 fits and broadcasts
+  record.py       the fits into the record (fit_calibration, fit_reference_step): data the cost model reads;
+                  the steadiness verdict (assess: each benchmark's repeats, median and spread; unsteady on a
+                  busy node, and then never cached)
+  worker.py       calibrate_in_job: every rank measures at once, rank 0 fits and broadcasts; the progress
+                  lines (calibration k/n) and the time budget (planner.calibrate_budget_s)
 Starting workers to calibrate (`hrlplan calibrate`) is the launch layer's: hrlplan.launch.calibrate.
 """
 from hrlplan.runtime.calibrate.compute import measure_step
-from hrlplan.runtime.calibrate.record import fit_calibration, predict_plan
-from hrlplan.runtime.calibrate.worker import calibrate_in_job, calibration_sizes, largest_microbatch, memory_cap
+from hrlplan.runtime.calibrate.record import fit_calibration, is_steady, predict_plan, unsteady_reason
+from hrlplan.runtime.calibrate.worker import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job,
+                                              calibration_sizes, largest_microbatch, memory_cap)
 
-__all__ = ["calibrate_in_job", "calibration_sizes", "fit_calibration", "largest_microbatch", "measure_step",
-           "memory_cap", "predict_plan"]
+__all__ = ["BUDGET_KEY", "CalibrationOverBudget", "budget_seconds", "calibrate_in_job", "calibration_sizes",
+           "fit_calibration", "is_steady", "largest_microbatch", "measure_step", "memory_cap", "predict_plan",
+           "unsteady_reason"]
