@@ -334,9 +334,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(1)
     except (ValueError, OSError, yaml.YAMLError) as e:   # a parser's or the OS's word on an input file
         message = one_line(e, 600)
+        parse_error = isinstance(e, (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError))
         named = [a for a in _file_arguments(args) if a.split(" ")[-1] in message]
-        _refuse(message if named or not _file_arguments(args) else
-                f"{message} (reading {', '.join(_file_arguments(args))})")
+        _refuse(f"{message} (reading {', '.join(_file_arguments(args))})" if parse_error and not named
+                and _file_arguments(args) else message)
 
 
 def _refuse(message: str) -> None:

@@ -11,12 +11,12 @@ from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.plan import Plan
 from hrlplan.search import make_plan
-from hrlplan.search.common import Tracker, cost_options, describe
+from hrlplan.search.common import Tracker, cost_options
 from hrlplan.search.hrl.agent import PlanningEnv, initial_policy, train_on
 from hrlplan.search.hrl.policy import save_policy
 from hrlplan.search.instances import load_cluster, load_meta, planner_and_train_cfg
-from hrlplan.search.plan_text import (cluster_device_count, idle_lines, plan_degrees, plan_micro_batching,
-                                      rewrite_old_notation)
+from hrlplan.search.plan_text import (cluster_device_count, idle_lines, layout_summary, plan_degrees,
+                                      plan_micro_batching, plan_summary, rewrite_old_notation)
 from hrlplan.search.space import SearchSpace
 
 GiB = 2 ** 30
@@ -50,7 +50,7 @@ def train_hrl(args) -> None:
     summary = {"model": meta.name, "cluster": cluster.summary(), "started_from": source,
                "train_steps": cfg["train_steps"], "evaluations": sim.evaluations,
                "train_time_s": round(time.perf_counter() - t0, 3),
-               "best_step_time_s": best.time if best else None, "best": describe(best.layout) if best else None}
+               "best_step_time_s": best.time if best else None, "best": layout_summary(best.layout) if best else None}
     path = save_policy(policy, args.out_dir, extra={"model": meta.name, "cluster": cluster.name})
     summary["checkpoint"] = str(path)
     print(json.dumps(summary, indent=1))
@@ -75,8 +75,9 @@ def plan_hrl(args) -> None:
     plan.save(args.out)
     Path(args.out_info).write_text(json.dumps(info, indent=1))
     p = plan.meta["predicted"]
-    print(f"{plan.layout()}\npredicted step {p['step_time_s'] * 1e3:.4g} ms, bubble {p['bubble_fraction']:.1%}; "
-          f"wrote {args.out} and {args.out_info}")
+    print("\n".join([plan.layout(), plan_summary(plan), *idle_lines(plan, cluster.world_size),
+                     f"predicted step {p['step_time_s'] * 1e3:.4g} ms, bubble {p['bubble_fraction']:.1%}; "
+                     f"wrote {args.out} and {args.out_info}"]))
 
 
 def plan_path(arg: str) -> Path:

@@ -35,6 +35,14 @@ def layout_text(pp: int, tp: Union[int, Sequence[int]], dp: int, count: int, siz
     return f"{degrees(pp, tp, dp)}, {microbatching(count, size)}, {schedule}"
 
 
+def layout_summary(layout: Any) -> str:
+    """A search Layout (hrlplan.cost.model.Layout) as `pp=2 tp=1 dp=2, 4 micro-batches of 2, 1f1b,
+    layers/stage=[3,3]`: the planners' summaries (plan_info.json's chosen/runner_up, the why text)."""
+    spans = ",".join(str(b - a) for a, b in layout.spans)
+    return (f"{layout_text(layout.pp, layout.tp, layout.dp, layout.num_microbatches, layout.microbatch_size, layout.schedule)}"
+            f", layers/stage=[{spans}]")
+
+
 def plan_micro_batching(plan: Plan) -> str:
     """A plan's micro-batching; a heterogeneous plan's per replica (`replica 0: 4 micro-batches of 2; ...`)."""
     if not plan.heterogeneous:
