@@ -144,28 +144,26 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in full.items()}}
         self.file.write(json.dumps(record) + "\n")
         self._wandb(lambda run: run.log(full, step=step))
-        training = any(k.startswith("train/") for k in metrics)
         shown = console_metrics(metrics)
-        if training and self.progress is None and self.total_steps is not None and self.echo:
-            self.progress = Progress(self.total_steps, initial=max(0, step - 1))
-        if training:
-            bar_line = self.progress.update(step, metrics) if self.progress is not None and self.echo else None
-            on_bar = self.progress is not None and self.echo and bar_line is None
-            line = step_line(step, metrics, bar_line)
-            self.text_log.write(line + (" | " + metrics_text(shown) if shown else "") + "\n")
-            if not self.echo:
-                return
-            if on_bar:   # a terminal: the bar is the step's line; an evaluation prints above it
-                if shown:
-                    log.info(metrics_line(step, shown))
-            else:
-                log.info(line + (" | " + metrics_text(shown) if shown else ""))
+        if not any(k.startswith("train/") for k in metrics):
+            if shown:
+                self._say(metrics_line(step, shown))
             return
-        if shown:
-            line = metrics_line(step, shown)
+        if self.progress is None and self.total_steps is not None and self.echo:
+            self.progress = Progress(self.total_steps, initial=max(0, step - 1))
+        plain = self.progress.update(step, metrics) if self.progress is not None else None
+        line = step_line(step, metrics, plain) + (" | " + metrics_text(shown) if shown else "")
+        if self.progress is not None and plain is None:   # a terminal: the bar alone stands for the step
             self.text_log.write(line + "\n")
-            if self.echo:
-                log.info(line)
+            if shown:   # an evaluation: printed above the bar
+                log.info(metrics_line(step, shown))
+            return
+        self._say(line)
+
+    def _say(self, line: str) -> None:
+        self.text_log.write(line + "\n")
+        if self.echo:
+            log.info(line)
 
     def set_total(self, total_steps: Optional[int], initial: int = 0) -> None:
         """The run's length in steps (a trainer that counts in epochs knows it first): shows the
