@@ -270,16 +270,17 @@ def timeout_minutes(train: Any, env: Dict[str, str]) -> Dict[str, float]:
     out = {}
     for key, (var, default) in TIMEOUTS.items():
         value = train.get(key) if isinstance(train, Mapping) else getattr(train, key, None)
-        where = f"train.{key}"
+        where, shown = f"train.{key}", f"train.{key}={value}"
         if value is None and env.get(var) not in (None, ""):
-            value, where = env[var], f"{var} (environment)"
+            value, where = env[var], var
+            shown = f"{var}={value} (environment)"
         try:
             minutes = default if value is None else float(value)
         except (TypeError, ValueError):
             minutes = float("nan")
         if not (0 < minutes < float("inf")):
-            raise ConfigError(where, value, message=f"{where}={value} is not a positive number of minutes: "
-                              f"{'unset it' if where != f'train.{key}' else 'leave it out'} (default {default:g}) "
+            raise ConfigError(where, value, message=f"{shown} is not a positive number of minutes: "
+                              f"{'unset it' if where == var else 'leave it out'} (default {default:g}) "
                               "or give a number > 0")
         out[key] = minutes
     return out

@@ -76,8 +76,9 @@ def options_owning(full_key: str) -> List[str]:
             return ["arch=hrm"]
         owned = []
         for schema_name, schema in ARCH_SCHEMAS.items():
-            if leaf in _names(schema):
-                owned += [f"arch={o}" for o in arch_options_by_schema().get(schema_name, [])]
+            if leaf in _names(schema):   # the family's base option (gpt2) before its sizes
+                options = sorted(arch_options_by_schema().get(schema_name, []), key=lambda o: (len(o), o))
+                owned += [f"arch={o}" for o in options]
         return owned
     return []
 

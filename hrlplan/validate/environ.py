@@ -20,6 +20,17 @@ WAIT_ENV = "HRLPLAN_RENDEZVOUS_WAIT_S"
 WAIT_S = 60.0   # how long a non-zero rank started by hand looks for its rank 0 before refusing
 
 
+def launched(env: Mapping[str, str]) -> bool:
+    """A launcher (torchrun, SLURM, submitit, our local agent) started this process."""
+    return any(env.get(k) for k in LAUNCHER_MARKS)
+
+
+def reports_errors(env: Mapping[str, str]) -> bool:
+    """Whether this process says a refusal: under a launcher every rank checks and rank 0 speaks; a
+    process nobody launched (leftover RANK=1) is alone, so it must speak for itself."""
+    return env.get("RANK", "0") == "0" or not launched(env)
+
+
 def check_environment_variables(env: Mapping[str, str]) -> None:
     timeout_minutes({}, dict(env))   # HRLPLAN_*_TIMEOUT_MIN: positive numbers where set
     check_leftover_rendezvous(env)
@@ -30,7 +41,7 @@ def check_leftover_rendezvous(env: Mapping[str, str]) -> None:
     reach its rank 0 at MASTER_ADDR:MASTER_PORT within HRLPLAN_RENDEZVOUS_WAIT_S (60 s), or it is
     refused naming the variables to unset. Rank 0 hosts the store itself, so only a bad value is
     refused there."""
-    if not all(k in env for k in RENDEZVOUS_VARS) or any(env.get(k) for k in LAUNCHER_MARKS):
+    if not all(k in env for k in RENDEZVOUS_VARS) or launched(env):
         return
     shown = " ".join(f"{k}={env[k]}" for k in RENDEZVOUS_VARS + OTHER_TORCH_VARS if k in env)
     unset = "unset " + " ".join(k for k in RENDEZVOUS_VARS + OTHER_TORCH_VARS if k in env)

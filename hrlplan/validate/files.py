@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict
 
 import yaml
 
-from hrlplan.errors import ConfigError, one_line
+from hrlplan.errors import ConfigError, UserError, one_line
 
 MAX_YAML_BYTES = 4 * 2**20
 MAX_YAML_NODES = 1_000_000   # values after alias expansion
@@ -81,5 +81,9 @@ def refuse_on(key: str, path: str, load: Callable[[], Any]) -> Any:
         return load()
     except ConfigError:
         raise
+    except UserError as err:
+        if str(err).startswith(f"{path}:"):   # a loader's own "<file>: <field>: what to do" (PlanError)
+            raise ConfigError(key, path, message=f"{key}={one_line(err, 400)}") from None
+        raise ConfigError(key, path, message=f"{key}={path} is not a valid file: {one_line(err, 300)}") from None
     except Exception as err:  # a hand-edited file can fail in any parser: say which key and why
         raise ConfigError(key, path, message=f"{key}={path} is not a valid file: {one_line(err, 300)}") from None

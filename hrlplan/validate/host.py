@@ -189,16 +189,17 @@ def _check_plan_against_run(plan: Any, config: Dict[str, Any], explicit: set, sh
                           f"({shape['n_layer_key']}={n_layer}): re-plan for this model, or choose the plan's model")
     world, where = None, ""
     if spec is not None:
-        world, where = spec.world_size, f"cluster.spec_file={config['cluster']['spec_file']} has"
+        world = spec.world_size
+        where = f"cluster.spec_file={config['cluster']['spec_file']} has {world} devices"
     elif launching and (config.get("cluster") or {}).get("probe", True):
         from hrlplan.cluster import default_nproc_per_node   # why: it brings torch, as in _load_cluster_spec
 
         setting = config["cluster"].get("nproc_per_node", "auto")
         world = default_nproc_per_node(setting, str(train.get("device", "auto")))
-        where = f"this job starts (cluster.nproc_per_node={setting})"
+        where = f"this job starts {world} worker(s) (cluster.nproc_per_node={setting})"
     if world is not None and plan.world_size != world:
         raise ConfigError("planner.plan_file", path, message=f"planner.plan_file={path} needs {plan.world_size} "
-                          f"ranks but {where} {world}: set cluster.nproc_per_node={plan.world_size} "
+                          f"ranks but {where}: set cluster.nproc_per_node={plan.world_size} "
                           "(cluster.oversubscribe=true beyond this host's devices), or re-plan for this job")
 
 
