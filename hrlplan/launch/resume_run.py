@@ -253,7 +253,8 @@ def resumed_overrides(overrides: Sequence[str], hydra_overrides: Sequence[str],
             raise ConfigError(key, new, message=(
                 f"{typed} on resume: the run in {run} trained with {key}={_shown(old)} (recorded in {source}), "
                 f"here {key}={_shown(new)}; a resume continues the same run: drop {_key_of(typed)} from the command "
-                f"line, or start a new run in another hydra.run.dir (docs/resume.md lists the keys a resume may change)"))
+                "line, or start a new run in another hydra.run.dir (docs/resume.md lists the keys a resume may "
+                "change)"))
         spelled = _as_override_value(old)
         if spelled is None:
             raise ConfigError(key, new, message=f"train.resume: conf/ now composes {key}={_shown(new)} but the run in "
@@ -275,7 +276,8 @@ def resumed_overrides(overrides: Sequence[str], hydra_overrides: Sequence[str],
     return merged
 
 
-def _differences(trained: Dict[str, Any], composed: Dict[str, Any], exempt: Sequence[str]) -> Dict[str, Tuple[Any, Any]]:
+def _differences(trained: Dict[str, Any], composed: Dict[str, Any],
+                 exempt: Sequence[str]) -> Dict[str, Tuple[Any, Any]]:
     """{key: (recorded, composed)} for the keys a resume must keep (present in both configs)."""
     old, new = flatten(trained), flatten(composed)
     return {k: (old[k], new[k]) for k in old if k in new and old[k] != new[k] and treatment(k) == TRAINED
@@ -304,7 +306,8 @@ def _replan_manual_plan(replayed: Sequence[str], overrides: Sequence[str],
     if not changed:
         return (), None
     return (("planner.*",), f"[hrlplan] resume on another allocation ({', '.join(changed)}): the run's hand-written "
-            f"plan (planner.plan_file={planner.get('plan_file')}) was for the old one; re-planning with the default planner")
+            f"plan (planner.plan_file={planner.get('plan_file')}) was for the old one; re-planning with the default "
+            "planner")
 
 
 def _restored_line(run: Path, step: int, restored: Sequence[str], config: Dict[str, Any]) -> str:
