@@ -138,7 +138,7 @@ class JobWatch:
             job_id = str(job.job_id)
             if done[job_id]:
                 continue
-            state = seen.get(job_id)
+            state = seen.get(job_id) or seen.get(f"{job_id}_0")   # submitit names a 1-job array "<id>"
             if state is not None and state.state == "PENDING":
                 others = self.others_running() if "Jobs" in state.reason else None
                 why = never_starts(state.reason, others)
