@@ -4,6 +4,8 @@ first step counts from the command, a step far off its prediction says why, time
 idle devices are said."""
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,8 +182,12 @@ def test_lr_1e30_stops_the_job_with_one_line_and_no_traceback(tmp_path):
 
 # ---------------------------------------------------------------- reports
 def test_time_to_first_step_counts_from_the_command():
-    started = process_start_time()
-    assert started <= time.time() and time.time() - started < 24 * 3600
+    """A command that spends 1 s before the job starts (imports, Hydra, checks) counts it."""
+    code = ("import time; time.sleep(1.0); from hrlplan.launch.report import JobInfo; "
+            "print(time.time() - JobInfo().started_at)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert 1.0 <= float(out.stdout) < 60
+    assert process_start_time() <= time.time()
 
 
 def test_a_step_far_off_its_prediction_says_why():
