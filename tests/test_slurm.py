@@ -4,7 +4,9 @@ another number of ranks fails before training; an interrupted job (job._interrup
 resumes and ends with the uninterrupted run's loss under the same W&B run id; a job killed
 without warning resumes from its last periodic checkpoint; a 2-point Hydra multirun through
 hydra-submitit-launcher writes both sweep directories and W&B runs; the offline W&B folder holds
-the config, the plan artifact, the metrics and the timeline image; the plain sbatch example runs."""
+the config, the plan artifact, the metrics and the timeline image; the plain sbatch example runs.
+The interrupted and killed jobs hold at a step (tests/_hold.py) until the test's signal or requeue
+has landed: nothing depends on how fast the job trains."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from typing import Any, List
 import pytest
 import yaml
 
+from _hold import StepHold
 from hrlplan.compose import compose
 from hrlplan.plan import homogeneous_plan
 from hrlplan.runtime.metrics import read_metrics
@@ -73,17 +76,22 @@ def wait_results(job, timeout_s: float = 240) -> List[Any]:
     return job.results()
 
 
-def wait_for_lines(path: Path, n: int, job, timeout_s: float = 180) -> int:
-    """Wait until the file has n lines (the job is training); fail if the job ends first."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        count = len(path.read_text().splitlines()) if path.exists() else 0
-        if count >= n:
-            return count
-        if job.done():
-            raise AssertionError(f"job {job.job_id} ended before {path} had {n} lines")
-        time.sleep(0.1)
-    raise AssertionError(f"{path} did not reach {n} lines in {timeout_s} s")
+def submit_held(config: dict, folder: Path, hold: StepHold, monkeypatch):
+    """submit() with the hold's variables in the job's environment (sbatch exports the submitter's,
+    and a requeued job keeps them); {rank: pid} once both tasks wait at the hold's step."""
+    with monkeypatch.context() as env:
+        for key, value in hold.env.items():
+            env.setenv(key, value)
+        job = submit(config, folder)
+    hold.wait_held(2, alive=lambda: not job.done(), timeout_s=240, why=lambda: f"job {job.job_id}")
+    return job, hold.held_pids()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # ---------------------------------------------------------------- fixtures
@@ -101,7 +109,8 @@ def slurm():
         stop_local_slurm()
 
 
-STEPS = 120   # the interrupt lands at step ~10; 60 left too few steps on a quiet machine (the job could finish first)
+STEPS = 16     # the interrupted and killed jobs hold at step HOLD_AT until the test's signal has landed
+HOLD_AT = 6
 
 
 def pp2_config(root: Path, steps: int = STEPS, world: int = 2) -> dict:
@@ -154,18 +163,19 @@ def test_plan_for_other_rank_count_fails_before_training(slurm, tmp_path):
     assert not (tmp_path / "job" / "run" / "metrics.jsonl").exists()
 
 
-def test_interrupted_job_requeues_resumes_and_matches(straight, tmp_path):
+def test_interrupted_job_requeues_resumes_and_matches(straight, tmp_path, monkeypatch):
     run_dir_ref, results_ref = straight
-    job = submit(pp2_config(tmp_path), tmp_path / "job")
+    hold = StepHold(tmp_path / "hold", HOLD_AT)
+    job, _ = submit_held(pp2_config(tmp_path), tmp_path / "job", hold, monkeypatch)
     run_dir = tmp_path / "job" / "run"
-    at = wait_for_lines(run_dir / "metrics.jsonl", 10, job)
     job._interrupt()  # what a preemption sends: SIGTERM, then USR2
+    hold.wait_stopping(1, alive=lambda: not job.done(), why=lambda: f"job {job.job_id}")
+    hold.release()    # the stop vote of step HOLD_AT sees the signal
     results = wait_results(job, timeout_s=300)
-    assert at < STEPS
     summary = results[0]
     assert summary["final_step"] == STEPS
-    # The requeued job resumed (it did not start over): its own history begins after step 1.
-    assert summary["history"][0]["step"] > 1
+    # The requeued job resumed from the preemption's checkpoint (it did not start over).
+    assert summary["history"][0]["step"] == HOLD_AT + 1
     assert summary["history"][-1]["train/lm_loss"] == pytest.approx(
         results_ref[0]["history"][-1]["train/lm_loss"], abs=1e-6)
     log = (run_dir / "train.log").read_text()
@@ -225,34 +235,34 @@ def test_reference_job_wandb_folder(straight):
     check_offline_wandb_folder(folders[0])
 
 
-def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path):
-    """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart."""
-    steps, interval = 120, 10   # the requeue is sent at step ~15; with 60 the job once finished before it landed
+def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path, monkeypatch):
+    """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart.
+    The job holds at step HOLD_AT (a periodic checkpoint at `interval` behind it) until both tasks are gone."""
+    steps, interval = STEPS, HOLD_AT - 2
     config = pp2_config(tmp_path, steps=steps)
     config["train"]["checkpoint_interval"] = interval
-    job = submit(config, tmp_path / "job")
+    hold = StepHold(tmp_path / "hold", HOLD_AT)
+    job, pids = submit_held(config, tmp_path / "job", hold, monkeypatch)
     run_dir = tmp_path / "job" / "run"
-    wait_for_lines(run_dir / "metrics.jsonl", interval + 5, job)
     subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, capture_output=True, timeout=60)
+    deadline = time.time() + 120
+    while not all(gone(pid) for pid in pids.values()):
+        assert time.time() < deadline, f"tasks {pids} still alive 120 s after scontrol requeue"
+        time.sleep(0.2)
+    hold.release()    # for the requeued job, which holds at its own HOLD_AT-th step otherwise
     results = wait_results(job, timeout_s=300)
     assert results[0]["final_step"] == steps
     records = read_metrics(run_dir)
     resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", job.task(0).stdout() or "")]
     assert resumed, "the requeued job did not resume from a checkpoint"
-    resumed_at = resumed[-1]
-    assert resumed_at > 0 and resumed_at % interval == 0, resumed_at  # a periodic checkpoint
+    assert resumed[-1] == interval   # the periodic checkpoint before the kill
     assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))   # no step lost
-    # Steps trained twice (after the checkpoint, before the kill) give the same loss both times. The
-    # kill can also land between a checkpoint and the next step's metrics line: then none repeats.
-    restart = next((i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]), None)
-    if restart is not None:
-        assert records[restart]["step"] - 1 == resumed_at
-        first = {r["step"]: r["train/lm_loss"] for r in records[:restart]}
-        again = {r["step"]: r["train/lm_loss"] for r in records[restart:]}
-        common = sorted(set(first) & set(again))
-        assert common
-        for s in common:
-            assert again[s] == pytest.approx(first[s], abs=1e-6)
+    # The steps trained between that checkpoint and the kill were trained again, to the same loss.
+    assert [r["step"] for r in records] == [*range(1, HOLD_AT + 1), *range(interval + 1, steps + 1)]
+    first = {r["step"]: r["train/lm_loss"] for r in records[:HOLD_AT]}
+    again = {r["step"]: r["train/lm_loss"] for r in records[HOLD_AT:]}
+    for s in range(interval + 1, HOLD_AT + 1):
+        assert again[s] == pytest.approx(first[s], abs=1e-6)
 
 
 def test_plain_sbatch_example_runs_one_rank_per_task(slurm, tmp_path):
