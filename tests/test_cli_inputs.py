@@ -123,6 +123,14 @@ CASES = [
     ("evaluate-no-checkpoint", ["evaluate", "{tmp}/a_dir"], ["a_dir", "no checkpoint"]),
     ("evaluate-data-path-a-file", ["evaluate", "{tmp}/a_dir", "--data-path", "{tmp}/a_file"],
      ["--data-path", "a_file", "directory"]),
+    ("memory-guide-cluster-missing", ["memory-guide", "--cluster", "{tmp}/no_such_cluster.json", "planner=manual",
+                                      "planner.plan_file={tmp}/run/plan.yaml"], ["no_such_cluster.json"]),
+    ("memory-guide-cluster-garbage", ["memory-guide", "--cluster", "{tmp}/garbage.json", "planner=manual",
+                                      "planner.plan_file={tmp}/run/plan.yaml"], ["garbage.json"]),
+    ("memory-guide-plan-missing", ["memory-guide", f"cluster={GOOD_CLUSTER}", "planner=manual",
+                                   "planner.plan_file={tmp}/no_such_plan.yaml"], ["no_such_plan.yaml"]),
+    ("memory-guide-plan-directory", ["memory-guide", f"cluster={GOOD_CLUSTER}", "planner=manual",
+                                     "planner.plan_file={tmp}/a_dir"], ["a_dir"]),
     ("build-sudoku-out-dir-is-a-file", ["build-sudoku", "sudoku-extreme-small", "--out-dir", "{tmp}/a_file"],
      ["--out-dir", "a_file"]),
 ]
@@ -275,6 +283,7 @@ def test_timeline_shares_one_time_axis_and_keeps_the_legend_off_the_titles(tmp_p
 
 
 # ---------------------------------------------------------------- hrlplan evaluate: language models
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # a one-process save, as intended
 def test_evaluate_a_language_model_checkpoint(tmp_path, files):
     import torch
 
