@@ -200,7 +200,7 @@ def pending_grace_s() -> float:
 # ---------------------------------------------------------------- the launcher
 class FittedSlurmLauncher(SlurmLauncher):
     """hydra-submitit-launcher's SlurmLauncher: fit, refuse or submit; then watch the jobs. Hydra takes
-    it under the name hydra_plugins.hrlplan_launcher.FittedSlurmLauncher (a subclass)."""
+    it under the name hydra_plugins.hrlplan_launcher.submitit_launcher.SlurmLauncher (a subclass)."""
 
     def __reduce__(self):
         # The jobs unpickle this class, importable wherever hrlplan is, not the hydra_plugins alias.
