@@ -93,7 +93,7 @@ def least_memory_need(sim, space) -> str:
 
 def _info(meta, cluster, sim, best: Scored, detail, runner_up, planner_meta, history=None) -> Dict[str, Any]:
     info = {
-        "model": meta.name, "cluster": cluster.summary(), "planner": planner_meta,
+        "model": meta.name, "cluster": cluster.summary(), "cluster_devices": cluster.world_size, "planner": planner_meta,
         "chosen": {"summary": describe(best.layout), "step_time_s": detail.step_time_s,
                    "bubble_fraction": detail.bubble_fraction, "breakdown": detail.breakdown, "stages": detail.stages},
         "runner_up": None,
@@ -157,7 +157,8 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
                                           "fits" if result.feasible else result.reason)}
     if not over_memory:
         check_fits(plan, cluster, source=str(cfg["plan_file"]))
-    info = {"model": meta.name, "cluster": cluster.summary(), "planner": plan.meta["planner"],
+    info = {"model": meta.name, "cluster": cluster.summary(), "cluster_devices": cluster.world_size,
+            "planner": plan.meta["planner"],
             "chosen": {"summary": describe(layout_of(plan)), "step_time_s": result.step_time_s,
                        "breakdown": result.breakdown, "stages": result.stages},
             "runner_up": None, "why": {"text": "a manual plan: no search was run"}}

@@ -8,6 +8,7 @@ from hrlplan.config import TrainConfig
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.plans import options_for_train
 from hrlplan.cost.simulator import SimResult, Simulator
+from hrlplan.search.plan_text import layout_summary
 
 
 def cost_options(planner_cfg: Dict[str, Any], train_cfg: TrainConfig) -> CostOptions:
@@ -55,9 +56,8 @@ class Tracker:
 
 
 def describe(layout: Layout) -> str:
-    spans = ",".join(str(b - a) for a, b in layout.spans)
-    return (f"pp={layout.pp} tp={layout.tp} dp={layout.dp} mb={layout.microbatch_size}x{layout.num_microbatches} "
-            f"{layout.schedule} layers/stage=[{spans}]")
+    """The one notation for a layout (hrlplan.search.plan_text): plan_info.json's summaries and the why text."""
+    return layout_summary(layout)
 
 
 def why_better(sim: Simulator, best: Scored, other: Optional[Scored]) -> Dict[str, Any]:
