@@ -31,6 +31,10 @@ SCHEMA_VERSION = 1
 GB = 1e9
 
 
+class ClusterSpecError(UserError, ValueError):
+    """A cluster.json that cannot be used: the message names the file (load) or the field (from_dict)."""
+
+
 @dataclass
 class DeviceInfo:
     rank: int
@@ -140,7 +144,7 @@ class ClusterSpec:
                 raise UserError(f"expected a JSON object, got {type(data).__name__}")
             spec = cls.from_dict(data)
         except (OSError, UnicodeDecodeError, ValueError, TypeError, UserError) as err:
-            raise UserError(f"{path}: not a usable cluster.json: {one_line(err, 300)}") from None
+            raise ClusterSpecError(f"{path}: not a usable cluster.json: {one_line(err, 300)}") from None
         spec.source = "file"
         return spec
 

@@ -79,7 +79,15 @@ class ModelMeta:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelMeta":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A model_meta.json; anything wrong with it is a ModelResolutionError naming the file."""
+        try:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            return cls.from_dict(data)
+        except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
+            raise ModelResolutionError(f"{path}: not a usable model_meta.json ({one_line(e, 200)}); write one with "
+                                       "`hrlplan introspect-model`") from None
 
 
 # ---------------------------------------------------------------- resolving a model id
