@@ -312,7 +312,7 @@ def _say_idle(plan: Plan, run_dir: Path, unit: str = "devices") -> None:
     """The console line of a plan that leaves some of the cluster's devices idle (cluster.json)."""
     try:
         devices = len(ClusterSpec.load(run_dir / "cluster.json").devices)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, UserError):   # no cluster.json: the plan's own ranks
         devices = plan.world_size
     line = idle_devices_line(plan, devices, unit)
     if line:
