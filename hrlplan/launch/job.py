@@ -40,6 +40,7 @@ from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, 
 from hrlplan.launch.planning import (calibrated, check_world, introspect_and_plan, local_device_memory, plan_only,
                                      probes_here, wants_calibration, warn_hrm_memory)
 from hrlplan.launch.ranks import broadcast, init_worker, leave_idle_ranks, train_ranks
+from hrlplan.search.plan_text import plan_summary
 from hrlplan.launch.report import JobInfo, idle_devices_line, make_logger, predicted_step, report
 from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
@@ -227,9 +228,7 @@ def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
     logger = make_logger(config, rank, spec, plan, job=job)
     if rank == 0:
         logger.note(f"cluster: {spec.summary()} (probed in {probe_s:.1f} s)")
-        logger.note(f"plan: {plan.layout()}  pp={plan.pp} dp={plan.dp} micro-batches "
-                    f"{plan.num_microbatches}x{plan.microbatch_size} schedule={plan.schedule}"
-                    + (" (cached plan)" if facts.get("cached") else ""))
+        logger.note(f"plan: {plan.layout()}  {plan_summary(plan)}" + (" (cached plan)" if facts.get("cached") else ""))
     summary = _train(config, plan, logger, device, facts["family"], mfu_basis)
     if summary.get("nonfinite"):
         _stop_nonfinite(config, logger, summary, facts["family"])

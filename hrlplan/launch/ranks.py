@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 import torch.distributed as dist
 
 from hrlplan.config import TrainConfig
-from hrlplan.devices import choose_device, matmul_dtype, peak_flops, tf32_setting
+from hrlplan.devices import choose_device
 from hrlplan.errors import UserError
 from hrlplan.runtime import distributed
 from hrlplan.runtime.host import prepare_worker
@@ -21,14 +21,6 @@ def init_worker(train: TrainConfig):
     device = distributed.init_distributed(str(train.device), train).device
     prepare_worker()
     return device
-
-
-def job_peak_flops(spec, ranks: List[int], train: TrainConfig) -> float:
-    """MFU's denominator: the datasheet dense peak in the dtype the matmuls run in (TF32 for
-    float32 when on), the probed figure where the device is not in the table (CPUs)."""
-    dtype = matmul_dtype(str(train.dtype), tf32_setting(train))
-    return sum((peak_flops(spec.devices[r].name, dtype) if spec.devices[r].kind == "cuda" else None)
-               or spec.devices[r].peak_flops for r in ranks)
 
 
 def train_ranks(plan) -> List[int]:
