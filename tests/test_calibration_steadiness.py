@@ -17,6 +17,12 @@ from hrlplan.runtime.calibrate.worker import (DEFAULT_BUDGET_S, REFERENCE_ROUNDS
 from tests.test_cost import toy_meta
 
 
+@pytest.fixture(autouse=True)
+def _default_threshold(monkeypatch):
+    """These tests judge with the named constant, whatever the suite's environment sets."""
+    monkeypatch.delenv("HRLPLAN_CALIBRATION_MAX_SPREAD", raising=False)
+
+
 # ---------------------------------------------------------------- the spread of repeated timings
 def test_relative_spread_is_how_far_the_median_sits_above_the_quickest_repeat():
     assert relative_spread([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0            # one stray slow repeat: the median holds
@@ -165,7 +171,8 @@ def test_stages_of_a_calibration():
 # ---------------------------------------------------------------- what is cached, and what the run says
 STEADY = {"compute_efficiency": {"cpu": 0.4}, "steadiness": {"steady": True, "threshold": 0.5}}
 UNSTEADY = {"compute_efficiency": {"cpu": 0.01},
-            "steadiness": steadiness.assess({steadiness.REFERENCE_STEP: [0.04, 3.0, 3.0, 3.0, 0.04]})}
+            "steadiness": steadiness.assess({steadiness.REFERENCE_STEP: [0.04, 3.0, 3.0, 3.0, 0.04]},
+                                            threshold=steadiness.UNSTEADY_SPREAD)}
 
 
 def test_a_steady_calibration_is_cached_and_said_so(tmp_path, monkeypatch, capsys):
@@ -211,3 +218,23 @@ def test_plan_info_says_what_the_plan_was_costed_from():
                                  "planner.calibrate_budget_s=300, at x (3 of 5 groups done)"}})
     assert over["steady"] is False and over["note"].endswith("planned from peak FLOP/s and probed links")
     assert facts({"compute_efficiency": 0.3})["steady"] is None
+
+
+def test_the_threshold_can_be_loosened_for_an_always_noisy_node(monkeypatch):
+    busy = {steadiness.REFERENCE_STEP: [1.0, 3.0, 3.0]}
+    assert not steadiness.assess(busy)["steady"]
+    monkeypatch.setenv(steadiness.SPREAD_ENV, "inf")
+    assert steadiness.assess(busy)["steady"]
+    monkeypatch.setenv(steadiness.SPREAD_ENV, "2.5")
+    assert steadiness.unsteady_threshold() == 2.5
+    for bad in ("-1", "noisy", "nan"):
+        monkeypatch.setenv(steadiness.SPREAD_ENV, bad)
+        with pytest.raises(ConfigError, match=r"\$HRLPLAN_CALIBRATION_MAX_SPREAD=.* must be a number >= 0"):
+            planning.check_calibration_settings(type("C", (), {"planner": {}})())
+
+
+def test_the_parent_can_say_what_its_workers_do_before_they_can(capsys):
+    config = type("C", (), {"planner": {"name": "exact"}, "arch": {"family": "hf"}})()
+    line = planning.announce_workers(config, 2)
+    assert capsys.readouterr().out.strip() == line
+    assert line.startswith("[hrlplan] starting 2 workers: they probe this machine, then calibrate")

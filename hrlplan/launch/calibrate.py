@@ -13,7 +13,7 @@ from hrlplan.launch.local import launch_workers
 from hrlplan.model_meta import resolve_arch
 from hrlplan.errors import UserError
 from hrlplan.runtime.calibrate import (CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
-                                       unsteady_reason)
+                                       unsteady_reason, unsteady_threshold)
 from hrlplan.runtime.distributed import init_distributed, shutdown
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.instances import load_cluster
@@ -47,7 +47,8 @@ def calibrate_cli(args) -> None:
     nproc = min(spec.node_sizes()[0], default_nproc_per_node("auto"))
     sub = _first_ranks(spec, nproc)
     planner = dict(cfg.planner)
-    budget_seconds(planner)   # a bad budget is refused before any worker starts
+    budget_seconds(planner)   # bad settings are refused before any worker starts
+    unsteady_threshold()
     result = launch_workers(_cli_worker, (sub.to_dict(), arch, cfg.train, cfg.data, planner), nproc,
                             name="hrlplan-calibrate")[0]
     if "over_budget" in result:

@@ -23,7 +23,7 @@ from hrlplan.model_meta import introspect
 from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
 from hrlplan.runtime.calibrate import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
-                                       unsteady_reason)
+                                       unsteady_reason, unsteady_threshold)
 from hrlplan.search import make_plan
 
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
@@ -138,7 +138,7 @@ def calibrated(config: Config, spec):
     this job only; one past its budget leaves peak figures. Both say so on the console and in plan_info.json."""
     rank = dist.get_rank()
     refresh = calibration_mode(config.planner) == "refresh"
-    budget = budget_seconds(config.planner)   # a bad value: the same one-line error on every rank
+    budget = check_calibration_settings(config)   # a bad value: the same one-line error on every rank
     key = plan_cache.calibration_key(config, spec) if rank == 0 else None
     cached = plan_cache.load_calibration(config, key) if rank == 0 and not refresh else None
     if broadcast(cached is not None):
@@ -164,6 +164,14 @@ def calibrated(config: Config, spec):
     if rank == 0:
         _keep_calibration(config, key, measured.calibration, time.time() - t0, refresh)
     return measured
+
+
+def check_calibration_settings(config: Config) -> float:
+    """planner.calibrate_budget_s (returned) and $HRLPLAN_CALIBRATION_MAX_SPREAD, each refused in one line
+    naming it when it is not a number calibration can use. Cheap, no worker needed: the launcher may
+    call it before any starts."""
+    unsteady_threshold()
+    return budget_seconds(config.planner)
 
 
 def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], took_s: float, refresh: bool) -> None:

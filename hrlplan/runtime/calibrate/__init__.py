@@ -46,10 +46,11 @@ hrlplan.measure's timers and fits, the models, cost and the runtime's stages):
 Starting workers to calibrate (`hrlplan calibrate`) is the launch layer's: hrlplan.launch.calibrate.
 """
 from hrlplan.runtime.calibrate.compute import measure_step
-from hrlplan.runtime.calibrate.record import fit_calibration, is_steady, predict_plan, unsteady_reason
+from hrlplan.runtime.calibrate.record import (fit_calibration, is_steady, predict_plan, unsteady_reason,
+                                              unsteady_threshold)
 from hrlplan.runtime.calibrate.worker import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job,
                                               calibration_sizes, largest_microbatch, memory_cap)
 
 __all__ = ["BUDGET_KEY", "CalibrationOverBudget", "budget_seconds", "calibrate_in_job", "calibration_sizes",
            "fit_calibration", "is_steady", "largest_microbatch", "measure_step", "memory_cap", "predict_plan",
-           "unsteady_reason"]
+           "unsteady_reason", "unsteady_threshold"]

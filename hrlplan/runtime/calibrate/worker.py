@@ -181,7 +181,7 @@ def budget_seconds(planner: Optional[dict]) -> float:
 
 
 # The groups of micro-benchmarks, as the console names them (calibration k/n: ...)
-STAGE_BLOCKS = "one block's forward + backward per micro-batch size, zero-bubble's split backward"
+STAGE_BLOCKS = "the model's blocks: forward + backward per micro-batch size, zero-bubble's split backward"
 STAGE_SOLO = "the pipeline library's per-op overhead (rank 0 alone), clipping + AdamW"
 STAGE_PAIRS = "pairs of ranks: pipeline hops, FSDP, tensor parallel; all-reduces"
 STAGE_SHARED = "ping-pong, every rank at once vs one alone, all-reduces"
@@ -198,11 +198,15 @@ def _calibrate_in_job(spec, arch: Dict[str, Any], train: TrainConfig, data: Data
                       planner: Dict[str, Any], started: float):
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = broadcast_object(spec)   # the probe returns the spec on rank 0 only
+    progress = Progress(calibration_stages(world, True), budget_seconds(planner), rank,
+                        agree=broadcast_object, started=started)
+    # said before the model is first built: importing its transformers classes took 7-9 s on a busy VM
+    progress.start(STAGE_BLOCKS)
     seq = int(data.seq_len)
     meta = introspect(arch, seq_len=seq)
     sizes, block_sizes, step_batch = _sizes(meta, train, seq, device, planner)
-    progress = Progress(calibration_stages(world, step_batch >= 1), budget_seconds(planner), rank,
-                        agree=broadcast_object, started=started)
+    if step_batch < 1:
+        progress.stages.remove(STAGE_REFERENCE)   # the whole model does not fit one device
     # groups are created collectively, in one order on every rank
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = _pairs(world)
@@ -240,7 +244,6 @@ def _measure_everything(arch: Dict[str, Any], train: TrainConfig, device: torch.
     stops them at its budget). (this rank's measurements, rank 0's ping-pong, its message bytes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = max(sizes)
-    progress.start(STAGE_BLOCKS)
     samples = measure_block(arch, seq, block_sizes, device)
     zb_split = measure_zb_split(arch, seq, sizes, device)
     progress.start(STAGE_SOLO)
