@@ -117,15 +117,15 @@ class ClusterSpec:
     def from_dict(cls, d: Dict[str, Any]) -> "ClusterSpec":
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ValueError(f"cluster.json schema_version {version} is not supported (expected {SCHEMA_VERSION}); "
+            raise ClusterSpecError(f"cluster.json schema_version {version} is not supported (expected {SCHEMA_VERSION}); "
                              "re-run `hrlplan probe-cluster`")
         d = dict(d)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
-            raise UserError(f"unknown key {unknown[0]!r}; a cluster.json has {', '.join(sorted(known))}")
+            raise ClusterSpecError(f"unknown key {unknown[0]!r}; a cluster.json has {', '.join(sorted(known))}")
         if not isinstance(d.get("devices"), list) or not d["devices"]:
-            raise UserError("devices: the cluster has no devices; a cluster.json lists at least one "
+            raise ClusterSpecError("devices: the cluster has no devices; a cluster.json lists at least one "
                             "(write one with `hrlplan probe-cluster`)")
         d["devices"] = [_device_from_dict(i, x) for i, x in enumerate(d["devices"])]
         spec = cls(**d)
@@ -141,7 +141,7 @@ class ClusterSpec:
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, dict):
-                raise UserError(f"expected a JSON object, got {type(data).__name__}")
+                raise ClusterSpecError(f"expected a JSON object, got {type(data).__name__}")
             spec = cls.from_dict(data)
         except (OSError, UnicodeDecodeError, ValueError, TypeError, UserError) as err:
             raise ClusterSpecError(f"{path}: not a usable cluster.json: {one_line(err, 300)}") from None
@@ -155,13 +155,13 @@ class ClusterSpec:
 
 def _device_from_dict(i: int, x: Any) -> DeviceInfo:
     if not isinstance(x, dict):
-        raise UserError(f"devices[{i}]: expected a mapping of device fields, got {type(x).__name__}")
+        raise ClusterSpecError(f"devices[{i}]: expected a mapping of device fields, got {type(x).__name__}")
     known = set(DeviceInfo.__dataclass_fields__)
     required = {f.name for f in fields(DeviceInfo) if f.default is MISSING}
     if set(x) - known:
-        raise UserError(f"devices[{i}].{sorted(set(x) - known)[0]}: unknown key; known: {', '.join(sorted(known))}")
+        raise ClusterSpecError(f"devices[{i}].{sorted(set(x) - known)[0]}: unknown key; known: {', '.join(sorted(known))}")
     if required - set(x):
-        raise UserError(f"devices[{i}]: missing {', '.join(sorted(required - set(x)))}")
+        raise ClusterSpecError(f"devices[{i}]: missing {', '.join(sorted(required - set(x)))}")
     return DeviceInfo(**x)
 
 
@@ -172,14 +172,14 @@ def _check_spec(spec: "ClusterSpec") -> None:
         for name in ("rank", "node", "local_rank", "memory_bytes"):
             value = getattr(dev, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise UserError(f"devices[{i}].{name}={value!r}: must be an integer >= 0")
+                raise ClusterSpecError(f"devices[{i}].{name}={value!r}: must be an integer >= 0")
         if dev.memory_bytes == 0:
-            raise UserError(f"devices[{i}].memory_bytes=0: a device needs memory (bytes)")
+            raise ClusterSpecError(f"devices[{i}].memory_bytes=0: a device needs memory (bytes)")
         if not isinstance(dev.peak_flops, (int, float)) or not 0 < dev.peak_flops < float("inf"):
-            raise UserError(f"devices[{i}].peak_flops={dev.peak_flops!r}: must be a finite number > 0 (FLOP/s)")
+            raise ClusterSpecError(f"devices[{i}].peak_flops={dev.peak_flops!r}: must be a finite number > 0 (FLOP/s)")
     ranks = sorted(d.rank for d in spec.devices)
     if ranks != list(range(n)):
-        raise UserError(f"devices: ranks {ranks} are not 0..{n - 1}, one per device")
+        raise ClusterSpecError(f"devices: ranks {ranks} are not 0..{n - 1}, one per device")
     for name in ("bandwidth", "latency"):
         matrix = getattr(spec, name)
         if matrix is None:
@@ -187,21 +187,21 @@ def _check_spec(spec: "ClusterSpec") -> None:
         if not isinstance(matrix, list) or len(matrix) != n or any(not isinstance(r, list) or len(r) != n
                                                                     for r in matrix):
             rows = len(matrix) if isinstance(matrix, list) else type(matrix).__name__
-            raise UserError(f"{name}: must be a {n}x{n} matrix (one row and column per device), got {rows} rows "
+            raise ClusterSpecError(f"{name}: must be a {n}x{n} matrix (one row and column per device), got {rows} rows "
                             f"of {[len(r) if isinstance(r, list) else r for r in matrix][:4] if isinstance(matrix, list) else '?'}")
         low = 0 if name == "latency" else 1e-300
         for a, row in enumerate(matrix):
             for b, v in enumerate(row):
                 if a != b and (not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < float("inf")):
-                    raise UserError(f"{name}[{a}][{b}]={v!r}: must be a finite number "
+                    raise ClusterSpecError(f"{name}[{a}][{b}]={v!r}: must be a finite number "
                                     f"{'>= 0 (seconds)' if name == 'latency' else '> 0 (bytes/s)'}")
     nodes = spec.nnodes
     if spec.bandwidth is None and len(spec.intra_node_bw) < nodes:
-        raise UserError(f"intra_node_bw: {len(spec.intra_node_bw)} values for {nodes} nodes (or give a bandwidth matrix)")
+        raise ClusterSpecError(f"intra_node_bw: {len(spec.intra_node_bw)} values for {nodes} nodes (or give a bandwidth matrix)")
     for name in ("inter_node_bw",):
         v = getattr(spec, name)
         if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise UserError(f"{name}={v!r}: must be a finite number > 0 (bytes/s)")
+            raise ClusterSpecError(f"{name}={v!r}: must be a finite number > 0 (bytes/s)")
 
 
 # ---------------------------------------------------------------- node-level links
@@ -251,7 +251,8 @@ def spec_from_preset(cfg: ClusterConfig) -> ClusterSpec:
     cfg = section(ClusterConfig, cfg)
     groups = list(cfg.node_groups)
     if not groups:
-        raise ValueError(f"cluster '{cfg.name}': probe=false needs node_groups (or spec_file)")
+        raise ClusterSpecError(f"cluster '{cfg.name}': cluster.probe=false needs cluster.node_groups (a preset such "
+                               "as cluster=a100x8-1n) or cluster.spec_file")
     devices: List[DeviceInfo] = []
     intra: List[float] = []
     node = 0

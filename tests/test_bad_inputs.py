@@ -225,6 +225,7 @@ CASES = [
     ("dropout-one", "override", ["arch.attn_pdrop=1.0"], ["arch.attn_pdrop", "[0, 1)"]),
     ("collective-timeout-zero", "override", ["train.collective_timeout_min=0"], ["train.collective_timeout_min", "> 0"]),
     ("plan-timeout-negative", "override", ["train.plan_timeout_min=-1"], ["train.plan_timeout_min", "> 0"]),
+    ("no-devices-to-plan-for", "override", ["cluster.probe=false"], ["cluster.probe=false", "cluster.node_groups"]),
     ("inter-node-zero", "override", ["cluster.inter_node_GBps=0"], ["cluster.inter_node_GBps", "> 0"]),
     ("node-group-count-zero", "override", ["cluster=a100x8-2n", "cluster.node_groups.0.count=0"],
      ["cluster.node_groups.0.count", "positive"]),

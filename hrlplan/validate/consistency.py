@@ -166,6 +166,10 @@ def check_together(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None
     check_hrm_keys(config, explicit)
     train, data = config.get("train") or {}, config.get("data") or {}
     arch, planner = config.get("arch") or {}, config.get("planner") or {}
+    cluster = config.get("cluster") or {}
+    if cluster.get("probe") is False and not cluster.get("spec_file") and not cluster.get("node_groups"):
+        raise ConfigError("cluster.probe", False, message="cluster.probe=false plans for cluster.node_groups, and "
+                          "there are none: choose a preset (cluster=a100x8-1n), give cluster.spec_file, or probe")
     _check_stages_per_rank(train, planner)
     _check_microbatches(train)
     if arch.get("family") == "hrm":
