@@ -203,6 +203,19 @@ def test_mixed_partition_sizes_for_the_roomiest_nodes_and_counts_them():
         fit(m, partition="mixed")
 
 
+def test_a_list_of_partitions_fits_the_first_that_can_hold_it(monkeypatch):
+    partitions = {"debug": local(), "gpu": gpu(), "mixed": mixed()}
+    monkeypatch.setattr(slurm_launcher, "read_partition", lambda name: partitions[name])
+    yaml = dict(LAUNCHER_YAML, timeout_min=30)
+    part, fitted = slurm_launcher.fit_to_partitions({**yaml, "partition": "debug,gpu"}, [])
+    assert part.name == "debug" and fitted.params["cpus_per_task"] == 1 and fitted.params["partition"] == "debug,gpu"
+    part, fitted = slurm_launcher.fit_to_partitions({**yaml, "partition": "debug, mixed", "cpus_per_task": 4},
+                                                    ["cpus_per_task"])
+    assert part.name == "mixed" and fitted.params["cpus_per_task"] == 4
+    with pytest.raises(ConfigError, match="^hydra.launcher.cpus_per_task=64 but partition debug's nodes"):
+        slurm_launcher.fit_to_partitions({**yaml, "partition": "debug,mixed", "cpus_per_task": 64}, ["cpus_per_task"])
+
+
 # ---------------------------------------------------------------- pending reasons
 @pytest.mark.parametrize("reason, others, hopeless", [
     ("PartitionConfig", None, True), ("BadConstraints", None, True), ("PartitionNodeLimit", None, True),

@@ -17,12 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
-from hrlplan.errors import UserError, one_line
-from hrlplan.launch.slurm_fit import (NeverStarts, Partition, array_indices, default_partition, fit_request,
+from hrlplan.errors import ConfigError, UserError, one_line
+from hrlplan.launch.slurm_fit import (Fitted, NeverStarts, Partition, array_indices, default_partition, fit_request,
                                       never_starts, parse_jobs, parse_partition)
 
 GRACE_ENV = "HRLPLAN_SLURM_PENDING_GRACE_S"
@@ -197,6 +197,20 @@ def pending_grace_s() -> float:
         raise UserError(f"{GRACE_ENV}={value} is not a number of seconds") from None
 
 
+def fit_to_partitions(params: dict, explicit: Sequence[str]) -> Tuple[Partition, Fitted]:
+    """`partition: a,b` is SLURM's "the first of these that can run it": the request is fitted to the
+    first listed partition that can hold it, and refused with the first one's reason when none can."""
+    names = [n.strip() for n in str(params["partition"]).split(",")] if params.get("partition") else [None]
+    first_error: Optional[ConfigError] = None
+    for name in names:
+        partition = read_partition(name)
+        try:
+            return partition, fit_request(params, explicit, partition)
+        except ConfigError as e:
+            first_error = first_error or e
+    raise first_error
+
+
 # ---------------------------------------------------------------- the launcher
 class FittedSlurmLauncher(SlurmLauncher):
     """hydra-submitit-launcher's SlurmLauncher: fit, refuse or submit; then watch the jobs. Hydra takes
@@ -209,9 +223,8 @@ class FittedSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         try:
             grace_s = pending_grace_s()
-            partition = read_partition(self.params.get("partition"))
             explicit = explicit_launcher_keys(self.config.hydra.overrides.hydra if self.config else [])
-            fitted = fit_request(self.params, explicit, partition)
+            partition, fitted = fit_to_partitions(self.params, explicit)
         except UserError as e:
             _refuse(e)
         _say(f"SLURM request for {partition.describe()}"
