@@ -1,6 +1,7 @@
 """The simulator against published GPU measurements, judged through the product's own command line.
 
-    python bench/published.py [--json OUT] [--runtime megatron|torch] [--jobs N] [--plan-exact]
+    python bench/published.py [--json OUT] [--docs docs/cost-model.md] [--runtime megatron|torch] [--jobs N]
+                              [--plan-exact]
 
 Every row is a manual plan (the layout the authors ran, written as a plan.yaml) predicted by
 
@@ -132,7 +133,7 @@ def predict_row(row, workdir: Path, runtime: str = "megatron") -> Dict:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     out = {"model": name, "tp": tp, "pp": pp, "dp": lay.dp, "gpus": nodes * 8, "microbatch": mb,
            "microbatches": lay.num_microbatches, "virtual_stages": lay.stages_per_rank, "ddp": ddp,
-           "measured_tflops": measured, "command": " ".join(cmd[1:])}
+           "measured_tflops": measured, "command": " ".join(cmd[1:]).replace(str(workdir), "<tmp>")}
     info_file = run_dir / "plan_info.json"
     if done.returncode != 0 or not info_file.exists():
         lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
@@ -232,8 +233,10 @@ def plan_exact(names=("3.6B", "7.5B", "18.4B", "39.1B"), runtime: str = "megatro
 
 
 def report(s: Dict) -> str:
-    lines = [f"source: {s['source']}", f"runtime modelled: planner.cost.runtime={s['runtime']} "
-             f"(resolved: {json.dumps(next((r['cost_options'] for r in s['rows'] if r.get('cost_options')), {}))})",
+    shown = dict(next((r["cost_options"] for r in s["rows"] if r.get("cost_options")), {}))
+    shown.pop("dp_overlap", None)   # per row: the ddp column (torch DDP overlaps, "local" does not)
+    lines = [f"source: {s['source']}", f"runtime modelled: planner.cost.runtime={s['runtime']} (resolved: "
+             f"{json.dumps(shown)}; planner.dp_overlap=true where ddp is torch)",
              f"{'model':>8} {'tp':>2} {'pp':>3} {'dp':>3} {'gpus':>5} {'mb':>3} {'m':>4} {'v':>2} {'ddp':>5} "
              f"{'mem GiB':>8} {'bubble':>6} {'pred TF':>7} {'meas TF':>7} {'ratio':>6}"]
     for r in s["rows"]:
@@ -255,12 +258,24 @@ def report(s: Dict) -> str:
     return "\n".join(lines)
 
 
+DOCS_BEGIN, DOCS_END = "<!-- bench/published.py: begin -->", "<!-- bench/published.py: end -->"
+
+
+def write_docs(s: Dict, path: Path) -> None:
+    """Replace the block between the DOCS markers of `path` with this run's report."""
+    text = path.read_text()
+    head, rest = text.split(DOCS_BEGIN, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    path.write_text(f"{head}{DOCS_BEGIN}\n```\n{report(s)}\n```\n{DOCS_END}{tail}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows and the summary here")
     ap.add_argument("--runtime", default="megatron", choices=("megatron", "torch"),
                     help="planner.cost.runtime to price the rows under (the source ran Megatron-LM)")
     ap.add_argument("--jobs", type=int, default=2, help="rows predicted at once (subprocesses)")
+    ap.add_argument("--docs", help="rewrite this file's bench block (docs/cost-model.md) with the report")
     ap.add_argument("--plan-exact", action="store_true",
                     help="also run planner=exact on the 3.6B-39.1B rows' model, GPUs and batch")
     args = ap.parse_args(argv)
@@ -270,6 +285,8 @@ def main(argv=None) -> int:
         s["exact"] = plan_exact(runtime=args.runtime)
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=1))
+    if args.docs:
+        write_docs(s, Path(args.docs))
     return 0
 
 

@@ -137,10 +137,17 @@ PEAKS: List[Tuple[str, Tuple[str, ...], Dict[str, Optional[float]]]] = [
     ("H100 NVL", ("H100", "NVL"), _H100_NVL),
     ("H100 PCIe", ("H100", "PCIE"), {"bf16": 756.0 * T, "fp16": 756.0 * T, "tf32": 378.0 * T, "fp32": 51.2 * T}),
     ("H100 SXM", ("H100",), _H100_SXM),
+    # H800: the H100 SXM's compute with a narrower NVLink; H20: NVIDIA's spec sheet as reported (no
+    # public datasheet page): 148 TF bf16, 74 TF TF32, 44 TF fp32 dense
+    ("H800", ("H800",), _H100_SXM),
+    ("H20", ("H20",), {"bf16": 148.0 * T, "fp16": 148.0 * T, "tf32": 74.0 * T, "fp32": 44.0 * T}),
     ("A100", ("A100",), _A100),
+    ("A800", ("A800",), _A100),
     ("L40S", ("L40S",), {"bf16": 362.05 * T, "fp16": 362.05 * T, "tf32": 183.0 * T, "fp32": 91.6 * T}),
     ("L4", ("L4",), {"bf16": 121.0 * T, "fp16": 121.0 * T, "tf32": 60.0 * T, "fp32": 30.3 * T}),
     ("A10", ("A10",), {"bf16": 125.0 * T, "fp16": 125.0 * T, "tf32": 62.5 * T, "fp32": 31.2 * T}),
+    # Turing and Volta: no bf16, no TF32 (float32 matmuls run at the fp32 peak)
+    ("T4", ("T4",), {"bf16": None, "fp16": 65.0 * T, "tf32": None, "fp32": 8.1 * T}),
     ("V100S", ("V100S",), {"bf16": None, "fp16": 130.0 * T, "tf32": None, "fp32": 16.4 * T}),
     ("V100 PCIe", ("V100", "PCIE"), {"bf16": None, "fp16": 112.0 * T, "tf32": None, "fp32": 14.0 * T}),
     ("V100 SXM2", ("V100",), {"bf16": None, "fp16": 125.0 * T, "tf32": None, "fp32": 15.7 * T}),

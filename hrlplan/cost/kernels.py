@@ -12,13 +12,15 @@ GEMMs per forward GEMM (input and weight gradients, transposed shapes).
 - Attention core (scaled_dot_product_attention, one fused kernel): its FLOPs at ATTENTION_FRACTION.
 - Norms, activations, residual adds, dropout: memory-bound, ELEMENTWISE_BYTES per token moved at
   HBM bandwidth x MEMORY_FRACTION.
-Every constant is global (one GPU model for every model and cluster); bench/published.py checks
-them against Megatron-LM's measured table. A device's compute_efficiency calibration, or a CPU,
+Every constant is global (one GPU model for every model and cluster); docs/cost-model.md lists each
+with its source, or says it has none. bench/published.py checks them, through the command line,
+against Megatron-LM's measured table; none is set from it. A device's compute_efficiency calibration, or a CPU,
 keeps the flat FLOPs / (peak x efficiency) model.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -28,16 +30,18 @@ GEMM_K_HALF = 96             # K at which a tile's main loop is half its time
 ATTENTION_FRACTION = 0.45    # fused attention (forward and backward) as a fraction of the peak
 MEMORY_FRACTION = 0.80       # of HBM bandwidth reached by elementwise kernels
 KERNEL_LAUNCH_S = 4e-6
-# (HBM bytes/s, SMs) by a token of the device name; the first match wins.
+# (HBM bytes/s, SMs) by a whole token of the device name (see docs/cost-model.md for the sources).
 GPU_FACTS = (("H200", 4.8e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
              ("A100", 2.04e12, 108), ("A800", 2.04e12, 108), ("V100", 0.9e12, 80), ("L40S", 0.86e12, 142),
-             ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("MI300X", 5.3e12, 304))
+             ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("T4", 0.32e12, 40), ("MI300X", 5.3e12, 304))
 
 
 def _table_entry(name: str) -> Optional[Tuple[str, float, int]]:
-    upper = name.upper().replace("-", " ").split()
+    """The GPU_FACTS row whose key is a whole token of the name ('NVIDIA A100-SXM4-80GB' -> A100): an
+    A10G or an L40 is not taken for an A10 or an L4."""
+    tokens = set(re.split(r"[\s\-_/]+", name.upper()))
     for key, bw, sms in GPU_FACTS:
-        if any(tok.startswith(key) for tok in upper):
+        if key in tokens:
             return key, bw, sms
     return None
 
