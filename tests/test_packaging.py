@@ -33,6 +33,7 @@ def wheel(tmp_path_factory) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     shutil.copytree(ROOT / "hrlplan", src / "hrlplan", symlinks=True, ignore=ignore)   # keeps the conf link
     shutil.copytree(ROOT / "conf", src / "conf", ignore=ignore)
+    shutil.copytree(ROOT / "hydra_plugins", src / "hydra_plugins", ignore=ignore)
     # offline: the installed setuptools builds it (no isolated build env, no index)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", tmp / "dist", src])
@@ -44,7 +45,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_carries_the_configs_and_the_policy_and_no_top_level_launch(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
-    assert {t for t in tops if not t.endswith(".dist-info")} == {"hrlplan"}, tops   # no `launch`, `conf`, `tests`
+    # no `launch`, `conf`, `tests`; hydra_plugins only carries the alias Hydra needs to name our SLURM launcher
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"hrlplan", "hydra_plugins"}, tops
+    assert "hydra_plugins/hrlplan_launcher/submitit_launcher.py" in names
     assert "hrlplan/launch/job.py" in names   # the launcher travels inside the package
     assert "hrlplan/conf/config.yaml" in names
     for group in GROUPS:
