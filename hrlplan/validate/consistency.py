@@ -101,7 +101,7 @@ def _unknown(full_key: str, known: Iterable[str]) -> ConfigError:
         near = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.6)
         hint = (f"did you mean {parent + '.' if parent else ''}{near[0]}?" if near
                 else "python pretrain.py --help lists the keys")
-    return ConfigError(full_key, message=f"unknown key {full_key} (added with +{full_key}=...): {hint}")
+    return ConfigError(full_key, message=f"unknown key {full_key} (from +{full_key}=... or a config file): {hint}")
 
 
 def _arch_schema(arch: Dict[str, Any]) -> Optional[type]:
