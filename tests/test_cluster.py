@@ -41,3 +41,28 @@ def test_unsupported_schema_version_is_refused(tmp_path):
     with pytest.raises(UserError, match="schema_version 99") as e:
         ClusterSpec.load(path)
     assert str(path) in str(e.value)   # the file is named
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda d: d.update(devices=[]), "no devices"),
+    (lambda d: d.update(bandwidth=[[0.0]]), "bandwidth: must be a 2x2 matrix"),
+    (lambda d: d.update(latency=[[0.0, -1.0], [1e-6, 0.0]]), "latency[0][1]=-1.0"),
+    (lambda d: d.update(bandwidth=[[0.0, 0.0], [1e9, 0.0]]), "bandwidth[0][1]=0.0"),
+    (lambda d: d["devices"][1].update(memory_bytes=-5), "devices[1].memory_bytes=-5"),
+    (lambda d: d["devices"][0].update(peak_flops=0), "devices[0].peak_flops=0"),
+    (lambda d: d["devices"][1].update(rank=5), "ranks [0, 5] are not 0..1"),
+    (lambda d: d["devices"][0].pop("memory_bytes"), "devices[0]: missing memory_bytes"),
+    (lambda d: d.update(colour="blue"), "unknown key 'colour'"),
+])
+def test_a_damaged_cluster_json_names_the_field_and_the_file(tmp_path, change, field):
+    device = {"rank": 0, "node": 0, "local_rank": 0, "hostname": "h", "kind": "cpu", "name": "cpu",
+              "memory_bytes": 2**30, "peak_flops": 1e10}
+    spec = {"schema_version": 1, "name": "x", "devices": [device, dict(device, rank=1, local_rank=1)],
+            "bandwidth": [[0.0, 1e9], [1e9, 0.0]], "latency": [[0.0, 1e-6], [1e-6, 0.0]]}
+    ClusterSpec.from_dict(json.loads(json.dumps(spec)))   # the untouched spec loads
+    change(spec)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(UserError) as e:
+        ClusterSpec.load(path)
+    assert field in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)

@@ -303,3 +303,19 @@ def test_sections_pass_down_typed_and_take_a_scripts_plain_dict():
     assert groups == [NodeGroupConfig(count=2)]
     with pytest.raises(UserError, match=r"^dtype='bf16' is not one of float32, bfloat16$"):
         section(TrainConfig, {"dtype": "bf16"})
+
+
+def test_the_documented_timeout_variables_reach_the_process_groups():
+    """docs/runtime.md: train.collective_timeout_min / plan_timeout_min, or HRLPLAN_TRAIN_TIMEOUT_MIN /
+    HRLPLAN_PLAN_TIMEOUT_MIN: the composed default (null) leaves the choice to the environment."""
+    from datetime import timedelta
+
+    from hrlplan.config import TrainConfig, typed
+    from hrlplan.runtime.distributed import timeouts
+
+    env = {"HRLPLAN_TRAIN_TIMEOUT_MIN": "3", "HRLPLAN_PLAN_TIMEOUT_MIN": "45"}
+    assert timeouts(TrainConfig(), env) == timeouts(typed(compose([])).train, env)
+    assert timeouts(TrainConfig(), env).train == timedelta(minutes=3)
+    assert timeouts(TrainConfig(), env).plan == timedelta(minutes=45)
+    assert timeouts(TrainConfig(), {}).train == timedelta(minutes=10)
+    assert timeouts(typed(compose(["train.collective_timeout_min=2"])).train, env).train == timedelta(minutes=2)
