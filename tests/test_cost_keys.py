@@ -119,6 +119,16 @@ def test_a_gpu_missing_from_the_tables_is_named():
     assert shown["datasheet_missing"] == ["Radeon Mystery 9000"]
 
 
+def test_bfloat16_on_a_part_without_bf16_is_named():
+    meta = llama7b_meta()
+    lay = Layout(spans=((0, 32),), groups=(tuple(range(8)),), tp=8, dp=1, microbatch_size=1, num_microbatches=1,
+                 schedule="1f1b")
+    mixed = preset("a100-v100-mix")
+    shown = Simulator(meta, mixed, CostOptions(bytes_per_value=2)).evaluate(lay, detail=True).breakdown["cost_options"]
+    assert shown["bf16_missing"] == ["V100-32GB"]
+    assert "kernel_table_missing" not in shown and "datasheet_missing" not in shown
+
+
 # ---------------------------------------------------------------- over memory
 def _hetero_over_memory_plan() -> Plan:
     """Two replicas of llama-7b: a two-stage one (ranks 0, 1) and a one-stage one (rank 2), the

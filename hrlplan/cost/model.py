@@ -21,6 +21,7 @@ from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners
     GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, interpolate_by_tokens, matmul_peak,
     unknown_peak_ratio)
 from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
+from hrlplan.devices import peak_flops
 from hrlplan.plan import stage_to_group
 
 log = logging.getLogger(__name__)
@@ -321,19 +322,27 @@ class StageCostModel:
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value
 
 
+_GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
+    "kernel_table_missing": ("hrlplan/cost/kernels.py GPU_FACTS", "HBM bandwidth and SM count are guessed"),
+    "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
+    "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
+}
+
+
 def guessed_device_facts(cluster, shape_aware: bool, float32: bool) -> Dict[str, list]:
-    """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS) or dtype ratios
-    (hrlplan.devices.PEAKS) are not in the tables, so the cost model guesses them; each warned of once."""
+    """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS), float32 ratio
+    (hrlplan.devices.PEAKS) or bf16 path (V100, T4) the tables lack, so the cost model guesses; each
+    warned of once."""
     gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
     out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
-           "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)})}
+           "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)}),
+           "bf16_missing": [n for n in gpus if not float32 and peak_flops(n, "bf16") is None
+                            and peak_flops(n, "fp16") is not None]}
     for key, names in out.items():
         for name in names:
             if (key, name) not in _WARNED:
                 _WARNED.add((key, name))
-                log.warning("cost model: device %r is not in %s; its %s are guessed (add it to the table, or "
-                            "calibrate: planner.calibrate=true)", name,
-                            "hrlplan/cost/kernels.py GPU_FACTS" if key == "kernel_table_missing" else
-                            "hrlplan/devices.py PEAKS",
-                            "HBM bandwidth and SM count" if key == "kernel_table_missing" else "dtype peak ratios")
+                table, guess = _GUESSES[key]
+                log.warning("cost model: device %r is not in %s: its %s (calibrate for a measured figure: "
+                            "planner.calibrate=true)", name, table, guess)
     return out
