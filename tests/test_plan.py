@@ -53,6 +53,11 @@ CASES = {
     "string head": (lambda d: d["stages"][1].update(head="yes"), "stages[1].head", "true or false"),
     "unknown recompute": (lambda d: d["stages"][1].update(recompute="partial"), "stages[1].recompute",
                           "unknown mode 'partial'; choose one of none, selective, full"),
+    "stage on a rank beyond world size": (lambda d: (d["stages"][1].update(ranks=[d["world_size"] + 3]),
+                                                     d["device_groups"][1].__setitem__(0, d["world_size"] + 3)),
+                                          "stages[1].ranks", "is beyond world_size"),
+    "idle rank beyond world size": (lambda d: d.update(unused_ranks=[99]), "unused_ranks", "rank 99 is beyond"),
+    "string device group": (lambda d: d.update(device_groups="0,1"), "device_groups", "lists of integer ranks"),
 }
 
 
@@ -135,3 +140,13 @@ def test_recompute_is_per_stage_defaults_to_none_and_round_trips(tmp_path):
     with pytest.raises(PlanError, match="1 recompute modes for 2 stages"):
         homogeneous_plan("gpt2-tiny", 6, [(0, 4), (4, 6)], dp=1, tp=1, microbatch_size=1, num_microbatches=2,
                          schedule="1f1b", recompute=["full"])
+
+
+def test_loading_a_directory_or_binary_names_the_file(tmp_path):
+    good().save(tmp_path / "plan.yaml")
+    with pytest.raises(PlanError, match="is a directory, not a plan file .it holds a plan.yaml"):
+        Plan.load(tmp_path)
+    (tmp_path / "garbage.yaml").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(PlanError) as e:
+        Plan.load(tmp_path / "garbage.yaml")
+    assert str(e.value).startswith(str(tmp_path / "garbage.yaml"))
