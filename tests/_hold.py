@@ -55,5 +55,9 @@ class StepHold:
         """{rank: pid} of the held ranks (each marker holds `host pid`)."""
         return {int(p.name.rsplit(".", 1)[1]): int(p.read_text().split()[1]) for p in self._markers("held")}
 
+    def held_hosts(self) -> Dict[int, str]:
+        """{rank: host name} of the held ranks."""
+        return {int(p.name.rsplit(".", 1)[1]): p.read_text().split()[0] for p in self._markers("held")}
+
     def release(self) -> None:
         self.path.touch()
