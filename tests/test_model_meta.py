@@ -116,3 +116,18 @@ def test_introspection_leaves_the_rng_alone():
     torch.manual_seed(3)
     introspect(resolve_arch("llama-tiny"))
     assert torch.rand(1) == a
+
+
+def test_a_broken_model_config_is_one_user_error_naming_it(tmp_path):
+    from hrlplan.errors import UserError
+    from hrlplan.model_meta import ModelMeta, introspect, resolve_arch
+
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": ')
+    with pytest.raises(UserError, match=str(tmp_path)):
+        introspect(resolve_arch(str(tmp_path)))
+    (tmp_path / "arch.yaml").write_text("model_type: [unclosed\n  - : :")
+    with pytest.raises(UserError, match="arch.yaml: not a readable model config"):
+        resolve_arch(str(tmp_path / "arch.yaml"))
+    (tmp_path / "meta.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="meta.json: not a usable model_meta.json"):
+        ModelMeta.load(tmp_path / "meta.json")
