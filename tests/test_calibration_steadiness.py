@@ -196,6 +196,15 @@ def test_an_unsteady_calibration_plans_once_and_is_not_cached(tmp_path, monkeypa
     assert facts["steady"] is False and facts["note"].startswith("planned from an unsteady measurement")
 
 
+def test_an_unsteady_refresh_removes_the_entry_it_was_to_replace(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(plan_cache.CALIBRATION_CACHE_ENV, str(tmp_path / "cache"))
+    plan_cache.store_calibration({}, "calibration-k", STEADY)
+    planning._keep_calibration({}, "calibration-k", UNSTEADY, 20.0, refresh=True)
+    assert "entry refresh was to replace is removed" in capsys.readouterr().out
+    assert plan_cache.load_calibration({}, "calibration-k", wait_s=0) is None   # the next run measures again
+    plan_cache.release_calibration({}, "calibration-k")
+
+
 def test_a_cache_that_cannot_be_written_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

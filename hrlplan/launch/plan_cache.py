@@ -9,7 +9,8 @@ Where: $HRLPLAN_PLAN_CACHE when set (share it between runs and sweeps), else <ru
 (a requeued or resumed run reuses its own plan). Entries are written atomically (a directory
 renamed into place), so concurrent jobs of a sweep never read half an entry.
 
-Calibrations (planner.calibrate, on by default for probed clusters) are cached per user, not per
+Calibrations (planner.calibrate, on by default for probed clusters) that held steady (an unsteady one,
+taken on a busy node, plans its own job only: hrlplan.runtime.calibrate.record) are cached per user, not per
 run, under calibration-<key> in $HRLPLAN_CALIBRATION_CACHE, else $HRLPLAN_PLAN_CACHE, else
 $XDG_CACHE_HOME/hrlplan (~/.cache/hrlplan): their key is the cluster's shape, the model, the
 sequence length and the training settings calibration reads, so the README's command, a requeued
@@ -215,6 +216,17 @@ def store_calibration(config: Config, key: str, calibration: Dict[str, Any], rep
         _unlock_calibration(config, key)
 
 
-def release_calibration(config: Config, key: str) -> None:
-    """Give key's lock up without storing (an unsteady calibration): a job waiting for it measures."""
-    _unlock_calibration(config, key)
+def release_calibration(config: Config, key: str, drop: bool = False) -> None:
+    """Give key's lock up without storing (an unsteady calibration): a job waiting for it measures.
+    drop: remove the stored entry too (planner.calibrate=refresh was asked to replace it)."""
+    try:
+        if drop:
+            final = calibration_dir(config) / key
+            old = final.parent / f".{key}.{uuid.uuid4().hex[:8]}.old"
+            try:
+                os.replace(final, old)
+            except OSError:
+                return   # none there, or a read-only cache: nothing to drop
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        _unlock_calibration(config, key)

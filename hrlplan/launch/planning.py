@@ -179,10 +179,11 @@ def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], too
     used for this plan only, and the console says why."""
     where = plan_cache.calibration_dir(config) / key
     if not is_steady(calibration):
-        plan_cache.release_calibration(config, key)
+        plan_cache.release_calibration(config, key, drop=refresh)
         print(f"[hrlplan] warning: calibrated in {took_s:.1f} s, but unsteady -- "
-              f"{unsteady_reason(calibration['steadiness'])}; a busy node? This plan uses it, nothing is cached: "
-              "the next run measures again (planner.calibrate=false plans from peak figures)", flush=True)
+              f"{unsteady_reason(calibration['steadiness'])}; a busy node? This plan uses it, nothing is cached"
+              + (" (and the entry refresh was to replace is removed)" if refresh else "")
+              + ": the next run measures again (planner.calibrate=false plans from peak figures)", flush=True)
         return
     why = plan_cache.store_calibration(config, key, calibration, replace=refresh)
     print(f"[hrlplan] calibrated in {took_s:.1f} s; " + (f"cached in {where}" if why is None else
