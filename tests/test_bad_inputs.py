@@ -81,6 +81,7 @@ def files(tmp_path_factory):
     (d / "ckpt_damaged" / ".metadata").write_bytes(b"\x80\x04")
     (d / "ckpt_file").write_text("not a checkpoint")
     (d / "code").mkdir()
+    (d / "tokenizer_bad.json").write_text("{")
     return d
 
 
@@ -280,6 +281,10 @@ CASES = [
     ("resume-damaged", "host", ["train.resume={tmp}/ckpt_damaged"], ["train.resume", "ckpt_damaged", "extra_rank0.pt"]),
     ("resume-a-file", "host", ["train.resume={tmp}/ckpt_file"], ["train.resume", "ckpt_file", "not a checkpoint"]),
     ("code-vocab", "host", ["data=code", "data.path={tmp}/code"], ["arch.vocab_size=128", "data.vocab_size=4096"]),
+    ("code-tokenizer-damaged", "host", ["data=code", "data.path={tmp}/code", "data.tokenizer={tmp}/tokenizer_bad.json"],
+     ["data.tokenizer", "tokenizer_bad.json", "not a readable tokenizer.json"]),
+    ("code-tokenizer-missing", "host", ["data=code", "data.path={tmp}/code", "data.tokenizer=./no_tokenizer.json"],
+     ["data.tokenizer", "no_tokenizer.json"]),
     ("leftover-rendezvous", "host", ["env:RANK=1", "env:WORLD_SIZE=2", "env:MASTER_ADDR=127.0.0.1",
                                      "env:MASTER_PORT={port}", "env:HRLPLAN_RENDEZVOUS_WAIT_S=0.3"],
      ["RANK=1", "WORLD_SIZE=2", "MASTER_ADDR", "unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT"]),

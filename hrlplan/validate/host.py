@@ -146,8 +146,23 @@ def _code_vocab(data: Dict[str, Any]) -> tuple:
             return int(meta["vocab_size"]), f"the tokenizer of the code corpus in {path} ({meta['vocab_size']} tokens)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    if data.get("tokenizer"):
-        return None, ""
+    spec = data.get("tokenizer")
+    if spec:
+        local = Path(str(spec))
+        local = local / "tokenizer.json" if local.is_dir() else local
+        if not local.is_file():
+            if str(spec).startswith((".", "/", "~")) or str(spec).endswith(".json"):
+                raise ConfigError("data.tokenizer", spec, "a tokenizer.json, a directory holding one, or a "
+                                                          "tokenizer id in the local HF cache")
+            return None, ""   # an HF-cache tokenizer: its size is known once loaded
+        from hrlplan.data.code_corpus import load_tokenizer   # why: tokenizers, for a data=code run only
+
+        try:
+            size = load_tokenizer(str(local)).get_vocab_size(with_added_tokens=True)
+        except Exception as err:   # the tokenizers library's own error for a damaged file
+            raise ConfigError("data.tokenizer", spec, message=f"data.tokenizer={spec}: {local} is not a readable "
+                              f"tokenizer.json ({one_line(err, 200)})") from None
+        return size, f"the tokenizer data.tokenizer={spec} ({size} tokens)"
     return int(data.get("vocab_size") or 0), f"the tokenizer data=code trains (data.vocab_size={data.get('vocab_size')})"
 
 
