@@ -247,3 +247,37 @@ def test_the_parent_can_say_what_its_workers_do_before_they_can(capsys):
     line = planning.announce_workers(config, 2)
     assert capsys.readouterr().out.strip() == line
     assert line.startswith("[hrlplan] starting 2 workers: they probe this machine, then calibrate")
+
+
+# ---------------------------------------------------------------- the budget in a real job
+def _calibrate_over_budget(log_dir):
+    """A worker: calibrate with a budget no set-up fits in (a gloo broadcast alone takes longer)."""
+    from hrlplan.compose import compose
+    from hrlplan.config import typed
+    from hrlplan.runtime.calibrate import calibrate_in_job
+    from hrlplan.runtime.distributed import init_distributed, shutdown
+
+    cfg = typed(compose(["data.seq_len=16", "arch.n_layer=2"]))
+    init_distributed("cpu", cfg.train)
+    try:
+        devices = [DeviceInfo(rank=r, node=0, local_rank=r, hostname="h", kind="cpu", name="cpu",
+                              memory_bytes=2**33, peak_flops=1e10) for r in range(2)]
+        spec = ClusterSpec(name="t", devices=devices, source="probe", intra_node_bw=[1e9])
+        try:
+            calibrate_in_job(spec, cfg.arch, cfg.train, cfg.data, planner={"calibrate_budget_s": 1e-9})
+        except CalibrationOverBudget as over:
+            return {"over": str(over), "groups_done": over.done}
+        return {"over": None}
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_a_calibration_past_its_budget_stops_on_every_rank_before_measuring(tmp_path):
+    from hrlplan.launch.local import launch_workers
+
+    results = launch_workers(_calibrate_over_budget, (str(tmp_path),), 2, log_dir=str(tmp_path / "logs"))
+    assert set(results) == {0, 1}
+    for rank, result in results.items():
+        assert result["over"] and result["groups_done"] == 0, (rank, result)
+        assert "over planner.calibrate_budget_s=1e-09" in result["over"]
