@@ -348,6 +348,9 @@ class HFStage(nn.Module):
         # Mixed precision where no FSDP MixedPrecisionPolicy casts the parameters (no data parallel,
         # replicate, heterogeneous replicas): autocast, as torchtitan does outside FSDP.
         self.autocast_dtype: Optional[torch.dtype] = None
+        # Sequence parallelism (runtime/tensor_parallel.py) hands a later stage 1/sequence_shards of
+        # the positions; its rotary positions still span the whole sequence.
+        self.sequence_shards = 1
         base = nn.Module()
         if first:
             for name in layout.embed_names:
@@ -376,7 +379,10 @@ class HFStage(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
-        seq = x.shape[1]
+        seq = x.shape[1] if self.first else x.shape[1] * self.sequence_shards
+        if self.first and seq % self.sequence_shards:
+            raise ValueError(f"sequence parallelism over tp={self.sequence_shards} needs a sequence length "
+                             f"divisible by it, got {seq}: set data.seq_len to a multiple of {self.sequence_shards}")
         positions = torch.arange(seq, device=x.device).unsqueeze(0)
         if self.first:
             if self.model_type == "gpt2":

@@ -35,8 +35,15 @@ def rank_coords(plan: Plan, rank: int) -> Dict[str, int]:
 
 
 def apply_data_parallel(part: nn.Module, dp_mesh: DeviceMesh, mode: str, block_container: Optional[nn.Module],
-                        mp_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                        mp_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = False) -> nn.Module:
     """FSDP2 (fully_shard, per block then the stage root) or replicate, over the dp sub-mesh.
+
+    reshard_after_forward (FSDP2's): True frees each block's gathered weights after its forward
+    and all-gathers them again in backward (one all-gather more per block and step, one block's
+    whole weights live instead of the stage's); False keeps them gathered from forward to backward,
+    which a pipeline schedule wants (many forwards per step: see torch_engine.reshard_after_forward).
+    The last block is never resharded (backward needs it at once, as torchtitan leaves it), nor
+    the stage root (FSDP2 keeps a root's weights for backward itself).
 
     DistributedDataParallel is not used: it crashes under torch pipelining (parameter-index rebuild
     across micro-batches), while FSDP2 and replicate_with_fsdp match a one-process run exactly.
@@ -50,10 +57,12 @@ def apply_data_parallel(part: nn.Module, dp_mesh: DeviceMesh, mode: str, block_c
 
     mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
     if block_container is not None:
-        for block in block_container.children():
-            # Keep parameters gathered between micro-batches: pipelining runs many forwards per step.
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+        blocks = list(block_container.children())
+        for k, block in enumerate(blocks):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and k < len(blocks) - 1,
+                        mp_policy=mp)
+    # None: FSDP2's own rule, which keeps a root's weights after forward (backward needs them at once)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=None if reshard_after_forward else False, mp_policy=mp)
     return part
 
 

@@ -1,16 +1,24 @@
 """Activation recomputation of a stage's blocks, as the plan's `recompute` asks (torchtitan's way).
 
+none: nothing recomputed; every block keeps what autograd saves.
 full: every block wrapped in torch's checkpoint_wrapper (torch.utils.checkpoint, non-reentrant):
 its forward keeps only the block's inputs, and backward runs the block's forward again.
-selective: every block under selective activation checkpointing (torch.utils.checkpoint with
-create_selective_checkpoint_contexts) whose policy recomputes the attention core only -- the
-scaled_dot_product_attention kernels, or the softmax and batched matmuls of an eager attention --
-and keeps every other op's output, as Korthikanti et al. 2022 recompute attention's core.
+selective: op-level selective activation checkpointing (torchtitan's `op` policy, the one the
+torch-native trainers run at scale): every block under torch.utils.checkpoint with
+create_selective_checkpoint_contexts, whose policy keeps (MUST_SAVE) the outputs of the matmuls
+-- all but every second one, counted per block in forward and again in the recomputation --, of
+the attention kernels (scaled_dot_product_attention) and of the tensor-parallel reduce-scatters
+(sequence parallelism's: backward need not communicate again to rebuild them), and recomputes
+every other op (norms, activations, rotary, residual adds, the skipped matmuls). It holds about
+half of what `none` holds for the matmuls and nothing for the cheap ops, and costs backward about
+half the matmul FLOPs of a block's forward plus its cheap ops. (hrlplan's `selective` once
+recomputed only the attention core, which under SDPA saves nothing.)
 Apply after tensor parallel and before FSDP (torchtitan's order): FSDP then shards the wrapped blocks.
 """
 from __future__ import annotations
 
-from functools import partial
+from collections import defaultdict
+from typing import Dict
 
 import torch
 import torch.nn as nn
@@ -20,23 +28,35 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from hrlplan.plan import RECOMPUTE_MODES
 
 
-def _attention_core_ops():
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_fused_attention_overrideable", "_softmax", "bmm", "baddbmm")
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+def _ops(namespace, names):
+    return {getattr(namespace, n).default for n in names if hasattr(namespace, n)}
 
 
-def _core_policy(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.PREFER_RECOMPUTE if func in _CORE else CheckpointPolicy.MUST_SAVE
+# A linear without bias dispatches aten.mm, with a bias aten.addmm (GPT-2): both count as matmuls.
+MATMULS = _ops(torch.ops.aten, ("mm", "addmm"))
+ALWAYS_SAVED = _ops(torch.ops.aten, (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "max",   # Float8's amax: cheap to keep, costly to recompute in lockstep (torchtitan keeps it)
+)) | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
 
 
-_CORE = _attention_core_ops()
+def _op_policy(counts: Dict[str, int]):
+    def policy(ctx, func, *args, **kwargs):
+        if func in MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            # every second matmul is recomputed: the forward and the recomputation count alike,
+            # so both pick the same ones
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in ALWAYS_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_core_policy)
+def op_selective_context():
+    """The (forward, recompute) contexts of one checkpointed block call: a fresh matmul count each."""
+    return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:
@@ -47,7 +67,7 @@ def wrap_block(block: nn.Module, mode: str) -> nn.Module:
         return block
     if mode == "full":
         return checkpoint_wrapper(block)
-    return checkpoint_wrapper(block, context_fn=partial(_selective_context))
+    return checkpoint_wrapper(block, context_fn=op_selective_context)
 
 
 def apply_recompute(part: nn.Module, mode: str) -> nn.Module:

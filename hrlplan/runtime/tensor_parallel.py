@@ -11,6 +11,24 @@ the other ranks come in one all-reduce) and the head column-wise, so each rank c
 logits and the cross entropy runs over the sharded logits (torch's loss_parallel: two small
 all-reduces of per-token max and sum instead of gathering b*s*vocab logits). A weight the head
 ties to the embedding is sharded once and serves both. Norms and position embeddings stay whole.
+
+Sequence parallelism (sequence_parallel=True, Korthikanti et al. 2022 as torchtitan's
+parallelize_llama applies it): between the matmul pairs the activation is sharded on the sequence
+(Shard(1): each tp rank holds s/tp positions), not replicated. The norms run on their shard
+(SequenceParallel; their weights become Replicate DTensors whose gradients DTensor all-reduces);
+PrepareModuleInput all-gathers the normed shard into the attention and the MLP, whose first matmuls
+stay ColwiseParallel; the second matmuls are RowwiseParallel(output_layouts=Shard(1)), a
+reduce-scatter where plain tp all-reduces. Same communication volume, and the residual stream, the
+norms' inputs and the dropout masks shrink by tp. The vocabulary-parallel embedding reduce-scatters
+into Shard(1); the head is ColwiseParallel(input_layouts=Shard(1)), so its input is gathered once and
+its logits stay vocabulary-sharded for loss_parallel. A whole embedding (or GPT-2's learned
+positions) is scattered on the sequence (a local slice; backward all-gathers), a whole head's input
+all-gathered.
+Stage boundaries carry the sequence-sharded activation (b, s/tp, h), each tp rank to the same tp
+rank of the next stage, as torchtitan does: the send is tp times smaller, no all-gather is spent at
+a stage's end, and the micro-batches a schedule keeps in flight are stored sharded. The next stage
+recovers the whole length for its positions (HFStage.sequence_shards). Heterogeneous plans (stages
+of unequal tp, hetero.py) keep whole activations at their boundaries and do not use it.
 """
 from __future__ import annotations
 
@@ -22,7 +40,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
 from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
 
@@ -31,15 +50,38 @@ log = logging.getLogger(__name__)
 _said_whole: set = set()   # (vocab, tp) already reported as kept whole, so a process says it once
 
 
-def _llama_plan() -> Dict[str, object]:
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+SEQUENCE = Shard(1)   # (batch, sequence, hidden): sequence parallelism's layout of a block's input and output
 
 
-def _gpt2_plan() -> Dict[str, object]:
-    return {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+def _gathered(kwarg: Optional[str] = None) -> PrepareModuleInput:
+    """All-gather a sequence-sharded input (positional, or the keyword `kwarg`) into the whole one."""
+    if kwarg is not None:
+        return PrepareModuleInput(input_kwarg_layouts={kwarg: SEQUENCE},
+                                  desired_input_kwarg_layouts={kwarg: Replicate()}, use_local_output=True)
+    return PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True)
+
+
+def _row_out(sequence_parallel: bool) -> RowwiseParallel:
+    return RowwiseParallel(output_layouts=SEQUENCE) if sequence_parallel else RowwiseParallel()
+
+
+def _llama_plan(sequence_parallel: bool = False) -> Dict[str, object]:
+    plan: Dict[str, object] = {
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": _row_out(sequence_parallel),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": _row_out(sequence_parallel)}
+    if sequence_parallel:   # the decoder layer calls self_attn with keywords only, its mlp positionally
+        plan.update({"input_layernorm": SequenceParallel(), "self_attn": _gathered("hidden_states"),
+                     "post_attention_layernorm": SequenceParallel(), "mlp": _gathered()})
+    return plan
+
+
+def _gpt2_plan(sequence_parallel: bool = False) -> Dict[str, object]:
+    plan: Dict[str, object] = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": _row_out(sequence_parallel),
+                               "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": _row_out(sequence_parallel)}
+    if sequence_parallel:   # GPT2Block passes the hidden states to attn and mlp positionally
+        plan.update({"ln_1": SequenceParallel(), "attn": _gathered(), "ln_2": SequenceParallel(), "mlp": _gathered()})
+    return plan
 
 
 def conv1d_to_linear(conv: nn.Module, row_order: torch.Tensor | None = None) -> nn.Linear:
@@ -76,9 +118,12 @@ def _prepare_gpt2_block(block: nn.Module, tp: int) -> None:
     attn.num_heads //= tp
 
 
-def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> nn.Module:
+def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
+                      sequence_parallel: bool = False) -> nn.Module:
     """Shard every block of an HFStage over `tp_mesh` (in place), and its embedding and head unless
-    vocab_parallel is False (see shard_vocabulary); returns the part."""
+    vocab_parallel is False (see shard_vocabulary); sequence_parallel: the activations between the
+    matmul pairs, and the stage's input and output, sharded on the sequence (see the module's doc).
+    Returns the part."""
     part.loss_mesh = None
     tp = tp_mesh.size()
     if tp == 1:
@@ -92,17 +137,43 @@ def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool
             if config_heads[0] % tp or config_heads[1] % tp:
                 raise ValueError(f"{part.model_type}: {config_heads[0]} heads / {config_heads[1]} kv heads are not "
                                  f"divisible by tp={tp}")
-            parallelize_module(block, tp_mesh, _llama_plan())
+            parallelize_module(block, tp_mesh, _llama_plan(sequence_parallel))
     elif part.model_type == "gpt2":
         for block in blocks:
             _prepare_gpt2_block(block, tp)
-            parallelize_module(block, tp_mesh, _gpt2_plan())
+            parallelize_module(block, tp_mesh, _gpt2_plan(sequence_parallel))
     else:
         raise NotImplementedError(f"tensor parallel for {part.model_type} is not implemented; "
                                   f"supported: gpt2, {', '.join(sorted(LLAMA_STYLE))}")
-    if vocab_parallel:
-        shard_vocabulary(part, tp_mesh)
+    vocab_sharded = vocab_parallel and shard_vocabulary(part, tp_mesh, sequence_parallel)
+    if sequence_parallel:
+        _shard_stage_ends(part, tp_mesh, vocab_sharded)
     return part
+
+
+def _shard_stage_ends(part: nn.Module, tp_mesh: DeviceMesh, vocab_sharded: bool) -> None:
+    """Sequence parallelism at the stage's ends, beside what shard_vocabulary did: the final norm on
+    its shard; a whole embedding's output and GPT-2's position embedding scattered on the sequence;
+    a whole head's input gathered. HFStage.sequence_shards tells a later stage the whole length."""
+    part.sequence_shards = tp_mesh.size()
+    plan: Dict[str, object] = {}
+    scatter = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True)
+    embedding = _token_embedding(part)
+    if embedding is not None and not vocab_sharded:
+        plan[_name_in(part, embedding)] = scatter
+    if part.first and part.model_type == "gpt2":
+        plan[_name_in(part, part.base.wpe)] = scatter
+    if part.last:
+        norm = part.base.ln_f if hasattr(part.base, "ln_f") else part.base.norm
+        plan[_name_in(part, norm)] = SequenceParallel()
+        if not vocab_sharded:
+            plan["lm_head"] = _gathered()
+    if plan:
+        parallelize_module(part, tp_mesh, plan)
+
+
+def _name_in(part: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in part.named_modules() if m is module)
 
 
 def _token_embedding(part: nn.Module) -> Optional[nn.Module]:
@@ -118,10 +189,12 @@ def vocabulary_divides(vocab: int, tp: int) -> bool:
     return tp > 1 and vocab % tp == 0
 
 
-def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh) -> bool:
+def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> bool:
     """Vocabulary-parallel token embedding (RowwiseParallel: rows sharded, replicated ids in, the
-    all-reduced embedding out) and column-parallel head whose logits stay sharded on the vocabulary
-    (ColwiseParallel, output Shard(-1), handed on as the local vocab/tp columns); part.loss_mesh is
+    all-reduced embedding out -- reduce-scattered on the sequence under sequence_parallel) and
+    column-parallel head whose logits stay sharded on the vocabulary (ColwiseParallel, output
+    Shard(-1), handed on as the local vocab/tp columns; its input gathered from the sequence
+    shards under sequence_parallel); part.loss_mesh is
     then the mesh the loss runs over (stage_loss). A head tied to the embedding in this part stays
     one Parameter. False (and the part left whole, said once) when the vocabulary does not split
     evenly over tp; a part with neither is left alone."""
@@ -139,11 +212,11 @@ def shard_vocabulary(part: nn.Module, tp_mesh: DeviceMesh) -> bool:
         return False
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     plan = {}
+    between = SEQUENCE if sequence_parallel else Replicate()
     if embedding is not None:
-        name = [n for n, m in part.named_modules() if m is embedding][0]
-        plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan[_name_in(part, embedding)] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if head is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+        plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1))
     parallelize_module(part, tp_mesh, plan)
     if tied:   # each style distributed its own copy; the head takes the embedding's sharded Parameter
         head.weight = embedding.weight

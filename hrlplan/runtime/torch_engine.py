@@ -61,6 +61,28 @@ def place_stages(schedule, stages: List[PipelineStage], plan: Plan, group_ranks:
         schedule.rank = coords["pp"]
 
 
+def sequence_parallel(plan: Plan) -> bool:
+    """The plan's sequence parallelism (a per-stage `sequence_parallel`, read where present; off
+    otherwise). Stages exchange sequence-sharded activations, so every stage must agree."""
+    chosen = {bool(getattr(stage, "sequence_parallel", False)) for stage in plan.stages}
+    if len(chosen) > 1:
+        raise ValueError("sequence_parallel differs between stages: stages pass sequence-sharded activations "
+                         "to each other, so set it on every stage or on none")
+    return chosen.pop()
+
+
+def reshard_after_forward(plan: Plan) -> bool:
+    """FSDP2's reshard_after_forward for the plan: its own `reshard_after_forward` where it has one
+    (None or absent: the default), else torchtitan's default -- True without pipelining (the
+    unsharded weights of a block live only while it runs; backward gathers them again), False
+    when this rank runs a pipeline schedule (a block runs a forward per micro-batch: resharding
+    would all-gather it again for each)."""
+    chosen = getattr(plan, "reshard_after_forward", None)
+    if chosen is not None:
+        return bool(chosen)
+    return plan.num_stages == 1
+
+
 class TorchPipelineEngine:
     """One step = one `schedule.step`; parts maps this rank's stage indices to their modules."""
 
@@ -81,15 +103,19 @@ class TorchPipelineEngine:
         self.parts: Dict[int, torch.nn.Module] = {}
         mp_dtype = torch.bfloat16 if train.dtype == "bfloat16" else None
         tp = plan.stages[0].tp
+        self.sequence_parallel = tp > 1 and sequence_parallel(plan)
+        self.reshard_after_forward = reshard_after_forward(plan)
         for i in self.stage_ids:
             part = all_parts[i].to(self.device)
             if tp > 1:
-                parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.vocab_parallel))
+                parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.vocab_parallel),
+                                  sequence_parallel=self.sequence_parallel)
             apply_recompute(part, plan.stages[i].recompute)   # after tp, before FSDP (torchtitan's order)
             blocks = getattr(part.base, part.blocks_attr)
             if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train.dp_mode != "fsdp"):
                 part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards
-            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], str(train.dp_mode), blocks, mp_dtype)
+            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], str(train.dp_mode), blocks, mp_dtype,
+                                                reshard_after_forward=self.reshard_after_forward)
         del all_parts
         self.tie_sync.bind(self.parts, plan)
         self.stages = [PipelineStage(self.parts[i], i, plan.num_stages, self.device, group=self.pp_group)
