@@ -101,6 +101,15 @@ def test_a_run_without_a_checkpoint_starts_afresh_and_says_so(tmp_path):
     assert "has no checkpoint yet" in said[0]
 
 
+def test_a_run_that_recorded_nothing_says_so(tmp_path):
+    run = tmp_path / "bare"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    merged, said = _resume(run, "train.resume=auto", "train.steps=9")
+    assert merged == ["train.resume=auto", "train.steps=9"] and "recorded no config" in said[0]
+    merged, said = resumed_overrides(["train.resume=auto"], [], compose, said.append), said
+    assert "without hydra.run.dir" in said[-1]
+
+
 def test_a_default_changed_in_conf_is_pinned_to_the_recorded_value(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -229,6 +229,9 @@ def resumed_overrides(overrides: Sequence[str], hydra_overrides: Sequence[str],
     run = recorded_run(str(resume), None if run_dir is None else str(run_dir))
     record = load_record(run) if run is not None else None
     if record is None:
+        if run is not None and checkpoint_step(str(resume), run, {}) is not None:
+            say(f"[hrlplan] train.resume={resume}: {run} recorded no config (no {RECORD} or .hydra/), so none is "
+                "restored: this command line's config must be the run's own")
         return list(overrides)
     recorded, trained, source = record
     step = checkpoint_step(str(resume), run, trained)
@@ -243,37 +246,39 @@ def resumed_overrides(overrides: Sequence[str], hydra_overrides: Sequence[str],
     exempt, replan_note = _replan_manual_plan(replayed, overrides, trained)
     if replan_note:
         replayed = [o for o in replayed if _key_of(o) not in ("planner", "planner.plan_file")]
-    merged = replayed + list(overrides)
+    differs = _differences(trained, compose(replayed + list(overrides)), exempt)
+    pins = [_pin(key, old, new, overrides, run, source) for key, (old, new) in differs.items()]
+    merged = replayed + pins + list(overrides)
     composed = compose(merged)
-    differs = _differences(trained, composed, exempt)
-    pins: List[str] = []
-    for key, (old, new) in differs.items():
-        typed = _typed_by(key, overrides)
-        if typed is not None:
-            raise ConfigError(key, new, message=(
-                f"{typed} on resume: the run in {run} trained with {key}={_shown(old)} (recorded in {source}), "
-                f"here {key}={_shown(new)}; a resume continues the same run: drop {_key_of(typed)} from the command "
-                "line, or start a new run in another hydra.run.dir (docs/resume.md lists the keys a resume may "
-                "change)"))
-        spelled = _as_override_value(old)
-        if spelled is None:
-            raise ConfigError(key, new, message=f"train.resume: conf/ now composes {key}={_shown(new)} but the run in "
-                              f"{run} trained with {_shown(old)}, which cannot be given back as an override: set it "
-                              "in conf/ as it was, or start a new run in another hydra.run.dir")
-        pins.append(f"{key}={spelled}")
-    if pins:
-        merged = replayed + pins + list(overrides)
-        left = _differences(trained, compose(merged), exempt)
-        if left:
-            key, (old, new) = next(iter(left.items()))
-            raise ConfigError(key, new, message=f"train.resume: conf/ now composes {key}={_shown(new)} but the run in "
-                              f"{run} trained with {_shown(old)}: set it in conf/ as it was, or start a new run in "
-                              "another hydra.run.dir")
-        composed = compose(merged)
+    left = _differences(trained, composed, exempt)
+    if left:   # a pin that did not take: conf/ changed in a way an override cannot undo
+        key, (old, new) = next(iter(left.items()))
+        raise _drifted(key, old, new, run, "")
     if replan_note:
         say(replan_note)
     say(_restored_line(run, step, replayed + pins, composed))
     return merged
+
+
+def _pin(key: str, old: Any, new: Any, overrides: Sequence[str], run: Path, source: Path) -> str:
+    """The override that keeps `key` at its recorded value; refused when the command line changed it."""
+    typed = _typed_by(key, overrides)
+    if typed is not None:
+        raise ConfigError(key, new, message=(
+            f"{typed} on resume: the run in {run} trained with {key}={_shown(old)} (recorded in {source}), "
+            f"here {key}={_shown(new)}; a resume continues the same run: drop {_key_of(typed)} from the command "
+            "line, or start a new run in another hydra.run.dir (docs/resume.md lists the keys a resume may "
+            "change)"))
+    spelled = _as_override_value(old)
+    if spelled is None:
+        raise _drifted(key, old, new, run, ", which cannot be given back as an override")
+    return f"{key}={spelled}"
+
+
+def _drifted(key: str, old: Any, new: Any, run: Path, why: str) -> ConfigError:
+    return ConfigError(key, new, message=f"train.resume: conf/ now composes {key}={_shown(new)} but the run in {run} "
+                       f"trained with {_shown(old)}{why}: set it in conf/ as it was, or start a new run in another "
+                       "hydra.run.dir")
 
 
 def _differences(trained: Dict[str, Any], composed: Dict[str, Any],
