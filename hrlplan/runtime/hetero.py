@@ -17,8 +17,9 @@ it from rank j mod tp_sender of the sending stage, and gradients go back the sam
 
 Gradients: replicas differ, so there is no DDP/FSDP. Each parameter unit (embedding, block i,
 final norm + head) is all-reduced over the ranks holding it, every contribution weighted by its
-pipeline's share of the global batch, so the update equals one process on the global batch.
-Groups are created in one global order on every rank and reduced in that order.
+pipeline's share of the global batch, so the update equals one process on the global batch:
+bucketed, in the training dtype where safe, and started during the last micro-batch's backward
+(hetero_sync.py says exactly how). GPT-2 replicas may hold a block at different tp degrees.
 """
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from hrlplan.config import TrainConfig, section
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
+from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype, unit_order
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder
@@ -134,94 +135,6 @@ def unit_holders(pipes: List[PipelinePlan], n_layer: int, embed_units: List[str]
     return out
 
 
-class GradientReducer:
-    """Per-unit weighted all-reduce over the ranks holding it (see the module docstring)."""
-
-    def __init__(self, plan: Plan, pipes: List[PipelinePlan], holders: Dict[str, List[Holder]], rank: int):
-        self.pipes, self.rank = pipes, rank
-        self.weights = [p.batch_size / plan.global_batch_size for p in pipes]
-        self.holders = holders
-        # unit -> list of (rank set, full?) ; "full" groups mix tp degrees and reduce whole tensors
-        self.unit_groups: Dict[str, List[Tuple[Tuple[int, ...], bool]]] = {}
-        order: List[Tuple[int, ...]] = []
-        for unit, holders in self.holders.items():
-            tps = {pipes[p].stages[s].tp for p, s in holders}
-            if len(tps) == 1:
-                tp = tps.pop()
-                sets = [(tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in holders})), False) for t in range(tp)]
-            else:
-                sets = [(tuple(sorted({r for p, s in holders for r in pipes[p].stages[s].ranks})), True)]
-            self.unit_groups[unit] = sets
-            order += [ranks for ranks, _ in sets if ranks not in order]
-        self.groups: Dict[Tuple[int, ...], object] = {}
-        for ranks in order:   # every rank creates every group, in the same order
-            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.groups[ranks] = group
-        self.order = [r for r in order if r in self.groups]
-
-    def canonical(self, unit: str) -> Holder:
-        """The holder whose copy counts in the global gradient norm (first pipeline, first stage)."""
-        return min(self.holders[unit])
-
-    def reduce(self, params: List[Tuple[str, str, nn.Parameter]], me: Holder, tp_index: int, tp: int) -> None:
-        """params: (unit, canonical name, parameter); every member of a group packs the same
-        parameters in the same (unit, name) order."""
-        weight = self.weights[me[0]]
-        buckets: Dict[Tuple[int, ...], List[Tuple[nn.Parameter, bool]]] = {}
-        for unit, _, param in sorted(params, key=lambda x: (x[0], x[1])):
-            for ranks, full in self.unit_groups[unit]:
-                if self.rank in ranks:
-                    buckets.setdefault(ranks, []).append((param, full))
-        # Every bucket's all-reduce is started before any is waited for: each group's collectives run
-        # on their own gloo/NCCL queue, so a bucket whose ranks are ready does not wait behind one
-        # whose ranks are still finishing their pipeline (one group per rank set, same order everywhere).
-        launched = []
-        for ranks in self.order:
-            items = buckets.get(ranks)
-            if not items:
-                continue
-            flats = []
-            for param, full in items:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                g = param.grad
-                if full:   # mixed tp degrees: reduce whole tensors, each tp rank adding 1/tp of its copy
-                    g = g.full_tensor() if hasattr(g, "full_tensor") else g
-                    flats.append((g.detach().float() * (weight / tp)).reshape(-1))
-                else:
-                    g = g.to_local() if hasattr(g, "to_local") else g
-                    flats.append((g.detach().float() * weight).reshape(-1))
-            buf = torch.cat(flats)
-            work = dist.all_reduce(buf, group=self.groups[ranks], async_op=True) if self.groups[ranks] is not None else None
-            launched.append((items, buf, work))
-        for items, buf, work in launched:
-            if work is not None:
-                work.wait()
-            offset = 0
-            with torch.no_grad():
-                for param, full in items:
-                    g = param.grad
-                    local = g.to_local() if hasattr(g, "to_local") else g
-                    numel = local.numel() if not full else _full_numel(g)
-                    piece = buf[offset:offset + numel]
-                    offset += numel
-                    if full and hasattr(g, "placements"):
-                        piece = _local_shard(piece.reshape(g.shape), g, tp_index, tp)
-                    local.copy_(piece.reshape(local.shape).to(local.dtype))
-
-
-def _full_numel(g) -> int:
-    return int(torch.Size(g.shape).numel())
-
-
-def _local_shard(full: torch.Tensor, like, tp_index: int, tp: int) -> torch.Tensor:
-    for placement in like.placements:
-        if isinstance(placement, Shard):
-            return torch.chunk(full, tp, dim=placement.dim)[tp_index]
-    return full
-
-
 class HeteroPipelineEngine:
     """This rank's stage of its pipeline (none on an unused rank) and one training step."""
 
@@ -241,10 +154,16 @@ class HeteroPipelineEngine:
                     self.me, self.tp_index = (p, s), st.ranks.index(self.rank)
         embed_units, self.tied_unit = embedding_units(full_model)
         holders = unit_holders(self.pipes, plan.n_layer, embed_units, self.tied_unit)
-        if full_model.config.model_type == "gpt2":
-            _check_gpt2_tp(self.pipes, holders)
+        # tensor_parallel.py stores GPT-2 under tp in a tp-specific layout, and one holder writes each
+        # parameter to a checkpoint: replicas at other tp degrees could not load it back
+        self.resume_refusal = ""
+        if full_model.config.model_type == "gpt2" and any(
+                len({self.pipes[p].stages[s].tp for p, s in hs}) > 1 for u, hs in holders.items() if u.startswith("block")):
+            self.resume_refusal = ("this plan's GPT-2 replicas hold a block at different tp degrees, whose "
+                                   "checkpoints do not load back yet")
         tp_mesh = self._tp_meshes()
-        self.reducer = GradientReducer(plan, self.pipes, holders, self.rank)
+        self.reducer = GradientReducer(plan, self.pipes, holders, self.rank, unit_order(plan.n_layer, embed_units),
+                                       reduce_dtype(train.dtype))
         self.parts: Dict[int, nn.Module] = {}
         self.not_written: set = set()   # parameter names another holder writes to a checkpoint
         self.hidden = int(full_model.config.hidden_size)
@@ -272,6 +191,9 @@ class HeteroPipelineEngine:
         (self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from,
          self.send_bwd_to) = stage_links(self.pipe.stages, s, self.tp_index)
         self.loss_reporter = self.last and self.tp_index == 0
+        gpt2 = full_model.config.model_type == "gpt2"
+        self.reducer.attach(self._unit_params(), self.me, self.tp_index, self.stage.tp,
+                            lambda name: gpt2_layout(name, self.stage.tp, self.hidden) if gpt2 else None)
 
     def checkpoint_writes(self, name: str) -> bool:
         """Whether this rank writes parameter `name` (and its optimizer state) to a checkpoint. Replicas
@@ -302,25 +224,37 @@ class HeteroPipelineEngine:
         return p2p_program(ops, self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from, self.send_bwd_to)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._pipeline(inputs, targets, self.program())
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss share of a forward-only pass (no gradients, no synchronisation)."""
+        if self.me is None:
+            return torch.zeros(1, device=self.device)
+        ops = [("F", j) for j in range(self.pipe.num_microbatches)]
+        with torch.no_grad():
+            return self._pipeline(inputs, targets, p2p_program(ops, self.recv_fwd_from, self.send_fwd_to, None, []))
+
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, program: List[Step]) -> torch.Tensor:
         loss_share = torch.zeros(1, device=self.device)
         if self.me is None:
             return loss_share
         part = self.parts[self.gid]
         losses: List[torch.Tensor] = []
         with loss_context([part]):   # a vocabulary-parallel head's loss, forward and backward
-            self._run_program(inputs, targets, losses)
+            self._run_program(program, inputs, targets, losses)
         if self.loss_reporter:
             loss_share[0] = torch.stack(losses).float().mean() * self.reducer.weights[self.me[0]]
         return loss_share
 
-    def _run_program(self, inputs: torch.Tensor, targets: torch.Tensor, losses: List[torch.Tensor]) -> None:
+    def _run_program(self, program: List[Step], inputs: torch.Tensor, targets: torch.Tensor,
+                     losses: List[torch.Tensor]) -> None:
         part, m = self.parts[self.gid], self.pipe.num_microbatches
         mbs = self.pipe.microbatch_size
         shape = (mbs, targets.shape[1], self.hidden)
         outbox: Dict[Tuple[str, int], torch.Tensor] = {}   # what this rank's sends carry
         inbox: Dict[Tuple[str, int], torch.Tensor] = {}
         stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for step in self.program():
+        for step in program:
             self._exchange(step.batch, shape, outbox, inbox)
             kind, j = step.kind, step.microbatch
             rows = slice(j * mbs, (j + 1) * mbs)
@@ -337,6 +271,8 @@ class HeteroPipelineEngine:
                 stash[j] = (x, out)
             elif kind == "B":
                 x, out = stash.pop(j)
+                if j == m - 1:   # the last backward: gradients become final; buckets start as they do
+                    self.reducer.arm()
                 if self.last:
                     with self.recorder.op(self.gid, j, "B"):
                         out.backward()
@@ -368,7 +304,7 @@ class HeteroPipelineEngine:
     def sync_and_clip(self, max_norm: float) -> torch.Tensor:
         params = self._unit_params()
         if self.me is not None:
-            self.reducer.reduce(params, self.me, self.tp_index, self.stage.tp)
+            self.reducer.finish()
         sq = torch.zeros(1, device=self.device)
         for unit, _, param in params:   # each parameter counted once: on its canonical holder
             if self.reducer.canonical(unit) != self.me or param.grad is None:
@@ -415,13 +351,3 @@ def _param_units(part: nn.Module, embed_units: List[str], tied_unit: Optional[st
         else:
             units[name] = ("final", name)
     return units
-
-
-def _check_gpt2_tp(pipes: List[PipelinePlan], holders_by_unit: Dict[str, List[Holder]]) -> None:
-    """GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree, so
-    replicas may only share a block if they hold it at the same tp degree."""
-    for unit, holders in holders_by_unit.items():
-        tps = {pipes[p].stages[s].tp for p, s in holders}
-        if unit.startswith("block") and len(tps) > 1:
-            raise ValueError(f"GPT-2 {unit} is held at tp degrees {sorted(tps)} by different pipelines; GPT-2 "
-                             "replicas must hold a block at one tp degree (Llama-style models may mix)")

@@ -28,10 +28,12 @@ from hrlplan.cluster import ClusterSpec
 from hrlplan.config import Config, as_config
 from hrlplan.cost.plans import options_for_train, plan_memory
 from hrlplan.data.lm import build_lm_data
+from hrlplan.errors import UserError
 from hrlplan.model_meta import ModelMeta
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import distributed, timing
+from hrlplan.runtime.checkpoint import find_resume
 from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.mfu import mfu
@@ -123,13 +125,19 @@ class PipelineTrainer(TrainAdapter):
         self.checkpoint_writes = getattr(self.engine, "checkpoint_writes", None)
         del full
         self.parts: Dict[int, torch.nn.Module] = self.engine.parts
+        if not self.parts:   # nothing to train: the LR schedule, optimizer and step would have no stage
+            raise UserError(f"rank {self.rank} holds no stage of the plan (unused_ranks {plan.unused_ranks}): ranks a "
+                            "plan leaves idle leave the job before training (hrlplan.launch.ranks.leave_idle_ranks)")
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        refusal = getattr(self.engine, "resume_refusal", "")
+        if refusal and find_resume(str(self.train.resume), self.checkpoint_root)[0] is not None:
+            raise UserError(f"train.resume={self.train.resume}: {refusal}; start fresh with train.resume=none")
         owned: set = set()
         self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
         self.lr = LRSchedule({f"stage{i}": o for i, o in self.optimizers.items()},
                              lr_lambda(self.train, int(self.train.steps)))
         self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed))
         self.phase_times: List[Dict[str, float]] = []
-        self.checkpoint_root = self.run_dir / "checkpoints"
         stop_after = self.train.stop_after
         self.stop_at = min(int(self.train.steps), int(stop_after)) if stop_after is not None else int(self.train.steps)
         self.log_interval = int(self.train.log_interval)

@@ -1,0 +1,278 @@
+"""Gradient synchronisation across heterogeneous replicas (hetero.py's executor): bucketed, in the
+training dtype where that is safe, overlapped with the last micro-batch's backward.
+
+What it does, exactly (the simulator's cross-replica cost follows this; see cost/plans.py):
+- Units. A parameter unit (an embedding parameter, block i, final norm + head) is reduced over
+  the ranks holding it. Holders at one tp degree reduce shard by shard: tp rank t of every holder
+  forms one group (1/tp of the unit each). Holders at different tp degrees reduce the whole unit
+  over all their ranks: each tp rank places its shard in a zero tensor of the whole shape (a
+  replicated tensor contributes 1/tp of itself), so no all-gather is needed.
+- Weights. Every contribution is multiplied by its pipeline's share of the global batch before the
+  sum, so the update equals one process on the global batch.
+- Buckets. A rank's units are ordered as backward finishes them -- final, block n-1 .. block 0,
+  then the embeddings -- and cut, per group of ranks, into buckets of whole units of at least
+  BUCKET_MB (the last one smaller). All members of a group hold the same units of it, so they
+  cut the same buckets.
+- Dtype. bfloat16 training sends bfloat16 buckets (half the bytes; each gradient was computed
+  under bf16 autocast, so one more rounding per add among a handful of replicas is within its own
+  precision, as torch DDP's bf16_compress_hook does); float32 training reduces in float32.
+  Gradients are kept and unpacked in float32.
+- Overlap. Before the last micro-batch's backward the reducer is armed: a post-accumulate-grad hook
+  on each parameter counts its bucket down, and a bucket whose gradients are all final is packed
+  and its all-reduce started (async) while backward goes on. Buckets start in one global order
+  (the order above, then the group's rank order) on every rank, so each group sees its
+  collectives in the same order everywhere (required by NCCL and gloo): a bucket finished early
+  waits for the buckets before it. `finish()` (before clipping) starts what is left and waits.
+- GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree
+  (tensor_parallel.py); where its holders mix tp degrees, each holder maps its whole-shape
+  contribution to the Hugging Face Conv1D layout before the sum and back after it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from hrlplan.plan import PipelinePlan
+from hrlplan.runtime.tensor_parallel import qkv_row_order
+
+Holder = Tuple[int, int]   # (pipeline, stage)
+RankSet = Tuple[int, ...]
+BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
+GPT2_LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")   # Conv1D in HF, nn.Linear under tp
+
+
+def bucket_bytes() -> int:
+    """BUCKET_MB, or HRLPLAN_GRAD_BUCKET_MB where set (the tests cut small buckets to check the overlap)."""
+    return int(float(os.environ.get("HRLPLAN_GRAD_BUCKET_MB", BUCKET_MB)) * 2**20)
+
+
+def unit_order(n_layer: int, embed_units: Sequence[str]) -> List[str]:
+    """Units in the order backward finishes them: final, block n-1 .. block 0, the embeddings."""
+    return ["final"] + [f"block{i}" for i in reversed(range(n_layer))] + list(embed_units)
+
+
+def reduce_dtype(train_dtype: str) -> torch.dtype:
+    """The dtype buckets travel in (see the module docstring)."""
+    return torch.bfloat16 if str(getattr(train_dtype, "value", train_dtype)) == "bfloat16" else torch.float32
+
+
+class Item(NamedTuple):
+    """One parameter in a bucket: whole=True when its group mixes tp degrees (whole-shape contribution)."""
+    unit: str
+    name: str
+    param: nn.Parameter
+    whole: bool
+    numel: int
+
+
+class Bucket(NamedTuple):
+    ranks: RankSet
+    items: Tuple[Item, ...]
+
+
+def cut_buckets(items: Sequence[Item], cap_bytes: int, value_bytes: int) -> List[List[Item]]:
+    """Whole units, in the given order, grouped until a bucket holds at least cap_bytes. Pure: every
+    member of a group cuts the same buckets from the same (unit, numel) sequence."""
+    buckets: List[List[Item]] = []
+    current: List[Item] = []
+    size = 0
+    for i, item in enumerate(items):
+        current.append(item)
+        size += item.numel * value_bytes
+        unit_ends = i + 1 == len(items) or items[i + 1].unit != item.unit
+        if unit_ends and size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def gpt2_layout(name: str, tp: int, hidden: int) -> Optional[Tuple[bool, Optional[torch.Tensor]]]:
+    """How a GPT-2 parameter of a tp>1 stage differs from Hugging Face's Conv1D layout: (transposed,
+    q/k/v row order or None); None where it does not (norms, embeddings, tp 1)."""
+    if tp == 1:
+        return None
+    for module in GPT2_LINEAR:
+        if f".{module}." in f".{name}":
+            weight = name.endswith(".weight")
+            order = qkv_row_order(hidden, tp) if module == "attn.c_attn" else None
+            if not weight and order is None:
+                return None
+            return weight, order
+    return None
+
+
+def to_hf(full: torch.Tensor, layout) -> torch.Tensor:
+    """A whole-shape tensor in the tp layout -> Hugging Face's Conv1D layout."""
+    if layout is None:
+        return full
+    transposed, order = layout
+    if order is not None:
+        full = full[torch.argsort(order.to(full.device))]
+    return full.t() if transposed else full
+
+
+def from_hf(full: torch.Tensor, layout) -> torch.Tensor:
+    """The inverse of to_hf."""
+    if layout is None:
+        return full
+    transposed, order = layout
+    full = full.t() if transposed else full
+    return full[order.to(full.device)] if order is not None else full
+
+
+class GradientReducer:
+    """This rank's buckets, their groups, the hooks that start them and the wait (module docstring)."""
+
+    def __init__(self, plan, pipes: List[PipelinePlan], holders: Dict[str, List[Holder]], rank: int,
+                 order: Sequence[str], dtype: torch.dtype = torch.float32):
+        self.rank, self.dtype = rank, dtype
+        self.weights = [p.batch_size / plan.global_batch_size for p in pipes]
+        self.holders = holders
+        self.position = {u: i for i, u in enumerate(order)}
+        # unit -> [(rank set, whole?)]: one group per tp index, or one whole-unit group across tp degrees
+        self.unit_groups: Dict[str, List[Tuple[RankSet, bool]]] = {}
+        ordered: List[RankSet] = []
+        for unit in order:
+            hs = holders.get(unit, [])
+            if not hs:
+                continue
+            tps = {pipes[p].stages[s].tp for p, s in hs}
+            if len(tps) == 1:
+                sets = [(tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in hs})), False) for t in range(tps.pop())]
+            else:
+                sets = [(tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks})), True)]
+            self.unit_groups[unit] = sets
+            ordered += [ranks for ranks, _ in sets if ranks not in ordered]
+        self.groups: Dict[RankSet, object] = {}
+        for ranks in ordered:   # every rank creates every group, in the same order
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.groups[ranks] = group
+        self.group_rank = {ranks: i for i, ranks in enumerate(ordered)}
+        self.buckets: List[Bucket] = []
+        self.started_in_backward = 0   # buckets the last step started from the hooks (the overlap)
+
+    def canonical(self, unit: str) -> Holder:
+        """The holder whose copy counts in the global gradient norm (first pipeline, first stage)."""
+        return min(self.holders[unit])
+
+    def attach(self, params: List[Tuple[str, str, nn.Parameter]], me: Holder, tp_index: int, tp: int,
+               layout_of: Callable[[str], object], cap_bytes: Optional[int] = None) -> None:
+        """params: (unit, canonical name, parameter) of this rank's stage; layout_of(canonical name):
+        its GPT-2 tp layout (gpt2_layout) or None. Cuts the buckets and registers the hooks."""
+        self.me, self.tp_index, self.tp = me, tp_index, tp
+        self.layout_of = layout_of
+        by_ranks: Dict[RankSet, List[Item]] = {}
+        for unit, name, param in sorted(params, key=lambda x: (self.position[x[0]], x[1])):
+            for ranks, whole in self.unit_groups[unit]:
+                if self.rank in ranks:
+                    numel = int(torch.Size(param.shape).numel()) if whole else _local(param).numel()
+                    by_ranks.setdefault(ranks, []).append(Item(unit, name, param, whole, numel))
+        value_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        cap_bytes = bucket_bytes() if cap_bytes is None else cap_bytes
+        keyed = []
+        for ranks, items in by_ranks.items():
+            for cut in cut_buckets(items, cap_bytes, value_bytes):
+                keyed.append(((self.position[cut[0].unit], self.group_rank[ranks]), Bucket(ranks, tuple(cut))))
+        self.buckets = [b for _, b in sorted(keyed, key=lambda kb: kb[0])]
+        self.bucket_of: Dict[int, List[int]] = {}
+        for k, bucket in enumerate(self.buckets):
+            for item in bucket.items:
+                self.bucket_of.setdefault(id(item.param), []).append(k)
+        self.armed = False
+        for param in {id(p): p for _, _, p in params}.values():
+            if id(param) in self.bucket_of:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ------------------------------------------------------------ one step
+    def arm(self) -> None:
+        """Before the last micro-batch's backward: from now on a finished bucket starts its all-reduce."""
+        self.armed = True
+        self.pending = [len(b.items) for b in self.buckets]
+        self.launched: List[Tuple[Bucket, torch.Tensor, object]] = []
+        self.started_in_backward = 0
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        for k in self.bucket_of[id(param)]:
+            self.pending[k] -= 1
+        while len(self.launched) < len(self.buckets) and self.pending[len(self.launched)] <= 0:
+            self._start(self.buckets[len(self.launched)])
+            self.started_in_backward += 1
+
+    def _start(self, bucket: Bucket) -> None:
+        weight = self.weights[self.me[0]]
+        flats = []
+        for item in bucket.items:
+            if item.param.grad is None:
+                item.param.grad = torch.zeros_like(item.param)
+            if item.whole:
+                part = to_hf(self._whole_contribution(item.param.grad, weight), self.layout_of(item.name))
+            else:
+                part = _local(item.param.grad).detach().float() * weight
+            flats.append(part.reshape(-1).to(self.dtype))
+        buf = torch.cat(flats)
+        group = self.groups[bucket.ranks]
+        work = dist.all_reduce(buf, group=group, async_op=True) if group is not None else None
+        self.launched.append((bucket, buf, work))
+
+    def _whole_contribution(self, grad, weight: float) -> torch.Tensor:
+        """This rank's share of a whole-shape sum over every tp rank of every holder: its shard in
+        place (zeros elsewhere), or 1/tp of a replicated tensor."""
+        local = _local(grad).detach().float()
+        dim = _shard_dim(grad)
+        if dim is None:
+            return local * (weight / self.tp)
+        whole = torch.zeros(tuple(grad.shape), dtype=torch.float32, device=local.device)
+        torch.chunk(whole, self.tp, dim=dim)[self.tp_index].copy_(local)
+        return whole * weight
+
+    def finish(self) -> None:
+        """Start the buckets backward did not (all of them where it was not armed), wait, unpack."""
+        if not getattr(self, "armed", False):
+            self.arm()
+        for bucket in self.buckets[len(self.launched):]:
+            self._start(bucket)
+        self.armed = False
+        for bucket, buf, work in self.launched:
+            if work is not None:
+                work.wait()
+            offset = 0
+            with torch.no_grad():
+                for item in bucket.items:
+                    piece = buf[offset:offset + item.numel].float()
+                    offset += item.numel
+                    grad = item.param.grad
+                    local = _local(grad)
+                    if item.whole:
+                        piece = from_hf(piece.reshape(_hf_shape(grad.shape, self.layout_of(item.name))),
+                                        self.layout_of(item.name))
+                        dim = _shard_dim(grad)
+                        if dim is not None:
+                            piece = torch.chunk(piece, self.tp, dim=dim)[self.tp_index]
+                    local.copy_(piece.reshape(local.shape).to(local.dtype))
+        self.launched = []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_dim(t) -> Optional[int]:
+    for placement in getattr(t, "placements", ()):
+        if isinstance(placement, Shard):
+            return placement.dim
+    return None
+
+
+def _hf_shape(shape, layout) -> Tuple[int, ...]:
+    shape = tuple(shape)
+    return shape[::-1] if layout is not None and layout[0] else shape
