@@ -214,7 +214,7 @@ def test_a_cache_that_cannot_be_written_says_so_in_one_line(tmp_path, monkeypatc
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1, lines
     assert "cached in" not in lines[0] and "could not cache it in" in lines[0]
-    assert "not a directory" in lines[0] and "HRLPLAN_CALIBRATION_CACHE" in lines[0]
+    assert f"(not a directory: {blocker / 'cache'})" in lines[0] and "HRLPLAN_CALIBRATION_CACHE" in lines[0]
 
 
 def test_plan_info_says_what_the_plan_was_costed_from():

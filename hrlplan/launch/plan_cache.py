@@ -111,7 +111,7 @@ def _store_entry(root: Path, key: str, write, replace: bool = False) -> Optional
         try:
             os.replace(final, old)
         except OSError as e:
-            return _why(e, final)
+            return _why(e, root)
         shutil.rmtree(old, ignore_errors=True)
     tmp = root / f".{key}.{uuid.uuid4().hex[:8]}.tmp"
     try:
@@ -127,9 +127,10 @@ def _store_entry(root: Path, key: str, write, replace: bool = False) -> Optional
 
 
 def _why(error: OSError, where: Path) -> str:
-    """An OSError in a few words, naming the path: "permission denied: /shared/cache"."""
+    """An OSError in a few words, naming the cache's path (not the scratch entry's): "permission
+    denied: /shared/cache"."""
     reason = (error.strerror or str(error) or type(error).__name__).lower()
-    return f"{reason}: {error.filename or where}"
+    return f"{reason}: {where}"
 
 
 def store(config: Config, key: str, plan, info: Dict[str, Any]) -> None:
