@@ -20,6 +20,8 @@ from hrlplan.errors import UserError
 from hrlplan.plan import Plan, check_fits
 from hrlplan.search.common import Scored, cost_options, describe, why_better
 from hrlplan.search.exact import search_exact
+from hrlplan.search.hetero import hetero_mode, hetero_summary, wants_hetero, why_not_hetero
+from hrlplan.search.hetero_exact import search_hetero
 from hrlplan.search.hrl import search_hrl
 from hrlplan.search.random_search import search_random
 from hrlplan.search.space import SearchSpace, _plain, to_plan
@@ -46,6 +48,9 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     else:
         out = search_hrl(sim, space, cfg)
     tracker = out.pop("tracker")
+    hetero = _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0)
+    if hetero is not None and hetero.get("plan") is not None:
+        return _hetero_result(meta, cluster, sim, tracker, out, hetero, name, cfg, t0)
     if tracker.best is None:
         over_memory = least_memory_need(sim, space)
         if over_memory:
@@ -60,6 +65,8 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     planner_meta = {"name": name, "evaluations": out.get("evaluations", sim.evaluations),
                     "time_s": time.perf_counter() - t0, "seed": cfg.get("seed", 0),
                     **{k: v for k, v in out.items() if k not in ("evaluations", "time_s", "history")}}
+    if hetero is not None:
+        planner_meta["heterogeneous"] = hetero_info(hetero)
     plan = to_plan(meta, cluster, best.layout, detail, planner_meta)
     if cluster.source in ("probe", "file") and plan.world_size != cluster.world_size:
         raise AssertionError(f"planner used {plan.world_size} of {cluster.world_size} probed workers")
@@ -162,4 +169,69 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
             "chosen": {"summary": describe(layout_of(plan)), "step_time_s": result.step_time_s,
                        "breakdown": result.breakdown, "stages": result.stages},
             "runner_up": None, "why": {"text": "a manual plan: no search was run"}}
+    return plan, _plain(info)
+
+
+# ---------------------------------------------------------------- heterogeneous replicas
+def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
+    """search_hetero with the single-template result as incumbent, where planner.heterogeneous
+    asks for it (auto: several device types or node sizes; exact only); None where it does not run."""
+    mode = hetero_mode(cfg)
+    if not wants_hetero(cfg, cluster):
+        return None
+    if name != "exact":
+        if mode == "true":
+            raise UserError(f"planner.heterogeneous=true needs planner.name=exact (the heterogeneous-replica "
+                            f"search is exact's); planner.name is {name}")
+        return None
+    reason = why_not_hetero(train_cfg)
+    if reason:
+        if mode == "true":
+            raise UserError(f"planner.heterogeneous=true cannot plan replicas: {reason}")
+        return {"plan": None, "skipped": reason}
+    incumbent = tracker.best.time if tracker.best is not None else float("inf")
+    return search_hetero(sim, meta, cluster, cfg, train_cfg, incumbent)
+
+
+def hetero_info(hetero: Dict[str, Any]) -> Dict[str, Any]:
+    """plan_info.json's planner.heterogeneous: what the replica search proved, or why it did not run."""
+    if "skipped" in hetero:
+        return {"ran": False, "why": hetero["skipped"]}
+    keys = ("proven", "note", "sub_space", "rounds", "template_searches", "options", "time_s", "nproc_per_node")
+    out = {"ran": True, **{k: hetero[k] for k in keys}}
+    out["chosen"] = "heterogeneous replicas" if hetero.get("plan") is not None else \
+        "the single-template plan (no replica plan of the sub-space is faster)"
+    return out
+
+
+def _hetero_result(meta, cluster, sim, tracker, out, hetero, name, cfg, t0) -> Tuple[Plan, Dict[str, Any]]:
+    plan, predicted = hetero["plan"], hetero["predicted"]
+    planner_meta = {"name": name, "evaluations": sim.evaluations, "time_s": time.perf_counter() - t0,
+                    "seed": cfg.get("seed", 0),
+                    **{k: v for k, v in out.items() if k not in ("evaluations", "time_s", "history")},
+                    "proven_optimal": bool(out.get("proven_optimal")) and hetero["proven"],
+                    "heterogeneous": hetero_info(hetero)}
+    planner_meta["note"] = hetero["note"]
+    plan.meta["planner"] = _plain(planner_meta)
+    check_fits(plan, cluster, source="heterogeneous planner")
+    summary = hetero_summary(hetero["replicas"])
+    chosen = {"summary": summary, "step_time_s": predicted["step_time_s"],
+              "bubble_fraction": predicted["bubble_fraction"], "breakdown": predicted["breakdown"],
+              "stages": predicted["stages"]}
+    info = {"model": meta.name, "cluster": cluster.summary(), "cluster_devices": cluster.world_size,
+            "planner": planner_meta, "chosen": chosen, "runner_up": None}
+    single = tracker.best
+    if single is None:
+        info["why"] = {"text": f"{summary}: no single template fits {meta.name} on {cluster.summary()}"}
+    else:
+        r = sim.evaluate(single.layout, detail=True)
+        info["runner_up"] = {"summary": describe(single.layout), "step_time_s": r.step_time_s,
+                             "breakdown": r.breakdown, "layout": {"spans": single.layout.spans,
+                                                                  "groups": single.layout.groups}}
+        gain = r.step_time_s / predicted["step_time_s"] - 1
+        info["why"] = {"text": f"{summary} takes {predicted['step_time_s'] * 1e3:.4g} ms per step vs the best single "
+                               f"template {describe(single.layout)} at {r.step_time_s * 1e3:.4g} ms ({gain:+.1%} "
+                               f"slower); cross-replica gradient reduce "
+                               f"{predicted['breakdown'].get('cross_replica_reduce_s', 0.0) * 1e3:.3g} ms",
+                       "runner_up_step_time_s": r.step_time_s}
     return plan, _plain(info)

@@ -1,0 +1,206 @@
+"""The heterogeneous-replica space: a plan is a set of data-parallel replicas (HSPMD-style
+`Plan.pipelines`), each on its own devices with its own template and share of the global batch.
+
+A replica takes equal slices of one node (a divisor of nproc-per-node) or whole nodes, all of one
+device type, so the job still launches one nproc-per-node: nodes with fewer devices than that
+nproc stay out of the launch, and nodes a plan leaves out are idle (not launched on a preset,
+`unused_ranks` on a probed cluster, which launches every worker). A replica's template is
+everything the exact planner chooses for one data-parallel replica (dp 1): stage count, layer
+split, tp, micro-batch size and count, recomputation -- searched by `search_exact` itself on
+the replica's devices (ReplicaSpace).
+
+Heterogeneous plans run on hrlplan's own executor (hrlplan.runtime.hetero), which offers gpipe and
+1f1b, and whose GPT-2 replicas must hold a block at one tp degree (`same_tp_required`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hrlplan.cost.model import Layout
+from hrlplan.cost.plans import predict_any_plan
+from hrlplan.plan import HETERO_SCHEDULES, Plan
+from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
+
+MODES = ("auto", "true", "false")
+
+
+def hetero_mode(planner_cfg: Dict[str, Any]) -> str:
+    """planner.heterogeneous: auto | true | false (booleans accepted)."""
+    raw = planner_cfg.get("heterogeneous", "auto")
+    value = str(raw).lower() if not isinstance(raw, bool) else ("true" if raw else "false")
+    if value not in MODES:
+        from hrlplan.errors import UserError
+        raise UserError(f"planner.heterogeneous={raw!r} is not one of auto, true, false")
+    return value
+
+
+def wants_hetero(planner_cfg: Dict[str, Any], cluster) -> bool:
+    """auto: on where a single template cannot use the cluster evenly -- several device types or
+    nodes of different sizes."""
+    mode = hetero_mode(planner_cfg)
+    if mode != "auto":
+        return mode == "true"
+    return len(set(cluster.device_types())) > 1 or len(set(cluster.node_sizes())) > 1
+
+
+def why_not_hetero(train_cfg) -> str:
+    """'' when the run's settings allow heterogeneous replicas, else the reason."""
+    if str(train_cfg.schedule) not in HETERO_SCHEDULES:
+        return (f"train.schedule={train_cfg.schedule}: heterogeneous replicas run on hrlplan's executor, which offers "
+                f"{' and '.join(HETERO_SCHEDULES)}")
+    if int(train_cfg.stages_per_rank or 1) != 1:
+        return "train.stages_per_rank > 1: heterogeneous replicas hold one stage per rank"
+    if train_cfg.microbatches not in (None, "auto"):
+        return "train.microbatches is fixed: replica shares need their own micro-batch counts"
+    return ""
+
+
+def same_tp_required(meta) -> bool:
+    """hrlplan.runtime.hetero refuses GPT-2 replicas holding a block at different tp degrees."""
+    return meta.model_type == "gpt2"
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """k replicas of `size` devices each, of one device type, on whole nodes."""
+    device_type: str
+    size: int
+    count: int
+    nproc: int
+
+    @property
+    def devices(self) -> int:
+        return self.size * self.count
+
+
+class HeteroSpace:
+    """Device types, their launchable nodes under one nproc-per-node, and the replica shapes."""
+
+    def __init__(self, cluster, nproc: int, max_node_multiples: int = 12):
+        self.cluster, self.nproc = cluster, nproc
+        by_node: Dict[int, List[int]] = {}
+        for d in sorted(cluster.devices, key=lambda d: (d.node, d.local_rank)):
+            by_node.setdefault(d.node, []).append(d.rank)
+        self.node_devices = {n: ds[:nproc] for n, ds in by_node.items() if len(ds) >= nproc}
+        self.type_nodes: Dict[str, List[int]] = {}
+        for n in sorted(self.node_devices):
+            self.type_nodes.setdefault(cluster.devices[self.node_devices[n][0]].name, []).append(n)
+        self.max_node_multiples = max_node_multiples
+
+    @property
+    def types(self) -> List[str]:
+        return sorted(self.type_nodes)
+
+    def launchable_devices(self) -> int:
+        return sum(len(v) for v in self.node_devices.values())
+
+    def replica_sizes(self, device_type: str) -> List[int]:
+        """Slices of a node (divisors of nproc), then whole-node multiples up to the type's node
+        count (every one on small types; powers of two and the full count beyond max_node_multiples)."""
+        nodes = len(self.type_nodes[device_type])
+        multiples = list(range(2, nodes + 1))
+        if nodes > self.max_node_multiples:
+            multiples = sorted({2 ** i for i in range(1, nodes.bit_length()) if 2 ** i <= nodes} | {nodes})
+        return _divisors(self.nproc) + [self.nproc * j for j in multiples]
+
+    def replica_counts(self, device_type: str, size: int) -> List[int]:
+        """How many replicas of `size` fill whole nodes of the type (1..all its nodes)."""
+        nodes = len(self.type_nodes[device_type])
+        out = []
+        for used_nodes in range(1, nodes + 1):
+            if (used_nodes * self.nproc) % size == 0:
+                out.append(used_nodes * self.nproc // size)
+        return out
+
+    def replica_devices(self, device_type: str, size: int, index: int) -> Tuple[int, ...]:
+        """The devices of the type's index-th replica of `size`: node order, then local rank."""
+        flat = [d for n in self.type_nodes[device_type] for d in self.node_devices[n]]
+        return tuple(flat[index * size:(index + 1) * size])
+
+    def first_replica_pool(self, device_type: str, size: int) -> Pool:
+        nodes = self.type_nodes[device_type]
+        if size <= self.nproc:
+            return Pool((nodes[0],), size, f"{size} of {device_type}")
+        return Pool(tuple(nodes[:size // self.nproc]), self.nproc, f"{size} of {device_type}")
+
+
+class ReplicaSpace(SearchSpace):
+    """The exact planner's space restricted to one replica: one pool, dp 1, optionally one tp."""
+
+    def __init__(self, meta, cluster, planner_cfg, train_cfg, pool: Pool, tp: Optional[int] = None):
+        self._replica_pool, self._fixed_tp = pool, tp
+        super().__init__(meta, cluster, planner_cfg, train_cfg)
+
+    def _pools(self) -> List[Pool]:
+        return [self._replica_pool]
+
+    def parallel_degrees(self, pool: Pool):
+        for pp, tp, dp in super().parallel_degrees(pool):
+            if dp == 1 and (self._fixed_tp is None or tp == self._fixed_tp):
+                yield pp, tp, dp
+
+
+@dataclass
+class Replica:
+    """One replica as placed: its devices (pipeline order) and its dp-1 layout on them."""
+    device_type: str
+    layout: Layout
+
+    @property
+    def rows(self) -> int:
+        return self.layout.microbatch_size * self.layout.num_microbatches
+
+    @property
+    def devices(self) -> List[int]:
+        return [d for g in self.layout.groups for d in g]
+
+
+def place(layout: Layout, devices: Sequence[int]) -> Layout:
+    """A replica's layout moved onto other devices of the same shape (same order of slots)."""
+    old = [d for g in layout.groups for d in g]
+    move = dict(zip(old, devices))
+    return dataclasses.replace(layout, groups=tuple(tuple(move[d] for d in g) for g in layout.groups))
+
+
+def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_meta: Dict[str, Any],
+                sim=None) -> Tuple[Plan, Dict[str, Any]]:
+    """The validated Plan (pipelines, launch, unused ranks, prediction) of a set of replicas and the
+    simulator's prediction for it (predict_any_plan: every replica at dp 1, the cross-replica reduce)."""
+    used = sorted(d for r in replicas for d in r.devices)
+    live = cluster.source in ("probe", "file")
+    launch, rank_of = launch_of_devices(cluster, range(cluster.world_size) if live else used)
+    pipelines = []
+    for r in replicas:
+        lay = r.layout
+        last = len(lay.spans) - 1
+        stages = [{"layers": list(span), "ranks": [rank_of[d] for d in lay.groups[k]], "tp": lay.tp, "dp": 1,
+                   "embedding": k == 0, "head": k == last, "recompute": lay.recompute_of(k)}
+                  for k, span in enumerate(lay.spans)]
+        pipelines.append({"stages": stages, "num_microbatches": lay.num_microbatches, "batch_size": r.rows})
+    unused = sorted(rank_of[d] for d in rank_of if d not in set(used))
+    meta_out = {"launch": launch, "planner": _plain(planner_meta), "cluster": cluster.name,
+                "device_types_per_pipeline": [r.device_type for r in replicas]}
+    plan = Plan.from_dict({"model": meta.name, "n_layer": meta.n_layer, "world_size": len(rank_of),
+                           "global_batch_size": sum(r.rows for r in replicas), "schedule": schedule,
+                           "pipelines": pipelines, "unused_ranks": unused, "meta": meta_out},
+                          source="heterogeneous planner")
+    predicted = predict_any_plan(plan, meta, cluster, sim=sim)
+    plan.meta["predicted"] = _plain({"step_time_s": predicted["step_time_s"],
+                                     "bubble_fraction": predicted["bubble_fraction"],
+                                     "memory_bytes_per_rank": predicted["memory_bytes_per_rank"],
+                                     "breakdown": predicted["breakdown"]})
+    return plan, predicted
+
+
+def hetero_summary(replicas: List[Replica]) -> str:
+    """'8xA100: 2 x [pp2 tp4, 4 micro-batches of 2] + 8xV100: ...' -- replicas grouped by type and shape."""
+    groups: Dict[tuple, int] = {}
+    for r in replicas:
+        lay = r.layout
+        key = (r.device_type, len(r.devices), lay.pp, lay.tp, lay.microbatch_size, lay.num_microbatches)
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{n} x {t} replica of {size} (pp{pp} tp{tp}, {m} micro-batches of {mb})"
+             for (t, size, pp, tp, mb, m), n in groups.items()]
+    return " + ".join(parts)

@@ -1,0 +1,289 @@
+"""Exact over a stated sub-space of heterogeneous-replica plans (hrlplan.search.hetero).
+
+The sub-space ("replicas grouped by device type"): every device type trains k_t >= 0 replicas of
+one size s_t (a slice of a node or whole nodes of that type, filling whole nodes), all with one
+template and b_t rows of the global batch each (b_t on a grid of B/steps rows), sum_t k_t b_t = B.
+
+1. For each type, replica size and row count b on the grid, the replica's template is the exact
+   planner's optimum (search_exact over ReplicaSpace: dp 1 on the first replica's devices -- every
+   replica of a type has identical devices and links on a preset) for a batch of b rows: the
+   replica's own step time T(t, s, b).
+2. An integer program (HiGHS) picks at most one (size, count, rows) option per type, rows summing
+   to B, minimising max T: a lower bound on every plan of the sub-space it has not excluded (the
+   simulator's step of a plan waits for its slowest replica, then adds the cross-replica gradient
+   reduce). Each solution is assembled and predicted in full (predict_any_plan, sync included), then
+   cut off (a no-good cut); the loop stops when the bound reaches the best predicted step -- that
+   plan is then optimal over the sub-space -- or on the round / time budget (then it says so).
+
+The incumbent passed in (the single-template optimum) bounds the loop from the start, so the
+result is a heterogeneous plan only where it beats it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from hrlplan.search.exact import search_exact
+from hrlplan.search.splits import SplitTables
+from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
+
+DEFAULT_SHARE_STEPS = 16
+DEFAULT_TIME_S = 45.0
+DEFAULT_MAX_ROUNDS = 300
+TP_ANY = 0
+
+
+@dataclass(frozen=True)
+class Option:
+    device_type: str
+    size: int
+    count: int
+    rows: int       # per replica
+    tp: int         # TP_ANY unless the model needs one tp across replicas
+    time_s: float   # a lower bound on the replica's own step time at its best template
+    nproc: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.nproc, self.device_type, self.size, self.rows, self.tp)
+
+
+def row_grid(global_batch: int, steps: int) -> List[int]:
+    """Rows per replica: multiples of the unit B/g, g the least divisor of B that is >= steps."""
+    g = next(d for d in range(min(steps, global_batch), global_batch + 1) if global_batch % d == 0)
+    unit = global_batch // g
+    return [unit * i for i in range(1, g + 1)]
+
+
+class TemplateTable:
+    """Per (nproc, type, size, rows, tp): a rigorous lower bound on the replica's step time from the
+    split tables alone (the exact planner's own pruning bound: m x bottleneck per configuration),
+    and on demand its exact optimum (search_exact on the replica) with the layout."""
+
+    def __init__(self, sim, meta, cluster, planner_cfg, train_cfg, deadline: float):
+        self.sim, self.meta, self.cluster = sim, meta, cluster
+        self.cfg = {k: v for k, v in planner_cfg.items() if k != "heterogeneous"}
+        self.train = dict(train_cfg) if isinstance(train_cfg, dict) else {
+            k: getattr(train_cfg, k) for k in train_cfg.__dataclass_fields__}
+        self.deadline = deadline
+        self.bounds: Dict[tuple, float] = {}
+        self.table: Dict[tuple, Tuple[float, Any]] = {}
+        self.searches = 0
+        self.unproven = 0
+        self.out_of_time = False
+
+    def _space(self, key) -> ReplicaSpace:
+        nproc, device_type, size, rows, tp = key
+        space = self._spaces[nproc]
+        train = dict(self.train, global_batch_size=rows, microbatches="auto")
+        rs = ReplicaSpace(self.meta, self.cluster, self.cfg, train, space.first_replica_pool(device_type, size),
+                          tp=tp or None)
+        rs.sim = self.sim
+        return rs
+
+    def bind(self, spaces: Dict[int, HeteroSpace]) -> None:
+        self._spaces = spaces
+
+    def bound(self, key) -> Optional[float]:
+        """None when out of time; inf when no configuration fits the replica's memory."""
+        if key in self.bounds:
+            return self.bounds[key]
+        if time.perf_counter() > self.deadline:
+            self.out_of_time = True
+            return None
+        sim = self.sim
+        scale, floor = sim.devices.time_scale, min(0.0, sim.devices.overheads.step)
+        best = float("inf")
+        rs = self._space(key)
+        for c in rs.configs():
+            bottleneck = SplitTables(sim, rs, c).minmax()
+            best = min(best, (c.num_microbatches * bottleneck + floor) * scale)
+        self.bounds[key] = best
+        return best
+
+    def exact(self, key) -> Tuple[float, Any]:
+        if key not in self.table:
+            out = search_exact(self.sim, self._space(key), self.cfg)
+            self.searches += 1
+            self.unproven += not out["proven_optimal"]
+            best = out["tracker"].best
+            self.table[key] = (best.time, best.layout) if best is not None else (float("inf"), None)
+        return self.table[key]
+
+
+def nproc_candidates(cluster) -> List[int]:
+    """One nproc-per-node for the launch: a probed job launches every worker (its node size); a
+    preset may launch any of its node sizes (nodes with fewer devices then stay out)."""
+    sizes = sorted(set(cluster.node_sizes()), reverse=True)
+    return sizes[:1] if cluster.source in ("probe", "file") else sizes
+
+
+def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: int, steps: int,
+                      tps: List[int]) -> List[Option]:
+    grid = row_grid(global_batch, steps)
+    out = []
+    for t in space.types:
+        for size in space.replica_sizes(t):
+            counts = space.replica_counts(t, size)
+            for tp in tps:
+                if tp != TP_ANY and (size % tp or tp > space.nproc):
+                    continue
+                for rows in grid:
+                    fitting = [k for k in counts if k * rows <= global_batch]
+                    if not fitting:
+                        break
+                    bound = table.bound((space.nproc, t, size, rows, tp))
+                    if bound is None:
+                        return out
+                    if bound == float("inf"):
+                        continue
+                    out.extend(Option(t, size, k, rows, tp, bound, space.nproc) for k in fitting)
+    return out
+
+
+class ShareProgram:
+    """The integer program over options: one per type at most, rows summing to B, min max T."""
+
+    def __init__(self, options: List[Option], global_batch: int, incumbent: float):
+        import highspy
+        self.options = options
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("mip_rel_gap", 0.0)
+        self.h = h
+        inf = highspy.kHighsInf
+        n = len(options)
+        for _ in options:
+            h.addVar(0.0, 1.0)
+        z = n
+        h.addVar(0.0, inf)
+        h.changeColsIntegrality(n, list(range(n)), [highspy.HighsVarType.kInteger] * n)
+        h.changeColCost(z, 1.0)
+        by_type: Dict[str, List[int]] = {}
+        by_tp: Dict[int, List[int]] = {}
+        self.by_key: Dict[tuple, List[int]] = {}
+        self.z, self.time_row = z, []
+        for i, o in enumerate(options):
+            by_type.setdefault(o.device_type, []).append(i)
+            by_tp.setdefault(o.tp, []).append(i)
+            self.by_key.setdefault(o.key, []).append(i)
+            self.time_row.append(h.getNumRow())
+            h.addRow(0.0, inf, 2, [i, z], [-o.time_s, 1.0])           # z >= T_i x_i
+        for idx in by_type.values():
+            h.addRow(0.0, 1.0, len(idx), idx, [1.0] * len(idx))
+        h.addRow(global_batch, global_batch, n, list(range(n)), [float(o.count * o.rows) for o in options])
+        if len(by_tp) > 1:   # one tp degree across replicas: y_tp selects it, x_i <= y_tp(i)
+            first = h.getNumCol()
+            tps = sorted(by_tp)
+            for _ in tps:
+                h.addVar(0.0, 1.0)
+            h.changeColsIntegrality(len(tps), list(range(first, first + len(tps))),
+                                    [highspy.HighsVarType.kInteger] * len(tps))
+            h.addRow(1.0, 1.0, len(tps), list(range(first, first + len(tps))), [1.0] * len(tps))
+            for j, tp in enumerate(tps):
+                for i in by_tp[tp]:
+                    h.addRow(-inf, 0.0, 2, [i, first + j], [1.0, -1.0])
+        if incumbent < inf:
+            h.changeColBounds(z, 0.0, incumbent)
+
+    def set_time(self, key: tuple, time_s: float) -> None:
+        """An option's bound replaced by its exact time (inf: it fits no template, so it is out)."""
+        for i in self.by_key[key]:
+            if time_s == float("inf"):
+                self.h.changeColBounds(i, 0.0, 0.0)
+            else:
+                self.h.changeCoeff(self.time_row[i], i, -time_s)
+
+    def solve(self) -> Optional[Tuple[float, List[int]]]:
+        import highspy
+        self.h.run()
+        if self.h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = self.h.getSolution().col_value
+        chosen = [i for i in range(len(self.options)) if values[i] > 0.5]
+        return self.h.getInfo().objective_function_value, chosen
+
+    def cut(self, chosen: List[int]) -> None:
+        """Exclude exactly this selection (any other selection differs in some x)."""
+        import highspy
+        others = [i for i in range(len(self.options)) if i not in set(chosen)]
+        idx = chosen + others
+        vals = [1.0] * len(chosen) + [-1.0] * len(others)
+        self.h.addRow(-highspy.kHighsInf, len(chosen) - 1.0, len(idx), idx, vals)
+
+
+def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: TemplateTable) -> List[Replica]:
+    out = []
+    for o in options:
+        space = spaces[o.nproc]
+        _, layout = table.table[(o.nproc, o.device_type, o.size, o.rows, o.tp)]
+        for k in range(o.count):
+            out.append(Replica(o.device_type, place(layout, space.replica_devices(o.device_type, o.size, k))))
+    return out
+
+
+def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float) -> Dict[str, Any]:
+    """The best plan of the sub-space that beats `incumbent_s` (the single-template optimum; inf if
+    none fits), or none; with what was proven. Returns {plan, predicted, replicas, proven, note, ...}."""
+    t0 = time.perf_counter()
+    budget_s = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S))
+    steps = int(planner_cfg.get("hetero_share_steps", DEFAULT_SHARE_STEPS))
+    max_rounds = int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS))
+    global_batch = int(train_cfg.global_batch_size)
+    schedule = str(train_cfg.schedule)
+    table = TemplateTable(sim, meta, cluster, planner_cfg, train_cfg, t0 + budget_s)
+    tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= int(planner_cfg.get("max_tp", 8)) and meta.num_heads % tp == 0] \
+        if same_tp_required(meta) else [TP_ANY]
+    spaces = {n: HeteroSpace(cluster, n) for n in nproc_candidates(cluster)}
+    table.bind(spaces)
+    best_s, best = incumbent_s, None
+    rounds = n_options = 0
+    gave_up = ""
+    lower_bound = float("inf")
+    for nproc, space in spaces.items():
+        options = enumerate_options(table, space, global_batch, steps, tps)
+        n_options += len(options)
+        if table.out_of_time:
+            gave_up = f"planner.hetero_time_s={budget_s:g} s ran out while the replica templates were searched"
+        if not options:
+            continue
+        program = ShareProgram(options, global_batch, best_s)
+        while True:
+            if rounds >= max_rounds or time.perf_counter() > t0 + budget_s:
+                gave_up = gave_up or (f"planner.hetero_max_rounds={max_rounds}" if rounds >= max_rounds
+                                      else f"planner.hetero_time_s={budget_s:g} s")
+                break
+            solution = program.solve()
+            if solution is None:
+                break
+            bound, chosen = solution
+            if bound >= best_s:
+                break
+            unrefined = {options[i].key for i in chosen} - set(table.table)
+            if unrefined:   # bounds in the solution: replace them by the exact templates' times, solve again
+                for key in unrefined:
+                    program.set_time(key, table.exact(key)[0])
+                continue
+            rounds += 1
+            replicas = replicas_of([options[i] for i in chosen], spaces, table)
+            plan, predicted = hetero_plan(meta, cluster, replicas, schedule, {}, sim=sim)
+            if predicted["feasible"] and predicted["step_time_s"] < best_s:
+                best_s, best = predicted["step_time_s"], (plan, predicted, replicas)
+                program.h.changeColBounds(program.z, 0.0, best_s)
+            program.cut(chosen)
+        lower_bound = min(lower_bound, best_s)
+    proven = not gave_up and table.unproven == 0
+    grid = row_grid(global_batch, steps)
+    sub_space = (f"replicas grouped by device type (per type: k replicas of one size -- a node slice or whole "
+                 f"nodes -- one template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
+                 f"one nproc-per-node out of {sorted(spaces)}" +
+                 ("; one tp degree across replicas (GPT-2)" if tps != [TP_ANY] else "") +
+                 "; each template the exact planner's optimum for its replica")
+    note = (f"optimal under the simulator over the sub-space: {sub_space}" if proven else
+            f"gave up ({gave_up or 'a replica template search ran out of budget'}); best of what was searched in "
+            f"the sub-space {sub_space}, not proven")
+    return {"plan": best and best[0], "predicted": best and best[1], "replicas": best and best[2],
+            "proven": proven, "note": note, "sub_space": sub_space, "rounds": rounds,
+            "template_searches": table.searches, "options": n_options, "time_s": time.perf_counter() - t0,
+            "nproc_per_node": sorted(spaces)}

@@ -1,0 +1,146 @@
+"""The heterogeneous-replica planner (hrlplan.search.hetero, hetero_exact): its sub-space proof
+against brute force, the plans it emits, and make_plan's planner.heterogeneous switch."""
+import itertools
+from dataclasses import asdict
+
+import pytest
+
+from hrlplan.config import TrainConfig, section
+from hrlplan.cluster import spec_from_preset
+from hrlplan.cost.plans import predict_any_plan
+from hrlplan.cost.simulator import Simulator
+from hrlplan.errors import UserError
+from hrlplan.plan import Plan, validate
+from hrlplan.search import make_plan
+from hrlplan.search.common import cost_options
+from hrlplan.search.config import ExactPlannerConfig
+from hrlplan.search.hetero import HeteroSpace, Replica, hetero_plan, place, wants_hetero
+from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, row_grid, search_hetero
+from tests.test_cost import toy_meta
+
+TRAIN = dict(global_batch_size=8, schedule="1f1b", stages_per_rank=1, microbatches="auto", dtype="float32",
+             dp_mode="fsdp")
+
+
+def preset(groups, inter=10):
+    return spec_from_preset(dict(name="mix", node_groups=groups, inter_node_GBps=inter, intra_node_latency_us=2,
+                                 inter_node_latency_us=5))
+
+
+def fast_slow(fast_nodes=1, slow_nodes=1, per_node=2, fast_memory=8, fast_per_node=None):
+    return preset([dict(count=fast_nodes, device="fast", devices_per_node=fast_per_node or per_node,
+                        memory_gb=fast_memory, tflops=4, intra_node_GBps=100),
+                   dict(count=slow_nodes, device="slow", devices_per_node=per_node, memory_gb=8, tflops=1,
+                        intra_node_GBps=50)])
+
+
+def brute_force(meta, cluster, cfg, train, steps):
+    """Every selection of the sub-space: per type none or (size, count, rows on the grid) with the
+    exact template for (type, size, rows); rows summing to B. Returns (best step, [(max T, step)])."""
+    train = section(TrainConfig, train)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = HeteroSpace(cluster, max(cluster.node_sizes()))
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({space.nproc: space})
+    grid = row_grid(train.global_batch_size, steps)
+    per_type = []
+    for t in space.types:
+        choices = [None]
+        for size in space.replica_sizes(t):
+            for k in space.replica_counts(t, size):
+                for rows in grid:
+                    key = (space.nproc, t, size, rows, TP_ANY)
+                    if k * rows <= train.global_batch_size and table.exact(key)[1] is not None:
+                        choices.append((t, size, k, rows, key))
+        per_type.append(choices)
+    best, pairs = float("inf"), []
+    for combo in itertools.product(*per_type):
+        chosen = [c for c in combo if c is not None]
+        if not chosen or sum(k * rows for _, _, k, rows, _ in chosen) != train.global_batch_size:
+            continue
+        replicas = [Replica(t, place(table.exact(key)[1], space.replica_devices(t, size, i)))
+                    for t, size, k, rows, key in chosen for i in range(k)]
+        _, predicted = hetero_plan(meta, cluster, replicas, train.schedule, {}, sim=sim)
+        if predicted["feasible"]:
+            best = min(best, predicted["step_time_s"])
+            pairs.append((max(table.exact(key)[0] for *_, key in chosen), predicted["step_time_s"]))
+    return best, pairs
+
+
+@pytest.mark.parametrize("cluster_fn,gbs", [(lambda: fast_slow(), 8), (lambda: fast_slow(1, 2), 12)])
+def test_sub_space_optimum_matches_brute_force(cluster_fn, gbs):
+    meta = toy_meta(n_layer=6)
+    meta.model_type = "llama"   # no one-tp rule: the plain sub-space
+    cluster, train = cluster_fn(), dict(TRAIN, global_batch_size=gbs)
+    cfg = dict(asdict(ExactPlannerConfig()), microbatch_sizes=[1, 2, 4], hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, section(TrainConfig, train)))
+    out = search_hetero(sim, meta, cluster, cfg, section(TrainConfig, train), float("inf"))
+    best, pairs = brute_force(meta, cluster, cfg, train, steps=4)
+    assert out["proven"] and "optimal under the simulator over the sub-space" in out["note"]
+    assert out["predicted"]["step_time_s"] == pytest.approx(best, rel=1e-9)
+    # the program's bound: a plan's step is never below its slowest replica's own step time
+    assert all(step >= slowest * (1 - 1e-9) for slowest, step in pairs)
+
+
+def test_emitted_plan_validates_round_trips_and_predicts_the_same():
+    meta = toy_meta(n_layer=6)
+    cluster = fast_slow(1, 1)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"))
+    plan = out["plan"]
+    validate(plan)
+    again = Plan.from_yaml(plan.to_yaml())
+    assert again.layout() == plan.layout() and again.heterogeneous
+    assert sum(p.batch_size for p in again.pipelines) == 8
+    assert predict_any_plan(again, meta, cluster)["step_time_s"] == pytest.approx(out["predicted"]["step_time_s"])
+    # GPT-2 replicas hold every block at one tp degree (the runtime refuses anything else)
+    assert len({s.tp for p in plan.pipelines for s in p.stages}) == 1
+
+
+def test_make_plan_is_never_worse_than_the_single_template_and_says_what_it_proved():
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    single, _ = make_plan(meta, cluster, dict(cfg, heterogeneous="false"), TRAIN)
+    plan, info = make_plan(meta, cluster, dict(cfg, heterogeneous="true"), TRAIN)
+    assert plan.meta["predicted"]["step_time_s"] <= single.meta["predicted"]["step_time_s"] * (1 + 1e-12)
+    hetero = info["planner"]["heterogeneous"]
+    assert hetero["ran"] and "sub-space" in hetero["note"] and hetero["sub_space"]
+    assert "heterogeneous" not in single.meta["planner"]
+
+
+def test_replicas_use_nodes_a_single_template_cannot():
+    """Uneven node sizes (HSPMD's 8,8,8,8,7): one template launches 7 per node or leaves the short
+    node out; replicas per type may take whole nodes at another nproc-per-node."""
+    meta = toy_meta(n_layer=6)
+    cluster = preset([dict(count=1, device="fast", devices_per_node=3, memory_gb=8, tflops=4, intra_node_GBps=100),
+                      dict(count=1, device="slow", devices_per_node=2, memory_gb=8, tflops=1, intra_node_GBps=50)])
+    assert wants_hetero({}, cluster)
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=6)
+    plan, info = make_plan(meta, cluster, dict(cfg, heterogeneous="true"), dict(TRAIN, global_batch_size=12))
+    validate(plan)
+    launch = plan.meta["launch"]
+    assert {len(v.split(",")) for v in launch["per_node_visible_devices"]} == {launch["nproc_per_node"]}
+    assert info["planner"]["heterogeneous"]["nproc_per_node"] == [2, 3]
+
+
+def test_heterogeneous_switch_and_its_refusals():
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    cfg = asdict(ExactPlannerConfig())
+    assert wants_hetero({}, cluster) and not wants_hetero({"heterogeneous": "false"}, cluster)
+    assert not wants_hetero({}, fast_slow(1, 0) if False else preset([dict(count=2, device="g", devices_per_node=2,
+                                                                           memory_gb=8, tflops=1)]))
+    with pytest.raises(UserError, match="planner.heterogeneous"):
+        make_plan(meta, cluster, dict(cfg, heterogeneous="maybe"), TRAIN)
+    with pytest.raises(UserError, match="schedule"):
+        make_plan(meta, cluster, dict(cfg, heterogeneous="true"), dict(TRAIN, schedule="zero_bubble"))
+    # auto with a schedule the executor lacks: the single template, and plan_info says why
+    plan, info = make_plan(meta, cluster, cfg, dict(TRAIN, schedule="zero_bubble"))
+    assert not plan.heterogeneous and not info["planner"]["heterogeneous"]["ran"]
+
+
+def test_row_grid():
+    assert row_grid(128, 16) == list(range(8, 129, 8))
+    assert row_grid(12, 16) == list(range(1, 13))
+    assert row_grid(7, 4) == list(range(1, 8))
