@@ -116,18 +116,82 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients(mode):
     assert set(wrapped.state_dict()) == set(plain.state_dict())
 
 
+def test_op_level_policy_saves_every_other_matmul_and_attention_and_recomputes_the_rest():
+    """torchtitan's op SAC: a block's 1st, 3rd, ... matmul kept, the 2nd, 4th, ... recomputed, counted
+    apart in forward and in the recomputation; attention kernels kept; cheap ops recomputed."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from hrlplan.runtime.recompute import ALWAYS_SAVED, _op_policy
+
+    class Ctx:
+        def __init__(self, is_recompute):
+            self.is_recompute = is_recompute
+    counts = {"forward": 0, "recompute": 0}
+    policy = _op_policy(counts)
+    mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert [policy(Ctx(False), f) for f in (mm, mm, addmm, mm)] == [save, again, save, again]
+    assert [policy(Ctx(True), f) for f in (mm, mm)] == [save, again]   # the recomputation picks the same
+    assert policy(Ctx(False), torch.ops.aten.mul.Tensor) == again
+    assert policy(Ctx(False), torch.ops.aten.silu.default) == again
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert sdpa in ALWAYS_SAVED and policy(Ctx(False), sdpa) == save
+
+
+@pytest.mark.parametrize("arch", ["llama-tiny", "gpt2-tiny"])
+def test_selective_holds_between_none_and_full(arch):
+    """Measured on one stage in one process (runtime.memory's live-storage tracker): op-level SAC
+    keeps less than none and more than full, and trains the same."""
+    import copy
+
+    import torch
+
+    from hrlplan.compose import compose
+    from hrlplan.models.hf import HFStage, causal_lm_loss
+    from hrlplan.runtime.memory import LiveStorageTracker
+    from hrlplan.runtime.recompute import apply_recompute
+    from hrlplan.runtime.trainer import build_full_model
+
+    layers = "arch.num_hidden_layers=2" if arch.startswith("llama") else "arch.n_layer=2"
+    model = build_full_model(compose([f"arch={arch}", layers])["arch"], 0)
+    plain = HFStage(model, 0, 2, True, True)
+    x = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    held, losses = {}, {}
+    for mode in ("none", "selective", "full"):
+        part = apply_recompute(copy.deepcopy(plain), mode)
+        tracker = LiveStorageTracker("cpu", lambda: ([part], []))
+        tracker.track_tensors(part.parameters())
+        with tracker:
+            loss = causal_lm_loss(part(x), x)
+            loss.backward()
+        held[mode], losses[mode] = tracker.result()["activations"], loss.item()
+    print(arch, "activations held (bytes):", held)
+    assert held["full"] < held["selective"] < held["none"]
+    assert losses["selective"] == losses["full"] == pytest.approx(losses["none"], abs=1e-6)
+
+
 @pytest.mark.slow
-def test_two_stage_plan_with_full_recompute_trains_as_without(tmp_path):
+def test_two_stage_plan_with_recompute_trains_as_without(tmp_path):
+    """pp 2 through the pipeline engine: selective and full train what none trains, and the measured
+    peak memory per rank (train.measure_memory) orders none > selective > full."""
     from hrlplan.plan import homogeneous_plan
     from hrlplan.launch.local_run import train_plan
     from hrlplan.compose import compose
 
     config = compose(["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3", "train.steps=3",
                       "train.checkpoint_interval=0", "logger.mode=disabled", "train.global_batch_size=8"])
-    losses = {}
-    for mode in ("none", "full"):
+    losses, memory = {}, {}
+    for mode in ("none", "selective", "full"):
         plan = homogeneous_plan("gpt2-tiny", 4, [(0, 2), (2, 4)], dp=1, tp=1, microbatch_size=2, num_microbatches=4,
                                 schedule="1f1b", recompute=mode)
-        summary = train_plan(plan, config, tmp_path / mode)
+        summary = train_plan(plan, config, tmp_path / mode, metrics_file=False)
         losses[mode] = [h["train/lm_loss"] for h in summary["history"]]
+        memory[mode] = summary["measured"]["memory_split_per_rank"]
     assert losses["full"] == pytest.approx(losses["none"], abs=1e-6)
+    assert losses["selective"] == pytest.approx(losses["none"], abs=1e-6)
+    for rank in (0, 1):
+        row = {mode: memory[mode][rank] for mode in memory}
+        print(f"rank {rank}:", {mode: (m["activations"], m["peak"]) for mode, m in row.items()})
+        assert row["full"]["activations"] < row["selective"]["activations"] < row["none"]["activations"]
+        assert row["full"]["peak"] < row["selective"]["peak"] < row["none"]["peak"]

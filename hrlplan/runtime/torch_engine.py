@@ -72,14 +72,20 @@ def sequence_parallel(plan: Plan) -> bool:
 
 
 def reshard_after_forward(plan: Plan) -> bool:
-    """FSDP2's reshard_after_forward for the plan: its own `reshard_after_forward` where it has one
-    (None or absent: the default), else torchtitan's default -- True without pipelining (the
-    unsharded weights of a block live only while it runs; backward gathers them again), False
-    when this rank runs a pipeline schedule (a block runs a forward per micro-batch: resharding
-    would all-gather it again for each)."""
-    chosen = getattr(plan, "reshard_after_forward", None)
-    if chosen is not None:
-        return bool(chosen)
+    """FSDP2's reshard_after_forward for the plan's `reshard_after_forward` field: True/False as
+    written; None: torchtitan's default, default_reshard_after_forward. A plan without the field
+    (the schema has none yet) keeps False, what the cost model charges today (cost/memory.py holds
+    the unsharded weights all step), until the plan and the cost model know the field together."""
+    if not hasattr(plan, "reshard_after_forward"):
+        return False
+    chosen = plan.reshard_after_forward
+    return default_reshard_after_forward(plan) if chosen is None else bool(chosen)
+
+
+def default_reshard_after_forward(plan: Plan) -> bool:
+    """True without pipelining (a block's unsharded weights live only while it runs, and backward
+    all-gathers them again), False when this rank runs a pipeline schedule of several stages (a
+    block runs a forward per micro-batch: resharding would all-gather it again for each)."""
     return plan.num_stages == 1
 
 
