@@ -140,6 +140,6 @@ def test_four_workers_mixed_splits_and_tp_with_small_buckets_match_one_process(t
     modules = get_modules(model)
     two = PipelineTemplate(model, [modules[:3], modules[3:]])
     sharded = PipelineTemplate(model, [modules], tp=[2])
-    plan = build_plan([two, sharded], {two: 4, sharded: 2}, world_size=4, global_batch_size=8, model="llama-tiny")
+    plan = build_plan([two, sharded], {two: 4, sharded: 4}, world_size=4, global_batch_size=8, model="llama-tiny")
     losses, reference = compare_with_one_process(plan, llama, tmp_path, steps=4)
     assert losses == pytest.approx(reference, abs=1e-5)
