@@ -155,6 +155,10 @@ class PlannerConfigBase:
     allow_idle_ranks: bool = True    # a probed job's plan may leave workers idle when that is faster
     allow_over_memory: bool = False  # accept a plan predicted over a device's memory (manual plans)
     cost: CostConfig = field(default_factory=CostConfig)   # what the cost model prices (see CostConfig)
+    # Data-parallel replicas with their own devices, template and batch share (hrlplan/search/hetero.py):
+    # auto = searched where one template cannot use the cluster evenly (several device types, uneven
+    # nodes); true = always (exact only); false = one template replicated, as before.
+    heterogeneous: Any = "auto"
 
 
 CALIBRATE_CHOICES = ("auto", "true", "false", "refresh")

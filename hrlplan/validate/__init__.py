@@ -90,6 +90,8 @@ RULES = {
     "planner.entropy_coef": NONNEG,
     "planner.calibrate": ("one of " + ", ".join(c.CALIBRATE_CHOICES),
                           lambda v: isinstance(v, bool) or str(v).lower() in c.CALIBRATE_CHOICES),
+    "planner.heterogeneous": ("one of auto, true, false",
+                              lambda v: isinstance(v, bool) or str(v).lower() in ("auto", "true", "false")),
     "planner.recompute": ("one of " + ", ".join(RECOMPUTE_CHOICES), lambda v: v in RECOMPUTE_CHOICES),
     "train.plan_timeout_min": _optional(POS), "train.collective_timeout_min": _optional(POS),
     "cluster.inter_node_GBps": POS, "cluster.inter_node_latency_us": NONNEG, "cluster.intra_node_latency_us": NONNEG,
