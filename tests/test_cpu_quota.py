@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from hrlplan.errors import UserError
-from hrlplan.launch.cpu_quota import (CPU_ROOT, check_cpu_controller, check_shares, cpu_quota_groups,
-                                      create_group)
+from hrlplan.launch.cpu_quota import (CPU_ROOT, ENV, capped_workers, check_cpu_controller, check_shares,
+                                      cpu_quota_groups, create_group, join_from_environment)
 
 
 def _writable() -> bool:
@@ -119,3 +119,25 @@ def test_a_group_left_with_a_live_process_is_still_removed(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@needs_cgroups
+def test_workers_join_the_cgroup_the_launcher_lists_for_their_local_rank():
+    """The wiring: capped_workers around the launch, join_from_environment first in each worker."""
+    code = "from hrlplan.launch.cpu_quota import join_from_environment; print(join_from_environment())"
+    with capped_workers(None, 2) as nothing:
+        assert nothing == {}
+    with capped_workers([None, 0.5], 2, tag="test-env") as env:
+        seen = []
+        for local_rank in (0, 1):
+            out = subprocess.run([sys.executable, "-c", code + "; print(open('/proc/self/cgroup').read())"],
+                                 capture_output=True, text=True, check=True, timeout=60,
+                                 env=dict(os.environ, **env, LOCAL_RANK=str(local_rank)))
+            seen.append(out.stdout)
+        capped = env[ENV].split(",")[1]
+        assert seen[0].startswith("None") and f"cpu:/{os.path.basename(capped)}" in seen[1]
+    assert not os.path.exists(capped)
+    with pytest.raises(UserError, match="2 entries for 3 local workers"):
+        with capped_workers([1.0, 0.5], 3):
+            pass
+    assert join_from_environment({}) is None

@@ -3,9 +3,10 @@ by the cgroup v1 cpu controller (cpu.cfs_quota_us = share x cpu.cfs_period_us), 
 calibration and the planner see fast and slow workers (../shared/notes/cpu-quota-workers.md).
 
 The launcher creates one cgroup per capped worker before the workers start and removes them after,
-also when the job fails (`cpu_quota_groups`, a context manager); each worker moves itself into its
-cgroup as the first thing it does (`join_cpu_quota`: writing cgroup.procs moves every thread of the
-process, so the threads torch started at import are capped too). Where the controller is missing or
+also when the job fails (`capped_workers`, a context manager yielding the environment the workers
+inherit); each worker moves itself into its cgroup as the first thing it does
+(`join_from_environment`: writing cgroup.procs moves every thread of the process, so the threads
+torch started at import are capped too). Where the controller is missing or
 not writable, `check_cpu_controller` refuses in one line before any worker starts.
 
 A quota caps CPU time per period, it does not pin a core: capped workers still share the cores with
@@ -17,12 +18,13 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from hrlplan.errors import UserError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 KEY = "cluster.cpu_shares"
+ENV = "HRLPLAN_CPU_QUOTA_GROUPS"   # launcher -> workers: a cgroup path per local rank, "" where uncapped
 PERIOD_FILE, QUOTA_FILE, PROCS_FILE = "cpu.cfs_period_us", "cpu.cfs_quota_us", "cgroup.procs"
 
 
@@ -126,3 +128,29 @@ def leave_cpu_quota(path: Optional[str], pid: Optional[int] = None) -> None:
     if path is None:
         return
     (Path(path).parent / PROCS_FILE).write_text(str(pid if pid is not None else os.getpid()))
+
+
+@contextmanager
+def capped_workers(shares: Optional[Sequence[Optional[float]]], nproc: int,
+                   tag: str = "job", root: Path = CPU_ROOT) -> Iterator[Dict[str, str]]:
+    """The launcher's one call: {} without shares; else the shares checked (one per local worker),
+    their cgroups created, and {ENV: the paths by local rank} for the workers' environment; the
+    cgroups are removed on exit, also when the job fails."""
+    if not shares:
+        yield {}
+        return
+    with cpu_quota_groups(check_shares(shares, nproc), tag, root) as paths:
+        yield {ENV: ",".join(p or "" for p in paths)}
+
+
+def join_from_environment(environ: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """In a worker, first thing: join the cgroup ENV lists for its LOCAL_RANK (none listed: stay).
+    Returns the cgroup joined."""
+    environ = os.environ if environ is None else environ
+    listed = environ.get(ENV)
+    if not listed:
+        return None
+    paths = listed.split(",")
+    path = paths[int(environ.get("LOCAL_RANK", "0"))] or None
+    join_cpu_quota(path)
+    return path
