@@ -1,8 +1,9 @@
 """The calibration record: every rank's micro-benchmarks fitted into the ClusterSpec.calibration
 dict the cost model reads as data (its keys: hrlplan.cost.calibration_keys.CALIBRATION_KEYS; cost
 never imports this package). Fits only, no measuring: fit_calibration from the gathered
-micro-benchmarks, fit_reference_step from the one-process reference step, and the raw measurements
-kept beside the figures for inspection."""
+micro-benchmarks, fit_reference_step from the one-process reference step, the raw measurements
+kept beside the figures for inspection, and the steadiness verdict (assess: each benchmark's repeats,
+median and spread; an unsteady record is never cached)."""
 from __future__ import annotations
 
 import copy
