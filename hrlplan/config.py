@@ -159,6 +159,7 @@ class PlannerConfigBase:
     # auto = searched where one template cannot use the cluster evenly (several device types, uneven
     # nodes); true = always (exact only); false = one template replicated, as before.
     heterogeneous: Any = "auto"
+    calibrate_budget_s: float = 300.0   # calibration stops here and plans from peak figures (nothing cached)
 
 
 CALIBRATE_CHOICES = ("auto", "true", "false", "refresh")

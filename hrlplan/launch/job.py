@@ -37,13 +37,14 @@ from hrlplan.config import Config, as_config
 from hrlplan.errors import UserError
 from hrlplan.launch import slurm
 from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, launch_workers
-from hrlplan.launch.planning import (calibrated, check_world, introspect_and_plan, local_device_memory, plan_only,
-                                     probes_here, wants_calibration, warn_hrm_memory)
+from hrlplan.launch.planning import (announce_workers, calibrated, check_calibration_settings, check_world,
+                                     introspect_and_plan, local_device_memory, plan_only, probes_here,
+                                     wants_calibration, warn_hrm_memory)
 from hrlplan.launch.ranks import broadcast, init_worker, leave_idle_ranks, train_ranks
-from hrlplan.search.plan_text import plan_summary
 from hrlplan.launch.report import JobInfo, idle_devices_line, make_logger, predicted_step, report
 from hrlplan.model_meta import ModelResolutionError
 from hrlplan.plan import Plan, PlanError, check_fits
+from hrlplan.search.plan_text import plan_summary
 from hrlplan.runtime import preempt
 from hrlplan.runtime.checkpoint import checkpoint_problem, latest_checkpoint, list_checkpoints
 from hrlplan.runtime.distributed import cpu_group, shutdown
@@ -119,10 +120,12 @@ def run(config: Config, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any
         return result
     # A probed cluster, mode=plan included: the workers probe (and calibrate) the real devices.
     check_environment(config)   # what a user can get wrong, before any worker starts
+    check_calibration_settings(config)
     nproc = default_nproc_per_node(config.cluster.nproc_per_node, str(config.train.device))
     warn_hrm_memory(config, local_device_memory(nproc), nproc)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
+        announce_workers(config, nproc)   # the workers' imports are seconds of silence otherwise
         results = launch_workers(worker_main, (config, False, job), nproc)
     except Interrupted as stop:
         return _interrupted(run_dir, stop)

@@ -22,9 +22,11 @@ from hrlplan.launch.report import log_timeline, make_logger, predicted_step
 from hrlplan.model_meta import introspect
 from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
+from hrlplan.runtime.metrics import duration_text
 from hrlplan.runtime.calibrate import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
                                        unsteady_reason, unsteady_threshold)
 from hrlplan.search import make_plan
+from hrlplan.search.plan_text import plan_summary
 
 # Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
 # GPT-2 counts too: its Conv1D layers are converted to nn.Linear before sharding.
@@ -227,8 +229,8 @@ def plan_only(config: Config) -> Dict[str, Any]:
     spec = ClusterSpec.load(c.spec_file) if c.spec_file else spec_from_preset(c)
     spec.save(run_dir / "cluster.json")
     plan, info, meta = introspect_and_plan(config, spec)
-    print(f"[hrlplan] planned for {spec.summary()}: {plan.layout()} "
-          f"(predicted step {info.get('chosen', {}).get('step_time_s', float('nan')):.4g} s); "
+    print(f"[hrlplan] planned for {spec.summary()}: {plan.layout()}, {plan_summary(plan)} "
+          f"(predicted step {duration_text(info.get('chosen', {}).get('step_time_s'))}); "
           f"wrote {run_dir / 'plan.yaml'}. Nothing is trained for a preset cluster: run on the cluster itself.",
           file=sys.stderr)
     if str(config.logger.mode) != "disabled":
