@@ -167,3 +167,17 @@ def test_pp2_tp2_sequence_parallel_matches_one_process(tmp_path, arch):
         print(f"{arch} rank {rank}: activations {off['activations']} -> {on['activations']} bytes, "
               f"peak {off['peak']} -> {on['peak']}")
         assert on["activations"] < off["activations"], (rank, on, off)
+
+
+@pytest.mark.slow
+def test_fsdp2_by_tp2_with_sequence_parallel_op_sac_and_resharding_matches_one_process(tmp_path):
+    """The layout torch-native trainers run at scale, on four gloo ranks: FSDP2 (resharded after
+    forward) over tp 2 with sequence parallelism and op-level selective recomputation."""
+    from hrlplan.plan import homogeneous_plan
+
+    overrides = [*LLAMA, "train.global_batch_size=8", "train.dp_mode=fsdp"]
+    plan = homogeneous_plan("llama-tiny", 2, [(0, 2)], dp=2, tp=2, microbatch_size=4, num_microbatches=1,
+                            schedule="1f1b", recompute="selective")
+    run = train_with_options(plan, overrides, tmp_path, STEPS, stage_options={"sequence_parallel": True},
+                             plan_options={"reshard_after_forward": None})
+    assert run["losses"] == pytest.approx(reference_losses(overrides, STEPS), abs=1e-5)
