@@ -192,7 +192,7 @@ class HeteroPipelineEngine:
          self.send_bwd_to) = stage_links(self.pipe.stages, s, self.tp_index)
         self.loss_reporter = self.last and self.tp_index == 0
         gpt2 = full_model.config.model_type == "gpt2"
-        self.reducer.attach(self._unit_params(), self.me, self.tp_index, self.stage.tp,
+        self.reducer.attach(self._unit_params(), self.me, self.tp_index, self.stage.tp, self.pipe.num_microbatches,
                             lambda name: gpt2_layout(name, self.stage.tp, self.hidden) if gpt2 else None)
 
     def checkpoint_writes(self, name: str) -> bool:
@@ -271,8 +271,6 @@ class HeteroPipelineEngine:
                 stash[j] = (x, out)
             elif kind == "B":
                 x, out = stash.pop(j)
-                if j == m - 1:   # the last backward: gradients become final; buckets start as they do
-                    self.reducer.arm()
                 if self.last:
                     with self.recorder.op(self.gid, j, "B"):
                         out.backward()

@@ -17,9 +17,9 @@ What it does, exactly (the simulator's cross-replica cost follows this; see cost
   under bf16 autocast, so one more rounding per add among a handful of replicas is within its own
   precision, as torch DDP's bf16_compress_hook does); float32 training reduces in float32.
   Gradients are kept and unpacked in float32.
-- Overlap. Before the last micro-batch's backward the reducer is armed: a post-accumulate-grad hook
-  on each parameter counts its bucket down, and a bucket whose gradients are all final is packed
-  and its all-reduce started (async) while backward goes on. Buckets start in one global order
+- Overlap. A post-accumulate-grad hook on each parameter counts its accumulations; the last
+  micro-batch's (the m-th of the step) makes it final and counts its bucket down, and a bucket whose
+  gradients are all final is packed and its all-reduce started (async) while backward goes on. Buckets start in one global order
   (the order above, then the group's rank order) on every rank, so each group sees its
   collectives in the same order everywhere (required by NCCL and gloo): a bucket finished early
   waits for the buckets before it. `finish()` (before clipping) starts what is left and waits.
@@ -164,10 +164,11 @@ class GradientReducer:
         return min(self.holders[unit])
 
     def attach(self, params: List[Tuple[str, str, nn.Parameter]], me: Holder, tp_index: int, tp: int,
-               layout_of: Callable[[str], object], cap_bytes: Optional[int] = None) -> None:
-        """params: (unit, canonical name, parameter) of this rank's stage; layout_of(canonical name):
-        its GPT-2 tp layout (gpt2_layout) or None. Cuts the buckets and registers the hooks."""
-        self.me, self.tp_index, self.tp = me, tp_index, tp
+               microbatches: int, layout_of: Callable[[str], object], cap_bytes: Optional[int] = None) -> None:
+        """params: (unit, canonical name, parameter) of this rank's stage; microbatches: the backward
+        passes of a step (a gradient is final at its microbatches-th accumulation); layout_of(canonical
+        name): its GPT-2 tp layout (gpt2_layout) or None. Cuts the buckets and registers the hooks."""
+        self.me, self.tp_index, self.tp, self.microbatches = me, tp_index, tp, microbatches
         self.layout_of = layout_of
         by_ranks: Dict[RankSet, List[Item]] = {}
         for unit, name, param in sorted(params, key=lambda x: (self.position[x[0]], x[1])):
@@ -186,27 +187,28 @@ class GradientReducer:
         for k, bucket in enumerate(self.buckets):
             for item in bucket.items:
                 self.bucket_of.setdefault(id(item.param), []).append(k)
-        self.armed = False
+        self._reset()
         for param in {id(p): p for _, _, p in params}.values():
             if id(param) in self.bucket_of:
                 param.register_post_accumulate_grad_hook(self._on_grad)
 
     # ------------------------------------------------------------ one step
-    def arm(self) -> None:
-        """Before the last micro-batch's backward: from now on a finished bucket starts its all-reduce."""
-        self.armed = True
-        self.pending = [len(b.items) for b in self.buckets]
-        self.launched: List[Tuple[Bucket, torch.Tensor, object]] = []
-        self.started_in_backward = 0
-
     def _on_grad(self, param: nn.Parameter) -> None:
-        if not self.armed:
+        """A parameter's gradient was accumulated: on its last micro-batch's, its bucket counts down,
+        and the buckets ready in order start."""
+        self.seen[id(param)] = self.seen.get(id(param), 0) + 1
+        if self.seen[id(param)] != self.microbatches:
             return
         for k in self.bucket_of[id(param)]:
             self.pending[k] -= 1
         while len(self.launched) < len(self.buckets) and self.pending[len(self.launched)] <= 0:
             self._start(self.buckets[len(self.launched)])
             self.started_in_backward += 1
+
+    def _reset(self) -> None:
+        self.seen: Dict[int, int] = {}
+        self.pending = [len(b.items) for b in self.buckets]
+        self.launched: List[Tuple[Bucket, torch.Tensor, object]] = []
 
     def _start(self, bucket: Bucket) -> None:
         weight = self.weights[self.me[0]]
@@ -236,13 +238,12 @@ class GradientReducer:
         return whole * weight
 
     def finish(self) -> None:
-        """Start the buckets backward did not (all of them where it was not armed), wait, unpack."""
-        if not getattr(self, "armed", False):
-            self.arm()
+        """Start the buckets backward did not, wait for all, unpack; ready for the next step."""
         for bucket in self.buckets[len(self.launched):]:
             self._start(bucket)
-        self.armed = False
-        for bucket, buf, work in self.launched:
+        launched = self.launched
+        self._reset()
+        for bucket, buf, work in launched:
             if work is not None:
                 work.wait()
             offset = 0
@@ -259,7 +260,6 @@ class GradientReducer:
                         if dim is not None:
                             piece = torch.chunk(piece, self.tp, dim=dim)[self.tp_index]
                     local.copy_(piece.reshape(local.shape).to(local.dtype))
-        self.launched = []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
