@@ -69,7 +69,8 @@ def _llama_plan(sequence_parallel: bool = False) -> Dict[str, object]:
     plan: Dict[str, object] = {
         "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": _row_out(sequence_parallel),
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": _row_out(sequence_parallel)}
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": _row_out(sequence_parallel)}
     if sequence_parallel:   # the decoder layer calls self_attn with keywords only, its mlp positionally
         plan.update({"input_layernorm": SequenceParallel(), "self_attn": _gathered("hidden_states"),
                      "post_attention_layernorm": SequenceParallel(), "mlp": _gathered()})
