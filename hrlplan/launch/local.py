@@ -11,6 +11,13 @@ the other ranks write to <run_dir>/logs/, so one rank's failure is not followed 
 rank's "connection closed" traceback. The launcher names the rank that failed first and its first
 error line, preferring a root cause over the communication errors it caused on other ranks.
 
+Workers start from a fork server (`WorkerStart`): a clean process, started by exec like a spawned
+worker before anything here ran an OpenMP region or touched CUDA, that imports torch and hrlplan once
+and forks each worker from there; a spawned worker would import them itself (about 5 s each here).
+A forked worker would inherit the server's environment, so each one first takes this process's
+environment as it is at the launch (with torch's per-worker variables on top); its signal handlers
+are a fresh interpreter's, as under spawn. HRLPLAN_WORKER_START=spawn goes back to plain spawn.
+
 Ctrl-C (SIGINT) or SIGTERM to this process is a request to stop, not a failure (`StopForwarder`):
 the first one is passed on to the workers, whose handler (hrlplan/launch/job.py) only raises
 hrlplan.runtime.preempt's stop flag, so they checkpoint together at the next step boundary and
@@ -24,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -34,11 +42,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hrlplan.errors import UserError, one_line
+
+# This process's variables when the module was imported: in a fork server's worker, those of the server
+# (it imports this module first); whatever differs in the worker, torch's launcher set for that worker.
+_ENV_AT_IMPORT = dict(os.environ)
 
 SHUTDOWN_TIMEOUT_S = 15   # SIGTERM -> SIGKILL for the surviving workers: well inside a minute
 RDZV_TIMEOUT_S = 60       # local workers rendezvous in seconds; a minute means something is wrong
@@ -87,15 +100,8 @@ class StopForwarder:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    @staticmethod
-    def _workers() -> list:
-        try:
-            return [p for p in multiprocessing.active_children() if p.pid]
-        except RuntimeError:   # the set of children changed under us (another thread reaped one)
-            return []
-
     def _send(self, sig: int) -> None:
-        for proc in self._workers():
+        for proc in _started_workers():
             if sig == signal.SIGKILL or proc.pid not in self._signalled:
                 self._signalled.add(proc.pid)
                 try:
@@ -121,11 +127,70 @@ class StopForwarder:
         deadline = time.monotonic() + self.timeout_s
         while not self._done.wait(0.5):
             if time.monotonic() >= deadline:
-                if self._workers():
+                if _started_workers():
                     self.killed = f"the workers had not stopped {self.timeout_s:.0f} s later and were killed"
                     self._send(signal.SIGKILL)
                 return
             self._send(signum)
+
+
+def _started_workers() -> list:
+    """This process's started multiprocessing children not known to have ended, read without polling
+    them: multiprocessing.active_children() reaps, racing torch's own join of the same processes (and
+    from a fork server, two readers of one exit status leave one of them without it)."""
+    while True:
+        try:
+            children = list(multiprocessing.process._children)
+            break
+        except RuntimeError:   # the set changed while copied
+            continue
+    return [p for p in children if p.pid and p._popen is not None and p._popen.returncode is None]
+
+
+class WorkerExits:
+    """Every worker's exit status, for naming the rank that failed first. torch's launcher reports
+    only the first failed worker it notices; when two end close together (a fork server reaps exits
+    in batches; a busy machine delays the agent's poll), that may be a rank that only lost its peer.
+    A thread keeps each started worker process; each worker writes its pid to <folder>/rank<N>."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.seen: Dict[int, Any] = {}
+        self._done = threading.Event()
+
+    def __enter__(self) -> "WorkerExits":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=self._watch, name="hrlplan-workers", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while True:
+            for proc in _started_workers():
+                self.seen[proc.pid] = proc
+            if self._done.wait(0.05):
+                return
+
+    def failures(self, error_file_of: Callable[[int], Optional[Path]], after: float) -> Dict[int, ProcessFailure]:
+        """{rank: ProcessFailure} of the workers that ended badly; those with no error file of their
+        own (killed by a signal) are dated `after` (torch's first failure wins a tie)."""
+        found = {}
+        for marker in self.folder.glob("rank*"):
+            rank, pid = int(marker.name[4:]), int(marker.read_text())
+            try:
+                code = self.seen[pid].exitcode if pid in self.seen else None
+            except ValueError:   # a closed process object
+                code = None
+            if code:
+                error_file = error_file_of(rank)
+                failure = ProcessFailure(local_rank=rank, pid=pid, exitcode=code,
+                                         error_file=str(error_file) if error_file else str(marker) + ".none")
+                if error_file is None:
+                    failure.timestamp = int(after)
+                found[rank] = failure
+        return found
 
 
 def _say(line: str) -> None:
@@ -163,10 +228,52 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _recorded(entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """Run entrypoint with torch's error recording: an exception's text reaches the agent (a
-    module-level function, so the spawn start method can pickle it)."""
+def _recorded(launch_env: Dict[str, str], pids: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """In a worker: take the launching process's environment, name its pid (WorkerExits), then run
+    entrypoint with torch's error recording, so an exception's text reaches the agent (a module-level
+    function: it is pickled)."""
+    _adopt_environment(launch_env)
+    (Path(pids) / f"rank{os.environ['LOCAL_RANK']}").write_text(str(os.getpid()))
     return record(entrypoint)(*args)
+
+
+def _adopt_environment(launch_env: Dict[str, str]) -> None:
+    """Make this worker's os.environ the launcher's at launch time plus the variables torch's
+    launcher set for this worker (RANK, MASTER_PORT, ...: those that differ from the environment
+    this module was imported under). Under spawn it changes nothing; forked from the server it
+    replaces the server's (older) environment."""
+    per_worker = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+    for key in set(os.environ) - set(launch_env) - set(per_worker):
+        del os.environ[key]
+    os.environ.update(launch_env)
+    os.environ.update(per_worker)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:   # OpenMP read the server's value when torch loaded
+        torch.set_num_threads(int(threads))
+
+
+class WorkerStart:
+    """How workers start: "forkserver" (the default: see the module docstring) or "spawn"
+    (HRLPLAN_WORKER_START=spawn, or where there is no fork server). The server lives as long as
+    this process and serves every later launch of it; it preloads this module, the entrypoint's
+    and the __main__ script (what a spawned worker would import), and never runs any of them."""
+
+    ENV = "HRLPLAN_WORKER_START"
+    CHOICES = ("forkserver", "spawn")
+
+    @classmethod
+    def method(cls, entrypoint: Callable[..., Any]) -> str:
+        choice = os.environ.get(cls.ENV, "forkserver")
+        if choice not in cls.CHOICES:
+            raise UserError(f"{cls.ENV}={choice!r} is not one of {', '.join(cls.CHOICES)}; unset it for the default")
+        if choice == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+            return "spawn"
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver
+        if server._forkserver_pid is None:   # not started yet: choose what it preloads
+            server.set_forkserver_preload(["__main__", __name__, entrypoint.__module__])
+        return "forkserver"
 
 
 def _log_dir(args: tuple, log_dir: Optional[str]) -> str:
@@ -196,7 +303,8 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": RDZV_TIMEOUT_S},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        max_restarts=0, monitor_interval=0.1, start_method=WorkerStart.method(entrypoint),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         signals_to_handle=TORCH_SIGNALS,   # SIGINT and SIGTERM are ours (StopForwarder)
         logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=quiet, tee={}))
     # Workers report their own failures; the agent's copies of the same traceback would bury them.
@@ -205,16 +313,21 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     # (torch's launch exports TORCHELASTIC_SIGNALS_TO_HANDLE: given back afterwards with the others)
     env = dict(OMP_NUM_THREADS=threads, HRLPLAN_LOCAL_AGENT="1", TORCHELASTIC_SIGNALS_TO_HANDLE=TORCH_SIGNALS)
     stop = StopForwarder()
+    exits = WorkerExits(Path(logs) / f".{run_id}-pids")
     try:
-        with _environment(**env), stop:  # the workers inherit these variables
-            results = elastic_launch(config, _recorded)(entrypoint, *args)
+        with _environment(**env), stop, exits:  # the workers inherit these variables
+            results = elastic_launch(config, _recorded)(dict(os.environ), str(exits.folder), entrypoint, *args)
     except ChildFailedError as e:
         if stop.signum is not None:
             raise Interrupted(stop.signum, None, stop.killed or "a worker ended before it could checkpoint") from None
-        rank, how, line, where = describe_failure(e.failures, lambda r: _stderr_file(logs, run_id, r))
+        first = max([f.timestamp for f in e.failures.values()], default=0) + 1
+        failures = {**exits.failures(lambda r: _worker_file(logs, run_id, r, "error.json"), first), **e.failures}
+        rank, how, line, where = describe_failure(failures, lambda r: _worker_file(logs, run_id, r, "stderr.log"))
         raise UserError(f"worker rank {rank} {how}" + (f": {line}" if line else "") +
                         f"; the other workers were stopped{where}. Fix the cause and re-run "
                         "(train.resume=auto continues from the last checkpoint)") from None
+    finally:
+        shutil.rmtree(exits.folder, ignore_errors=True)
     if stop.signum is not None:
         raise Interrupted(stop.signum, results, "the workers stopped")
     return results
@@ -241,9 +354,10 @@ def _first_error_line(failure: Any, stderr: Optional[Path]) -> str:
     return ""
 
 
-def _stderr_file(logs: str, run_id: str, rank: int) -> Optional[Path]:
-    """A redirected worker's stderr: <logs>/<run_id>_<random>/attempt_0/<rank>/stderr.log."""
-    found = sorted(Path(logs).glob(f"{run_id}_*/attempt_*/{rank}/stderr.log"))
+def _worker_file(logs: str, run_id: str, rank: int, name: str) -> Optional[Path]:
+    """A worker's file from torch's launcher (stderr.log when redirected, error.json after an
+    exception): <logs>/<run_id>_<random>/attempt_0/<rank>/<name>."""
+    found = sorted(Path(logs).glob(f"{run_id}_*/attempt_*/{rank}/{name}"))
     return found[-1] if found else None
 
 
