@@ -140,7 +140,9 @@ def token_weighted_loss(logits: torch.Tensor, targets: torch.Tensor, step_tokens
     step's useful tokens, summed over all its micro-batches; this micro-batch's own when None): the
     sum of every micro-batch's value is the step's mean loss per token, as training on each document
     on its own and averaging over all their tokens gives."""
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    if logits.dtype in (torch.float16, torch.bfloat16):   # summing many terms: not in half precision
+        logits = logits.float()
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     count = int((targets != IGNORE_INDEX).sum()) if step_tokens is None else step_tokens
     return total / max(count, 1)
