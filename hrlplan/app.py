@@ -26,6 +26,7 @@ from hrlplan.launch.resume_run import resumed_overrides, say_once, write_record
 from hrlplan.launch.rundir import RunDirLock, check_output_dir, note, takes_lock
 from hrlplan.model_meta import conf_dir
 from hrlplan.validate import check_environment, precheck_overrides
+from hrlplan.validate.environ import reports_errors
 
 register_configs()
 # conf/hydra/launcher/submitit_*.yaml share names with the plugin's own schemas, which Hydra 1.3
@@ -34,8 +35,8 @@ warnings.filterwarnings("ignore", message=r"(?s).*validated against ConfigStore 
 
 
 def _refuse(error: Exception) -> None:
-    # Under torchrun every rank checks; one of them says it.
-    if os.environ.get("RANK", "0") == "0":
+    # Under torchrun every rank checks and rank 0 says it; a process no launcher started says it itself.
+    if reports_errors(os.environ):
         print(f"hrlplan: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
 
@@ -59,7 +60,8 @@ def precheck(argv):
             restored = resumed_overrides(overrides, hydra_overrides, compose, say_once)
             if restored != overrides:
                 argv, overrides = _with_task_overrides(argv, set(overrides), restored), restored
-        precheck_overrides(overrides, compose, multirun=args.multirun)
+        searchpath = [o for o in hydra_overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
+        precheck_overrides(overrides + searchpath, compose, multirun=args.multirun)
     except ConfigError as e:
         _refuse(e)
     return argv

@@ -17,7 +17,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-import sys
 import typing
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -263,11 +262,9 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
                        limit: int = 24) -> List[Any]:
     """Compose each point a (multirun) override list describes, one sweep value at a time, so a bad
     value anywhere in a sweep is refused before the first job starts. Returns the composed configs.
-    `hydra.searchpath=[...]` (the user's own arch/cluster/... options) is composed with every point:
-    from the overrides, or else from the command line itself (sys.argv)."""
+    A `hydra.searchpath=[...]` among the overrides (the user's own arch/cluster/... options) is
+    composed with every point."""
     overrides = list(overrides)
-    if not any(_is_searchpath(o) for o in overrides):
-        overrides += [a for a in sys.argv[1:] if _is_searchpath(a)]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
