@@ -1,7 +1,8 @@
 """Local workers start from a fork server (hrlplan/launch/local.py, WorkerStart) and still see what a
 spawned worker would: this process's environment as it is at each launch (not the server's, which
 is that of the first launch), torch's per-worker variables, the launch's thread count, a fresh
-interpreter's signal handlers, no CUDA and no OpenMP threads inherited -- even when this process
+interpreter's signal handlers, rank 0 on the launcher's current standard output, no CUDA and no
+OpenMP threads inherited -- even when this process
 ran OpenMP regions before the launch, which makes a plain fork unsafe."""
 from __future__ import annotations
 
@@ -75,3 +76,25 @@ def test_spawn_stays_available_and_a_bad_choice_is_one_line(tmp_path, monkeypatc
     monkeypatch.setenv(WorkerStart.ENV, "fork")
     with pytest.raises(UserError, match=r"^HRLPLAN_WORKER_START='fork' is not one of forkserver, spawn; unset it"):
         launch_workers(_report, ([],), 1, log_dir=str(tmp_path))
+
+
+def _say_hello(path):
+    os.write(1, f"hello from rank {os.environ['RANK']}\n".encode())
+    return 0
+
+
+def test_rank_0_writes_to_the_launchers_current_stdout(tmp_path, monkeypatch):
+    """The server keeps the stdout of the launch that started it; a later launch's rank 0 writes to
+    the launcher's stdout of that moment, as a spawned worker would."""
+    monkeypatch.delenv(WorkerStart.ENV, raising=False)
+    launch_workers(_say_hello, (None,), 1, log_dir=str(tmp_path / "first"))   # the server exists now
+    out = tmp_path / "stdout.txt"
+    saved = os.dup(1)
+    try:
+        with open(out, "w") as f:
+            os.dup2(f.fileno(), 1)
+        launch_workers(_say_hello, (None,), 2, log_dir=str(tmp_path / "second"))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert out.read_text() == "hello from rank 0\n"    # rank 1's output goes to its log

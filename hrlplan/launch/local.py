@@ -53,6 +53,18 @@ from hrlplan.errors import UserError, one_line
 # (it imports this module first); whatever differs in the worker, torch's launcher set for that worker.
 _ENV_AT_IMPORT = dict(os.environ)
 
+
+def _file_identity(fd: int) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+# Likewise the standard output and error a worker inherited (from the server, in a fork server's worker).
+_STD_AT_IMPORT = {fd: _file_identity(fd) for fd in (1, 2)}
+
 SHUTDOWN_TIMEOUT_S = 15   # SIGTERM -> SIGKILL for the surviving workers: well inside a minute
 RDZV_TIMEOUT_S = 60       # local workers rendezvous in seconds; a minute means something is wrong
 STOP_TIMEOUT_S = 60       # Ctrl-C/SIGTERM: how long the workers get to checkpoint and exit before SIGKILL
@@ -228,11 +240,13 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _recorded(launch_env: Dict[str, str], pids: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """In a worker: take the launching process's environment, name its pid (WorkerExits), then run
-    entrypoint with torch's error recording, so an exception's text reaches the agent (a module-level
-    function: it is pickled)."""
+def _recorded(launch_env: Dict[str, str], launcher: Tuple[int, Dict[int, Any]], pids: str,
+              entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """In a worker: take the launching process's environment and console, name its pid
+    (WorkerExits), then run entrypoint with torch's error recording, so an exception's text reaches
+    the agent (a module-level function: it is pickled)."""
     _adopt_environment(launch_env)
+    _adopt_console(*launcher)
     (Path(pids) / f"rank{os.environ['LOCAL_RANK']}").write_text(str(os.getpid()))
     return record(entrypoint)(*args)
 
@@ -250,6 +264,23 @@ def _adopt_environment(launch_env: Dict[str, str]) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:   # OpenMP read the server's value when torch loaded
         torch.set_num_threads(int(threads))
+
+
+def _adopt_console(launcher_pid: int, launcher_std: Dict[int, Any]) -> None:
+    """A stdout/stderr torch did not redirect (rank 0's) that is still the one this worker inherited
+    but no longer the launcher's (the server kept those of the first launch) is reopened from the
+    launcher's (/proc/<pid>/fd/N; left as it is where that cannot be opened, e.g. a socket)."""
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        current = _file_identity(fd)
+        if current != _STD_AT_IMPORT[fd] or launcher_std[fd] in (None, current):
+            continue
+        try:
+            replacement = os.open(f"/proc/{launcher_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        stream.flush()
+        os.dup2(replacement, fd)
+        os.close(replacement)
 
 
 class WorkerStart:
@@ -316,7 +347,8 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     exits = WorkerExits(Path(logs) / f".{run_id}-pids")
     try:
         with _environment(**env), stop, exits:  # the workers inherit these variables
-            results = elastic_launch(config, _recorded)(dict(os.environ), str(exits.folder), entrypoint, *args)
+            launcher = (os.getpid(), {fd: _file_identity(fd) for fd in (1, 2)})
+            results = elastic_launch(config, _recorded)(dict(os.environ), launcher, str(exits.folder), entrypoint, *args)
     except ChildFailedError as e:
         if stop.signum is not None:
             raise Interrupted(stop.signum, None, stop.killed or "a worker ended before it could checkpoint") from None
