@@ -128,6 +128,13 @@ def test_gpt2_replicas_at_tp_1_and_2_match_one_process(tmp_path, monkeypatch):
     assert [[s.tp for s in p.stages] for p in plan.pipelines] == [[1], [2]]
     losses, reference = compare_with_one_process(plan, GPT2, tmp_path, steps=4)
     assert losses == pytest.approx(reference, abs=1e-5)
+    # its checkpoint holds each block in one replica's tp layout: resuming it is refused, not misloaded
+    from hrlplan.errors import UserError
+    from hrlplan.launch.local_run import train_plan
+
+    config = compose([*GPT2, "train.steps=5", "train.resume=auto", "logger.mode=disabled"])
+    with pytest.raises(UserError, match="hold a block at different tp degrees"):
+        train_plan(plan, config, tmp_path)
 
 
 @pytest.mark.slow
