@@ -97,7 +97,9 @@ def test_document_and_balanced_packing_hold_the_same_documents():
 
 
 # ---------------------------------------------------------------- dispatch
-def _brute_force(lengths, bins, linear, quadratic):
+def _brute_force(lengths, bins, linear, quadratic, stages=None):
+    """Every assignment tried: the slowest micro-batch, or the slowest replica's pipeline step
+    (sum + (stages - 1) * slowest) / stages of its micro-batches' times."""
     works = [D.document_cost(n, linear, quadratic) for n in lengths]
     best = float("inf")
     for choice in itertools.product(range(len(bins)), repeat=len(lengths)):
@@ -105,8 +107,16 @@ def _brute_force(lengths, bins, linear, quadratic):
         for i, b in enumerate(choice):
             used[b] += lengths[i]
             load[b] += works[i]
-        if all(u <= b.capacity for u, b in zip(used, bins)):
-            best = min(best, max(x / b.speed for x, b in zip(load, bins)))
+        if not all(u <= b.capacity for u, b in zip(used, bins)):
+            continue
+        times = [x / b.speed for x, b in zip(load, bins)]
+        if stages is None:
+            value = max(times)
+        else:
+            value = max((sum(t for t, b in zip(times, bins) if b.replica == r)
+                         + (stages - 1) * max(t for t, b in zip(times, bins) if b.replica == r)) / stages
+                        for r in {b.replica for b in bins})
+        best = min(best, value)
     return best
 
 
@@ -124,21 +134,31 @@ def _held_once(assignment, n):
     return sorted(i for group in assignment for i in group) == list(range(n))
 
 
-def test_ilp_finds_the_brute_force_optimum_on_tiny_instances():
+@pytest.mark.parametrize("stages", [None, 1, 2, 4])
+def test_ilp_finds_the_brute_force_optimum_on_tiny_instances(stages):
     solved = 0
     for lengths, bins in _tiny_instances():
-        optimum = _brute_force(lengths, bins, 1.0, 0.05)
+        optimum = _brute_force(lengths, bins, 1.0, 0.05, stages)
         if optimum == float("inf"):
             continue
-        greedy = D.lpt(lengths, [D.document_cost(n, 1.0, 0.05) for n in lengths], bins)
-        # a generous budget: these solve in milliseconds; the greedy's answer is the fallback
-        result = D.dispatch_bins(lengths, bins, 1.0, 0.05, time_budget_s=30.0,
-                                 fallback=greedy if greedy is not None else None)
+        # a generous budget: these solve in milliseconds
+        result = D.dispatch_bins(lengths, bins, 1.0, 0.05, time_budget_s=30.0, stages=stages,
+                                 fallback=_some_feasible(lengths, bins))
         assert _held_once(result.assignment, len(lengths))
-        assert result.slowest == pytest.approx(optimum, rel=1e-9)
-        assert result.lower_bound <= optimum + 1e-9
+        assert result.step_time == pytest.approx(optimum, rel=1e-9)
+        assert result.lower_bound <= optimum * (1 + 1e-9)
         solved += 1
     assert solved >= 15
+
+
+def _some_feasible(lengths, bins):
+    for choice in itertools.product(range(len(bins)), repeat=len(lengths)):
+        used = [0] * len(bins)
+        for i, b in enumerate(choice):
+            used[b] += lengths[i]
+        if all(u <= b.capacity for u, b in zip(used, bins)):
+            return [[i for i, c in enumerate(choice) if c == b] for b in range(len(bins))]
+    return None
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -167,6 +187,11 @@ def test_dispatch_never_drops_or_duplicates_and_balances_better_than_arrival_ord
         D.check_assignment(result.assignment, lengths, D.micro_batch_bins(16, 2048))
         works = [D.document_cost(n, linear, quadratic) for n in lengths]
         assert result.slowest <= max(D.bin_times(arrival, works, D.micro_batch_bins(16, 2048)))
+    # two replicas of a 2-stage pipeline, the second twice as fast with twice the sequence length
+    bins = D.replica_bins(8, [2048, 4096], [1.0, 2.0])
+    replicas = D.dispatch_bins(lengths, bins, 1.0, 0.5, time_budget_s=0.0, stages=2, fallback=arrival)
+    D.check_assignment(replicas.assignment, lengths, bins)
+    assert replicas.step_time >= replicas.lower_bound
 
 
 def test_dispatch_uses_the_fallback_when_capacity_defeats_the_greedy():
@@ -207,6 +232,9 @@ def test_replica_bins_take_each_replicas_length_and_speed():
     result = D.dispatch_bins(lengths, bins, 1.0, 0.0, time_budget_s=10.0)
     assert all(lengths[i] <= 64 for b, group in zip(bins, result.assignment) if b.replica == 0 for i in group)
     assert result.slowest == pytest.approx(_brute_force(lengths, bins, 1.0, 0.0))
+    # the pipeline objective balances the replicas' sums too
+    piped = D.dispatch_bins(lengths, bins, 1.0, 0.0, time_budget_s=10.0, stages=2)
+    assert piped.step_time == pytest.approx(_brute_force(lengths, bins, 1.0, 0.0, stages=2))
 
 
 # ---------------------------------------------------------------- the model: packed equals on its own

@@ -12,14 +12,18 @@ budget x budget square whatever the documents, and balancing then buys nothing.
 
 Every bin (one micro-batch of one replica) has a token capacity (that replica's sequence length)
 and a speed (1.0 for a homogeneous plan; a replica's relative throughput for a heterogeneous one);
-its time is its work / speed. The dispatch minimises the largest time:
+its time is its work / speed. The dispatch minimises step_time: the slowest bin's time, or, given
+the pipeline's depth p (`stages`), the slowest replica's pipeline step, (sum + (p - 1) * slowest) / p
+of its bins' times. With one replica the sum is fixed and both objectives agree; across data-parallel
+replicas the sums differ, and only the pipeline objective balances them. It is computed by:
 
 - an integer program (HiGHS, through highspy) when pieces x bins <= max_ilp_variables, warm-started
   from the greedy, stopped at the step's time budget (its best solution so far is kept);
 - otherwise, or with no time left, LPT (longest processing time first: each piece, largest first, to
   the bin where it finishes earliest). With identical bins and capacities that do not bind, LPT is
   within 4/3 - 1/(3m) of the optimum for m bins (Graham 1969); with speeds, within 2m/(m+1)
-  (Gonzalez, Ibarra and Sahni 1977). If capacities make the greedy fail, the caller's feasible
+  (Gonzalez, Ibarra and Sahni 1977). For the pipeline objective the greedy (each piece where the
+  step grows least) is a heuristic with no stated bound; the lower bound is reported beside it. If capacities make the greedy fail, the caller's feasible
   `fallback` (arrival order) is kept.
 
 Whatever runs, the result holds each piece exactly once (checked before it is returned).
@@ -27,7 +31,7 @@ Whatever runs, the result holds each piece exactly once (checked before it is re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -71,26 +75,57 @@ class Dispatch:
     assignment: List[List[int]]   # per bin, the piece indices it holds (in the caller's order)
     times: List[float]            # per bin, work / speed
     method: str                   # "ilp-optimal", "ilp-time-limit", "greedy", "fallback", "empty"
-    lower_bound: float            # no assignment's slowest bin can be faster
+    lower_bound: float            # no assignment's step_time can be smaller
     seconds: float                # wall time the dispatch took
-    notes: Dict[str, float] = field(default_factory=dict)
+    step_time: float              # what was minimised (see step_time)
 
     @property
     def slowest(self) -> float:
         return max(self.times, default=0.0)
 
 
-def lower_bound(works: Sequence[float], bins: Sequence[Bin]) -> float:
-    """Max of: the largest piece on the fastest bin that can hold it, and the total work spread over
-    the total speed. (Ignores capacities otherwise.)"""
+def lower_bound(works: Sequence[float], bins: Sequence[Bin], stages: Optional[int] = None) -> float:
+    """No assignment's step_time is below this (capacities ignored). Slowest micro-batch: the largest
+    piece on the fastest bin, or the total work over the total speed. Pipeline step: a replica's time
+    is at least its work W_r (1 + (p - 1) / m_r) / (p s_r) with m_r micro-batches, so the slowest is at
+    least the total over the sum of p s_r / (1 + (p - 1) / m_r); and the replica with the largest piece
+    w takes at least w / s."""
     if not works:
         return 0.0
-    total_speed = sum(b.speed for b in bins)
-    return max(max(works) / max(b.speed for b in bins), sum(works) / total_speed)
+    largest = max(works) / max(b.speed for b in bins)
+    if stages is None:
+        return max(largest, sum(works) / sum(b.speed for b in bins))
+    per_replica: Dict[int, List[Bin]] = {}
+    for b in bins:
+        per_replica.setdefault(b.replica, []).append(b)
+    rate = sum(stages * min(b.speed for b in members) / (1 + (stages - 1) / len(members))
+               for members in per_replica.values())
+    return max(largest, sum(works) / rate)
 
 
 def bin_times(assignment: Sequence[Sequence[int]], works: Sequence[float], bins: Sequence[Bin]) -> List[float]:
     return [sum(works[i] for i in group) / b.speed for group, b in zip(assignment, bins)]
+
+
+def replica_times(times: Sequence[float], bins: Sequence[Bin], stages: int) -> Dict[int, float]:
+    """A replica's pipeline step of `stages` stages, each doing 1/stages of every micro-batch: a
+    proportionate flow shop, (sum + (stages - 1) * slowest) / stages (1F1B's steady state and fill)."""
+    sums: Dict[int, float] = {}
+    slowest: Dict[int, float] = {}
+    for t, b in zip(times, bins):
+        sums[b.replica] = sums.get(b.replica, 0.0) + t
+        slowest[b.replica] = max(slowest.get(b.replica, 0.0), t)
+    return {r: (sums[r] + (stages - 1) * slowest[r]) / stages for r in sums}
+
+
+def step_time(assignment: Sequence[Sequence[int]], works: Sequence[float], bins: Sequence[Bin],
+              stages: Optional[int] = None) -> float:
+    """What the dispatch minimises: the slowest micro-batch (stages None), or the slowest replica's
+    pipeline step (stages = the pipeline's depth)."""
+    times = bin_times(assignment, works, bins)
+    if stages is None:
+        return max(times, default=0.0)
+    return max(replica_times(times, bins, stages).values(), default=0.0)
 
 
 def check_assignment(assignment: Sequence[Sequence[int]], lengths: Sequence[int], bins: Sequence[Bin]) -> None:
@@ -108,43 +143,57 @@ def check_assignment(assignment: Sequence[Sequence[int]], lengths: Sequence[int]
             raise ValueError(f"bin {b} holds {used} tokens, over its capacity {spec.capacity}")
 
 
-def lpt(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin]) -> Optional[List[List[int]]]:
-    """Largest work first, each to the bin where it would finish earliest among those with room
-    (ties: the lower bin). None when some piece fits nowhere."""
+def lpt(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin],
+        stages: Optional[int] = None) -> Optional[List[List[int]]]:
+    """Largest work first, each to the bin with room that leaves the smallest step_time, then the one
+    where it finishes earliest, then the lower bin (with stages None: classic LPT). None when some
+    piece fits nowhere."""
     assignment: List[List[int]] = [[] for _ in bins]
-    load = [0.0] * len(bins)
+    load = [0.0] * len(bins)   # time, work / speed
     room = [b.capacity for b in bins]
+    replicas = sorted({b.replica for b in bins})
+    sums = {r: 0.0 for r in replicas}
+    slowest = {r: 0.0 for r in replicas}
     for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
-        best, best_time = -1, float("inf")
+        best, best_key = -1, None
         for b, spec in enumerate(bins):
-            if room[b] >= lengths[i]:
-                finish = (load[b] + works[i]) / spec.speed
-                if finish < best_time:
-                    best, best_time = b, finish
+            if room[b] < lengths[i]:
+                continue
+            finish = load[b] + works[i] / spec.speed
+            if stages is None:
+                key = (finish, b)
+            else:
+                r = spec.replica
+                mine = (sums[r] + works[i] / spec.speed + (stages - 1) * max(slowest[r], finish)) / stages
+                others = max(((sums[o] + (stages - 1) * slowest[o]) / stages for o in replicas if o != r), default=0.0)
+                key = (max(mine, others), finish, b)
+            if best_key is None or key < best_key:
+                best, best_key = b, key
         if best < 0:
             return None
+        spec = bins[best]
         assignment[best].append(i)
-        load[best] += works[i]
+        load[best] += works[i] / spec.speed
         room[best] -= lengths[i]
+        sums[spec.replica] += works[i] / spec.speed
+        slowest[spec.replica] = max(slowest[spec.replica], load[best])
     return assignment
 
 
-def _symmetry_cut(bins: Sequence[Bin]) -> List[int]:
-    """For each bin, its rank among the bins identical to it (same capacity and speed)."""
-    seen: Dict[Tuple[int, float], int] = {}
-    rank = []
-    for b in bins:
-        key = (b.capacity, b.speed)
-        rank.append(seen.get(key, 0))
-        seen[key] = rank[-1] + 1
-    return rank
+def _symmetry_groups(bins: Sequence[Bin], stages: Optional[int]) -> List[Tuple]:
+    """Bins that can swap contents without changing the objective: same capacity and speed, and with a
+    pipeline objective, the same replica."""
+    return [(b.capacity, b.speed) + ((b.replica,) if stages is not None else ()) for b in bins]
 
 
 def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], time_limit_s: float,
-        start: Optional[Sequence[Sequence[int]]] = None) -> Tuple[Optional[List[List[int]]], bool]:
-    """min z  s.t.  each piece in one bin; a bin's tokens <= its capacity; a bin's work / speed <= z.
-    Pieces are ordered by work, largest first, and piece k may use only the first k + 1 of a group of
-    identical bins (any solution relabels into that form), which removes the bins' symmetry.
+        start: Optional[Sequence[Sequence[int]]] = None,
+        stages: Optional[int] = None) -> Tuple[Optional[List[List[int]]], bool]:
+    """min T  s.t.  each piece in one bin; a bin's tokens <= its capacity; and
+    stages None: every bin's work / speed <= T;
+    stages p:    every bin's work / speed <= z_r of its replica r, (sum of r's bins + (p - 1) z_r) / p <= T.
+    Pieces are ordered by work, largest first, and piece k may use only the first k + 1 bins of a group
+    of interchangeable bins (any solution relabels into that form), which removes their symmetry.
     Returns (assignment or None, proven optimal)."""
     import highspy   # why: only a step small enough for the integer program needs the solver
 
@@ -152,28 +201,42 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     order = sorted(range(n), key=lambda i: (-works[i], i))
     scale = max(max(works), 1e-300)   # works near 1: HiGHS's tolerances are absolute
     w = [works[i] / scale for i in order]
-    rank = _symmetry_cut(bins)
+    groups = _symmetry_groups(bins, stages)
+    rank, seen = [], {}
+    for key in groups:
+        rank.append(seen.get(key, 0))
+        seen[key] = rank[-1] + 1
+    replicas = sorted({b.replica for b in bins}) if stages is not None else []
+    z_col = {r: n * m + j for j, r in enumerate(replicas)}   # x[k, b] at column k * m + b; z_r; T last
+    num_cols = n * m + len(replicas) + 1
+    t_col = num_cols - 1
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("time_limit", max(time_limit_s, 1e-3))
-    num_x = n * m   # x[k, b] at column k * m + b; z last
-    upper = np.array([0.0 if rank[b] > k else 1.0 for k in range(n) for b in range(m)] + [inf])
-    costs = np.zeros(num_x + 1)
-    costs[-1] = 1.0
-    h.addVars(num_x + 1, np.zeros(num_x + 1), upper)
-    h.changeColsCost(num_x + 1, np.arange(num_x + 1, dtype=np.int32), costs)
-    h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32),
-                            np.full(num_x, highspy.HighsVarType.kInteger))
+    upper = np.array([0.0 if rank[b] > k else 1.0 for k in range(n) for b in range(m)] + [inf] * (num_cols - n * m))
+    costs = np.zeros(num_cols)
+    costs[t_col] = 1.0
+    h.addVars(num_cols, np.zeros(num_cols), upper)
+    h.changeColsCost(num_cols, np.arange(num_cols, dtype=np.int32), costs)
+    h.changeColsIntegrality(n * m, np.arange(n * m, dtype=np.int32), np.full(n * m, highspy.HighsVarType.kInteger))
     rows: List[Tuple[float, float, List[int], List[float]]] = []
     for k in range(n):
         rows.append((1.0, 1.0, [k * m + b for b in range(m)], [1.0] * m))
     for b, spec in enumerate(bins):
         cols = [k * m + b for k in range(n)]
         rows.append((-inf, float(spec.capacity), cols, [float(lengths[order[k]]) for k in range(n)]))
-        rows.append((-inf, 0.0, cols + [num_x], [w[k] / spec.speed for k in range(n)] + [-1.0]))
+        bound_col = t_col if stages is None else z_col[spec.replica]
+        rows.append((-inf, 0.0, cols + [bound_col], [w[k] / spec.speed for k in range(n)] + [-1.0]))
+    for r in replicas:
+        cols, vals = [], []
+        for b, spec in enumerate(bins):
+            if spec.replica == r:
+                cols += [k * m + b for k in range(n)]
+                vals += [w[k] / (spec.speed * stages) for k in range(n)]
+        rows.append((-inf, 0.0, cols + [z_col[r], t_col], vals + [(stages - 1) / stages, -1.0]))
     starts, indices, values = [], [], []
     for _, _, cols, vals in rows:
         starts.append(len(indices))
@@ -182,41 +245,47 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(indices),
               np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
     if start is not None:
-        _warm_start(h, start, order, w, bins, m)
+        _warm_start(h, start, order, w, bins, groups, z_col, stages)
     h.run()
-    status = h.getModelStatus()
-    info = h.getInfo()
-    if info.primal_solution_status != 2:   # kSolutionStatusFeasible
+    if h.getInfo().primal_solution_status != 2:   # kSolutionStatusFeasible: no solution within the time
         return None, False
     x = h.getSolution().col_value
     assignment: List[List[int]] = [[] for _ in range(m)]
     for k in range(n):
-        b = max(range(m), key=lambda b: x[k * m + b])
-        assignment[b].append(order[k])
+        assignment[max(range(m), key=lambda b: x[k * m + b])].append(order[k])
     for group in assignment:
         group.sort()
-    return assignment, status == highspy.HighsModelStatus.kOptimal
+    return assignment, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
 
 
-def _warm_start(h, start, order, w, bins, m) -> None:
+def _warm_start(h, start, order, w, bins, groups, z_col, stages) -> None:
     """Hand HiGHS a feasible solution, relabelled into the symmetry-broken form."""
     import highspy
 
     position = {piece: k for k, piece in enumerate(order)}
-    groups = {}
-    for b, spec in enumerate(bins):
-        groups.setdefault((spec.capacity, spec.speed), []).append(b)
+    members: Dict[Tuple, List[int]] = {}
+    for b, key in enumerate(groups):
+        members.setdefault(key, []).append(b)
     relabel = {}
-    for members in groups.values():   # within a group, bins by their largest piece's rank
-        by_first = sorted(members, key=lambda b: min((position[i] for i in start[b]), default=len(order) + b))
-        relabel.update(zip(by_first, members))
-    values = np.zeros(len(order) * m + 1)
-    loads = [0.0] * m
+    for group in members.values():   # within a group, bins by their largest piece's rank
+        by_first = sorted(group, key=lambda b: min((position[i] for i in start[b]), default=len(order) + b))
+        relabel.update(zip(by_first, group))
+    m = len(bins)
+    placed: List[List[int]] = [[] for _ in range(m)]
     for b, group in enumerate(start):
+        placed[relabel[b]] = list(group)
+    values = np.zeros(len(order) * m + len(z_col) + 1)
+    for b, group in enumerate(placed):
         for i in group:
-            values[position[i] * m + relabel[b]] = 1.0
-            loads[relabel[b]] += w[position[i]] / bins[relabel[b]].speed
-    values[-1] = max(loads)
+            values[position[i] * m + b] = 1.0
+    scaled = dict(zip(order, w))
+    times = bin_times(placed, scaled, bins)
+    if stages is None:
+        values[-1] = max(times)
+    else:
+        for r, t in replica_times(times, bins, stages).items():
+            values[z_col[r]] = max(t_b for t_b, b in zip(times, bins) if b.replica == r)
+        values[-1] = max(replica_times(times, bins, stages).values())
     solution = highspy.HighsSolution()
     solution.col_value = values.tolist()
     solution.value_valid = True
@@ -225,39 +294,43 @@ def _warm_start(h, start, order, w, bins, m) -> None:
 
 def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, quadratic: float,
                   time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
-                  fallback: Optional[Sequence[Sequence[int]]] = None) -> Dispatch:
-    """Assign pieces of `lengths` tokens to `bins`, minimising the slowest bin's work / speed."""
+                  fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None) -> Dispatch:
+    """Assign pieces of `lengths` tokens to `bins`, minimising step_time: the slowest bin's work / speed
+    (stages None) or the slowest replica's pipeline step of `stages` stages."""
     begin = time.perf_counter()
     if not bins:
         raise ValueError("a dispatch needs at least one micro-batch")
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages must be at least 1 (the pipeline's depth), got {stages}")
     works = [document_cost(n, linear, quadratic) for n in lengths]
-    bound = lower_bound(works, bins)
+    bound = lower_bound(works, bins, stages)
     if not lengths:
-        return Dispatch([[] for _ in bins], [0.0] * len(bins), "empty", 0.0, time.perf_counter() - begin)
-    best, method = lpt(lengths, works, bins), "greedy"
+        return Dispatch([[] for _ in bins], [0.0] * len(bins), "empty", 0.0, time.perf_counter() - begin, 0.0)
+    best, method = lpt(lengths, works, bins, stages), "greedy"
     if best is None:
         if fallback is None:
             raise ValueError(f"{len(lengths)} pieces ({sum(lengths)} tokens) do not fit the step's "
                              f"{len(bins)} micro-batches by the greedy, and no fallback assignment was given")
         best, method = [list(g) for g in fallback], "fallback"
-    if fallback is not None and method == "greedy":
-        fallback_times, greedy_times = bin_times(fallback, works, bins), bin_times(best, works, bins)
-        if max(fallback_times) < max(greedy_times):
-            best, method = [list(g) for g in fallback], "fallback"
+    elif fallback is not None and step_time(fallback, works, bins, stages) < step_time(best, works, bins, stages):
+        best, method = [list(g) for g in fallback], "fallback"
     left = time_budget_s - (time.perf_counter() - begin)
-    if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and max(bin_times(best, works, bins)) > bound:
-        solved, optimal = ilp(lengths, works, bins, left, start=best)
-        if solved is not None and max(bin_times(solved, works, bins)) <= max(bin_times(best, works, bins)):
+    value = step_time(best, works, bins, stages)
+    if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and value > bound * (1 + 1e-9):
+        solved, optimal = ilp(lengths, works, bins, left, start=best, stages=stages)
+        if solved is not None and step_time(solved, works, bins, stages) <= value:
             best, method = solved, "ilp-optimal" if optimal else "ilp-time-limit"
     check_assignment(best, lengths, bins)
-    return Dispatch(best, bin_times(best, works, bins), method, bound, time.perf_counter() - begin)
+    return Dispatch(best, bin_times(best, works, bins), method, bound, time.perf_counter() - begin,
+                    step_time(best, works, bins, stages))
 
 
 def dispatch(lengths: Sequence[int], micro_batches: int, capacity: int, linear: float = 1.0, quadratic: float = 0.0,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
-             fallback: Optional[Sequence[Sequence[int]]] = None) -> List[List[int]]:
+             fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None) -> List[List[int]]:
     """One replica's micro-batches, all of `capacity` tokens: the assignment only (PackedDocuments'
-    dispatcher: functools.partial(dispatch, linear=..., quadratic=...))."""
+    dispatcher: functools.partial(dispatch, linear=..., quadratic=...)). For one replica the pipeline
+    objective (stages) and the slowest micro-batch have the same optimum: the sum is fixed."""
     return dispatch_bins(lengths, micro_batch_bins(micro_batches, capacity), linear, quadratic, time_budget_s,
-                         max_ilp_variables, fallback).assignment
+                         max_ilp_variables, fallback, stages).assignment
 
