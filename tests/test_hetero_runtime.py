@@ -5,7 +5,7 @@ import torch
 
 from hrlplan.compose import compose
 from hrlplan.launch.local_run import compare_with_one_process
-from hrlplan.launch.ranks import compact_any
+from hrlplan.search.placement import compact, place_on_ranks
 from hrlplan.plan import launch_meta
 from hrlplan.runtime.hetero_sync import Item, cut_buckets, from_hf, gpt2_layout, to_hf
 from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
@@ -31,12 +31,27 @@ def test_a_heterogeneous_plan_with_idle_ranks_compacts_onto_its_used_ranks():
     plan.unused_ranks, plan.world_size = [0, 2], 4   # the pipeline on rank 1 of 4 (a placement)
     plan.pipelines[0].stages[0].ranks = [1]
     plan.meta["launch"] = dict(launch_meta(4), rank_to_device=[3, 2, 1, 0])
-    trained, used = compact_any(plan)
+    trained, used = compact(plan)
     assert used == [1]
     assert trained.heterogeneous and trained.world_size == 1 and not trained.unused_ranks
     assert [s.ranks for s in trained.pipelines[0].stages] == [[0]] and trained.stages[0].ranks == [0]
     assert trained.meta["launch"]["rank_to_device"] == [2] and trained.meta["launch"]["nproc_per_node"] == 1
     assert plan.pipelines[0].stages[0].ranks == [1]   # the job's plan is left as it was
+
+
+def test_a_heterogeneous_plan_placed_on_job_ranks_and_compacted_back():
+    """place_on_ranks maps each pipeline once (a heterogeneous plan's `stages` is its first pipeline's
+    list: renumbering both moved those ranks twice) and compact undoes it."""
+    model = _model(GPT2)
+    whole = PipelineTemplate(model, [get_modules(model)])
+    split = PipelineTemplate(model, [get_modules(model)[:3], get_modules(model)[3:]])
+    plan = build_plan([whole, split], {whole: 2, split: 2}, world_size=3, global_batch_size=8, model="gpt2-tiny")
+    placed = place_on_ranks(plan, [1, 2, 3], 4, launch_meta(4))
+    assert [[s.ranks for s in p.stages] for p in placed.pipelines] == [[[1]], [[2], [3]]]
+    assert placed.unused_ranks == [0] and placed.world_size == 4
+    back, used = compact(placed)
+    assert used == [1, 2, 3]
+    assert [[s.ranks for s in p.stages] for p in back.pipelines] == [[[0]], [[1], [2]]]
 
 
 def test_gpt2_tp_layout_maps_to_hugging_face_and_back():

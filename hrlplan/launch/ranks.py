@@ -1,17 +1,15 @@
 """Ranks of a worker: its device and process groups, the ranks a plan trains on (idle ones leave
-the job), the peak FLOP/s MFU is taken against, and the object broadcast rank 0 plans through."""
+the job), and the object broadcast rank 0 plans through."""
 from __future__ import annotations
 
-import copy
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch.distributed as dist
 
 from hrlplan.config import TrainConfig
 from hrlplan.devices import choose_device
 from hrlplan.errors import UserError
-from hrlplan.plan import Plan
 from hrlplan.runtime import distributed
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.search.placement import compact
@@ -31,44 +29,11 @@ def train_ranks(plan) -> List[int]:
     return [r for r in range(plan.world_size) if r not in idle]
 
 
-def compact_any(plan: Plan) -> Tuple[Plan, List[int]]:
-    """search.placement.compact for both plan forms: (the plan on ranks 0..k-1 of its used ranks, those
-    job ranks). compact leaves a heterogeneous plan as it is (it reads the used ranks off `stages`,
-    which such a plan derives from its first pipeline only); an idle rank of one would then enter the
-    training step with nothing to train. Here its pipelines are renumbered and the plan rebuilt (and
-    validated) from its dict, so the derived fields follow."""
-    if not (plan.heterogeneous and plan.unused_ranks):
-        return compact(plan)
-    used = sorted({r for pipe in plan.pipelines for r in pipe.ranks})
-    index = {r: i for i, r in enumerate(used)}
-    d = plan.to_dict()
-    for pipe in d["pipelines"]:
-        for stage in pipe["stages"]:
-            stage["ranks"] = [index[r] for r in stage["ranks"]]
-    d.update(world_size=len(used), unused_ranks=[], meta=_compact_meta(plan, used))
-    return Plan.from_dict(d, source="the plan renumbered onto its used ranks"), used
-
-
-def _compact_meta(plan: Plan, used: List[int]) -> Dict[str, Any]:
-    """plan.meta as search.placement.compact leaves it: launch and per-rank predictions on the used ranks."""
-    meta = copy.deepcopy(plan.meta)
-    launch = dict(meta.get("launch") or {})
-    if launch.get("rank_to_device"):
-        launch["rank_to_device"] = [launch["rank_to_device"][r] for r in used]
-    memory = (meta.get("predicted") or {}).get("memory_bytes_per_rank")
-    if memory and len(memory) == plan.world_size:
-        meta["predicted"]["memory_bytes_per_rank"] = [memory[r] for r in used]
-    launch.update(nnodes=1, nproc_per_node=len(used))   # the ranks as the trainer sees them
-    launch.pop("per_node_visible_devices", None)
-    meta["launch"] = launch
-    return meta
-
-
 def leave_idle_ranks(plan, setting: str = "auto", train: Optional[TrainConfig] = None):
     """Ranks a plan leaves idle drop out of the job: the used ones form a process group of their
     own over the job's store (rank 0 serves it and always trains) and train the plan renumbered
-    0..k-1; an idle rank returns None. Both plan forms (compact_any)."""
-    trained, used = compact_any(plan)
+    0..k-1; an idle rank returns None. Both plan forms (search.placement.compact)."""
+    trained, used = compact(plan)
     if len(used) == plan.world_size:
         return plan
     if 0 not in used:

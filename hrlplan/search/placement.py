@@ -16,6 +16,19 @@ from hrlplan.plan import Plan, validate
 
 
 def _renumber(plan: Plan, mapping: Dict[int, int], world_size: int, unused: Sequence[int]) -> Plan:
+    if plan.heterogeneous:
+        # its stages and device groups derive from the pipelines (stages *is* the first pipeline's list):
+        # renumber the pipelines alone and rebuild the rest, checked, from the dict
+        d = plan.to_dict()
+        for pipe in d["pipelines"]:
+            for stage in pipe["stages"]:
+                stage["ranks"] = [mapping[r] for r in stage["ranks"]]
+        launch = d.get("meta", {}).pop("launch", None)   # the callers set the launch of the new rank count
+        d.update(world_size=world_size, unused_ranks=sorted(unused))
+        out = Plan.from_dict(d, source="the plan renumbered onto the job's ranks")
+        if launch is not None:
+            out.meta["launch"] = launch
+        return out
     out = copy.deepcopy(plan)
     for s in out.stages:
         s.ranks = [mapping[r] for r in s.ranks]
@@ -51,9 +64,9 @@ def place_on_ranks(plan: Plan, job_ranks: Sequence[int], world_size: int, launch
 
 def compact(plan: Plan) -> Tuple[Plan, List[int]]:
     """The plan on ranks 0..k-1 of its used ranks (in job order), and those job ranks."""
-    if not plan.unused_ranks or plan.heterogeneous:
-        return plan, list(range(plan.world_size))   # hetero plans run their idle ranks themselves
-    used = sorted({r for s in plan.stages for r in s.ranks})
+    if not plan.unused_ranks:
+        return plan, list(range(plan.world_size))
+    used = sorted({r for pipe in plan.as_pipelines() for s in pipe.stages for r in s.ranks})
     mapping = {r: i for i, r in enumerate(used)}
     out = _renumber(plan, mapping, len(used), [])
     launch = dict(out.meta.get("launch") or {})
