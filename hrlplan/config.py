@@ -260,6 +260,9 @@ class ClusterConfig:
     probe_matmul_n: int = 512
     probe_p2p_mb: float = 4.0
     probe_repeats: int = 3
+    # Local workers capped to a share of one CPU core each (cgroup v1 cpu quotas; hrlplan/launch/cpu_quota.py):
+    # slower and faster workers on one machine, e.g. [1.0,0.33,0.33]; null (or a null entry) is uncapped.
+    cpu_shares: Optional[List[Optional[float]]] = None
 
 
 # ---------------------------------------------------------------- timeouts
