@@ -17,7 +17,7 @@ its runs' errors; the runs' spread (max - min) / median is reported beside it as
 noise a reader should judge the error against. The calibration is fitted from micro-benchmarks and
 one one-process reference step only, never from the plans' own step times.
 On a GPU machine it also measures GPT-2 124M bf16 MFU on one GPU (pretrain.py end to end, the median
-per-step MFU against the probe's measured peak); without one it says so (--mfu-check-on-cpu runs the
+per-step MFU against the GPU's datasheet peak, runtime/mfu.py); without one it says so (--mfu-check-on-cpu runs the
 same path on gpt2-tiny on the CPU).
 """
 from __future__ import annotations
