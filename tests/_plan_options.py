@@ -33,13 +33,15 @@ def _worker(config, plan_yaml: str, stage_options: Dict[str, Any], plan_options:
 
 
 def train_with_options(plan, overrides: List[str], run_dir, steps: int, stage_options: Optional[Dict] = None,
-                       plan_options: Optional[Dict] = None) -> Dict[str, Any]:
-    """Rank 0's summary: {"losses": [...], "memory": per-rank measured split (bytes), "step_time_s"}."""
+                       plan_options: Optional[Dict] = None, extra: List[str] = ()) -> Dict[str, Any]:
+    """Rank 0's summary: {"losses": [...], "memory": per-rank measured split (bytes), "step_time_s"};
+    `extra` overrides come last (checkpoints, resume)."""
     from hrlplan.compose import compose
     from hrlplan.config import as_config
     from hrlplan.launch.local import launch_workers
 
-    config = compose([*overrides, f"train.steps={steps}", "train.checkpoint_interval=0", "logger.mode=disabled"])
+    config = compose([*overrides, f"train.steps={steps}", "train.checkpoint_interval=0", "logger.mode=disabled",
+                      *extra])
     config = copy.deepcopy(as_config(config))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -181,3 +181,21 @@ def test_fsdp2_by_tp2_with_sequence_parallel_op_sac_and_resharding_matches_one_p
     run = train_with_options(plan, overrides, tmp_path, STEPS, stage_options={"sequence_parallel": True},
                              plan_options={"reshard_after_forward": None})
     assert run["losses"] == pytest.approx(reference_losses(overrides, STEPS), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_run_resumes_on_its_loss_curve(tmp_path):
+    """The norms' Replicate DTensors go through torch.distributed.checkpoint like the sharded
+    weights: stopped after 2 steps and resumed, the run repeats the uninterrupted one's losses."""
+    from hrlplan.plan import homogeneous_plan
+
+    plan = homogeneous_plan("llama-tiny", 2, [(0, 2)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
+                            schedule="1f1b")
+    sp = {"sequence_parallel": True}
+    straight = train_with_options(plan, LLAMA, tmp_path / "straight", 4, stage_options=sp)["losses"]
+    saving = ["train.checkpoint_interval=2"]
+    first = train_with_options(plan, LLAMA, tmp_path / "run", 4, stage_options=sp,
+                               extra=[*saving, "train.stop_after=2"])["losses"]
+    resumed = train_with_options(plan, LLAMA, tmp_path / "run", 4, stage_options=sp,
+                                 extra=[*saving, "train.resume=auto"])["losses"]
+    assert first + resumed == pytest.approx(straight, abs=1e-6)
