@@ -3,6 +3,7 @@
 The model tests run a small GPT-2 built by hrlplan's construction path, called directly with the 4-D
 block-diagonal mask and restarting positions (the stage forward does not carry them yet).
 """
+import dataclasses
 import functools
 import itertools
 import random
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from hrlplan.data import dispatch as D
-from hrlplan.data.packing import (IGNORE_INDEX, PAD_DOCUMENT, PackedDocuments, block_causal_mask, document_lengths,
-                                  document_pieces, next_fit, pack_micro_batches, predictions, split_documents,
-                                  token_weighted_loss)
+from hrlplan.data.packing import (IGNORE_INDEX, PAD_DOCUMENT, PackedDocuments, additive_attention_mask,
+                                  block_causal_mask, document_lengths, document_pieces, next_fit, pack_micro_batches,
+                                  predictions, split_documents, token_weighted_loss)
 
 EOT = 1
 
@@ -109,7 +110,7 @@ def _brute_force(lengths, bins, linear, quadratic, stages=None):
             load[b] += works[i]
         if not all(u <= b.capacity for u, b in zip(used, bins)):
             continue
-        times = [x / b.speed for x, b in zip(load, bins)]
+        times = [(b.base_work + x) / b.speed for x, b in zip(load, bins)]
         if stages is None:
             value = max(times)
         else:
@@ -134,16 +135,21 @@ def _held_once(assignment, n):
     return sorted(i for group in assignment for i in group) == list(range(n))
 
 
-@pytest.mark.parametrize("stages", [None, 1, 2, 4])
-def test_ilp_finds_the_brute_force_optimum_on_tiny_instances(stages):
+@pytest.mark.parametrize("stages,fixed_shapes", [(None, False), (1, False), (2, False), (4, False), (None, True),
+                                                 (2, True)])
+def test_ilp_finds_the_brute_force_optimum_on_tiny_instances(stages, fixed_shapes):
     solved = 0
     for lengths, bins in _tiny_instances():
-        optimum = _brute_force(lengths, bins, 1.0, 0.05, stages)
+        if fixed_shapes:   # the reference: each bin's budget costs its linear work, pieces their attention
+            reference = [dataclasses.replace(b, base_work=1.0 * b.capacity) for b in bins]
+            optimum = _brute_force(lengths, reference, 0.0, 0.05, stages)
+        else:
+            optimum = _brute_force(lengths, bins, 1.0, 0.05, stages)
         if optimum == float("inf"):
             continue
         # a generous budget: these solve in milliseconds
         result = D.dispatch_bins(lengths, bins, 1.0, 0.05, time_budget_s=30.0, stages=stages,
-                                 fallback=_some_feasible(lengths, bins))
+                                 fallback=_some_feasible(lengths, bins), fixed_shapes=fixed_shapes)
         assert _held_once(result.assignment, len(lengths))
         assert result.step_time == pytest.approx(optimum, rel=1e-9)
         assert result.lower_bound <= optimum * (1 + 1e-9)
@@ -213,7 +219,7 @@ def test_a_steps_dispatch_finishes_within_its_budget():
     bins = D.micro_batch_bins(8, 4096)
     budget = 1.0
     result = D.dispatch_bins(lengths, bins, 1.0, 0.01, time_budget_s=budget, max_ilp_variables=10_000)
-    assert result.method in ("ilp-optimal", "ilp-time-limit", "greedy")
+    assert result.method in ("ilp-optimal", "ilp-time-limit", "greedy", "greedy-optimal")
     assert _held_once(result.assignment, len(lengths))
     assert result.seconds < budget + 10.0
     # too large for the integer program: the greedy alone, no solver
@@ -238,11 +244,11 @@ def test_replica_bins_take_each_replicas_length_and_speed():
 
 
 # ---------------------------------------------------------------- the model: packed equals on its own
-def _gpt2(seed=0):
+def _gpt2(seed=0, **extra):
     from hrlplan.models.hf import build_hf_model, hf_config_from_arch
 
     arch = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=64,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **extra)
     torch.manual_seed(seed)
     model = build_hf_model(hf_config_from_arch(arch)).double()
     return model.eval()
@@ -300,3 +306,43 @@ def test_a_tokens_loss_does_not_depend_on_another_documents_tokens():
     # the same check without the mask fails: the test can tell
     unmasked = token_loss_grad(None)
     assert (unmasked[batch.doc_ids[0] == 0] > 0).all()
+
+
+def _stage_forward(stage, x, positions, doc_ids, mask_of):
+    """What HFStage._forward needs to become for packed documents: positions and the document ids come
+    in as keyword arguments (torch pipelining hands a step's kwargs, split by micro-batch, to every
+    stage), the first stage embeds at the restarting positions, every block gets the mask."""
+    base = stage.base
+    h = base.drop(base.wte(x) + base.wpe(positions)) if stage.first else x
+    mask = mask_of(doc_ids)
+    for block in getattr(base, stage.blocks_attr).values():
+        out = block(h, attention_mask=mask)
+        h = out[0] if isinstance(out, tuple) else out
+    return stage.lm_head(base.ln_f(h)) if stage.last else h
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_pipeline_stages_given_the_document_ids_equal_the_whole_model(attention):
+    from hrlplan.models.hf import build_stage_modules
+
+    docs = _documents([5, 9, 3, 12, 7], seed=3)
+    batch = pack_micro_batches(docs, [[0, 1, 2], [3, 4]], token_budget=20, pad_id=0)
+    whole = _gpt2(attn_implementation=attention)
+    staged = _gpt2(attn_implementation=attention)
+    stages = build_stage_modules(staged, [(0, 1), (1, 2)])
+    # SDPA takes the boolean mask, eager attention adds it to the scores
+    mask_of = block_causal_mask if attention == "sdpa" else functools.partial(additive_attention_mask,
+                                                                              dtype=torch.float64)
+    h = batch.inputs
+    for stage in stages:
+        h = _stage_forward(stage, h, batch.positions, batch.doc_ids, mask_of)
+    staged_loss = token_weighted_loss(h, batch.targets)
+    staged_loss.backward()
+    # HF passes a 4-D mask through as it is: eager attention given the boolean one would add 1 / 0
+    out = whole(input_ids=batch.inputs, attention_mask=mask_of(batch.doc_ids), position_ids=batch.positions)
+    whole_loss = token_weighted_loss(out.logits, batch.targets)
+    whole_loss.backward()
+    assert staged_loss.item() == pytest.approx(whole_loss.item(), rel=1e-10)
+    grads = dict(whole.named_parameters())
+    for name, param in staged.named_parameters():
+        assert torch.allclose(param.grad, grads[name].grad, rtol=1e-8, atol=1e-12), name

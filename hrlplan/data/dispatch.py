@@ -8,7 +8,9 @@ A pipeline waits on its slowest micro-batch. A document of L tokens costs
 planner's cost model -- data/ is below cost/ and never imports it). A micro-batch costs the sum of its
 documents. That holds for an attention kernel that skips the masked blocks of the block-diagonal mask
 (FlexAttention's block mask, flash-attention's varlen); a dense masked kernel does the whole
-budget x budget square whatever the documents, and balancing then buys nothing.
+budget x budget square whatever the documents, and balancing then buys nothing. With fixed shapes
+(torch pipelining) a micro-batch also computes its padding's linear work: `fixed_shapes=True` gives
+every micro-batch its whole budget's linear work, and the documents only their attention.
 
 Every bin (one micro-batch of one replica) has a token capacity (that replica's sequence length)
 and a speed (1.0 for a homogeneous plan; a replica's relative throughput for a heterogeneous one);
@@ -31,7 +33,7 @@ Whatever runs, the result holds each piece exactly once (checked before it is re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -51,10 +53,13 @@ def micro_batch_cost(lengths: Sequence[int], linear: float, quadratic: float) ->
 
 @dataclass(frozen=True)
 class Bin:
-    """One micro-batch slot: `capacity` tokens, run at `speed` (work per second, relative)."""
+    """One micro-batch slot: `capacity` tokens, run at `speed` (work per second, relative).
+    base_work: what it costs whatever it holds (fixed_shapes: the linear work of its whole budget,
+    padding included)."""
     capacity: int
     speed: float = 1.0
     replica: int = 0
+    base_work: float = 0.0
 
 
 def micro_batch_bins(micro_batches: int, capacity: int) -> List[Bin]:
@@ -74,7 +79,7 @@ def replica_bins(micro_batches: int, capacities: Sequence[int], speeds: Sequence
 class Dispatch:
     assignment: List[List[int]]   # per bin, the piece indices it holds (in the caller's order)
     times: List[float]            # per bin, work / speed
-    method: str                   # "ilp-optimal", "ilp-time-limit", "greedy", "fallback", "empty"
+    method: str                   # ilp-optimal, ilp-time-limit, greedy, fallback (-optimal: proven), empty
     lower_bound: float            # no assignment's step_time can be smaller
     seconds: float                # wall time the dispatch took
     step_time: float              # what was minimised (see step_time)
@@ -85,26 +90,31 @@ class Dispatch:
 
 
 def lower_bound(works: Sequence[float], bins: Sequence[Bin], stages: Optional[int] = None) -> float:
-    """No assignment's step_time is below this (capacities ignored). Slowest micro-batch: the largest
-    piece on the fastest bin, or the total work over the total speed. Pipeline step: a replica's time
-    is at least its work W_r (1 + (p - 1) / m_r) / (p s_r) with m_r micro-batches, so the slowest is at
-    least the total over the sum of p s_r / (1 + (p - 1) / m_r); and the replica with the largest piece
-    w takes at least w / s."""
+    """No assignment's step_time is below this (capacities ignored). Every bin runs, and the bin
+    holding the largest piece w takes at least (base + w) / speed. Slowest micro-batch: also the total
+    work over the total speed. Pipeline step of p stages: a replica r of m_r bins takes at least
+    d_r + W_r / c_r, with d_r = a_r * sum(base / speed), c_r = max speed / a_r, a_r = (1 + (p-1)/m_r) / p,
+    so the slowest takes at least every d_r and (total work + sum c_r d_r) / sum c_r."""
+    own = max((b.base_work / b.speed for b in bins), default=0.0)
     if not works:
-        return 0.0
-    largest = max(works) / max(b.speed for b in bins)
+        return own
+    largest = max(own, min((b.base_work + max(works)) / b.speed for b in bins))
     if stages is None:
-        return max(largest, sum(works) / sum(b.speed for b in bins))
+        return max(largest, (sum(works) + sum(b.base_work for b in bins)) / sum(b.speed for b in bins))
     per_replica: Dict[int, List[Bin]] = {}
     for b in bins:
         per_replica.setdefault(b.replica, []).append(b)
-    rate = sum(stages * min(b.speed for b in members) / (1 + (stages - 1) / len(members))
-               for members in per_replica.values())
-    return max(largest, sum(works) / rate)
+    floors, rates = [], []
+    for members in per_replica.values():
+        a = (1 + (stages - 1) / len(members)) / stages
+        floors.append(a * sum(b.base_work / b.speed for b in members))
+        rates.append(max(b.speed for b in members) / a)
+    spread = (sum(works) + sum(c * d for c, d in zip(rates, floors))) / sum(rates)
+    return max(largest, max(floors), spread)
 
 
 def bin_times(assignment: Sequence[Sequence[int]], works: Sequence[float], bins: Sequence[Bin]) -> List[float]:
-    return [sum(works[i] for i in group) / b.speed for group, b in zip(assignment, bins)]
+    return [(b.base_work + sum(works[i] for i in group)) / b.speed for group, b in zip(assignment, bins)]
 
 
 def replica_times(times: Sequence[float], bins: Sequence[Bin], stages: int) -> Dict[int, float]:
@@ -149,13 +159,18 @@ def lpt(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin],
     where it finishes earliest, then the lower bin (with stages None: classic LPT). None when some
     piece fits nowhere."""
     assignment: List[List[int]] = [[] for _ in bins]
-    load = [0.0] * len(bins)   # time, work / speed
+    load = [b.base_work / b.speed for b in bins]   # time, work / speed
     room = [b.capacity for b in bins]
     replicas = sorted({b.replica for b in bins})
     sums = {r: 0.0 for r in replicas}
     slowest = {r: 0.0 for r in replicas}
+    for b, spec in enumerate(bins):
+        sums[spec.replica] += load[b]
+        slowest[spec.replica] = max(slowest[spec.replica], load[b])
     for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
         best, best_key = -1, None
+        if stages is not None:   # the slowest replica but r is the first of these two unless it is r
+            now = sorted(((sums[r] + (stages - 1) * slowest[r]) / stages, r) for r in replicas)[-2:]
         for b, spec in enumerate(bins):
             if room[b] < lengths[i]:
                 continue
@@ -165,7 +180,7 @@ def lpt(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin],
             else:
                 r = spec.replica
                 mine = (sums[r] + works[i] / spec.speed + (stages - 1) * max(slowest[r], finish)) / stages
-                others = max(((sums[o] + (stages - 1) * slowest[o]) / stages for o in replicas if o != r), default=0.0)
+                others = next((t for t, o in reversed(now) if o != r), 0.0)
                 key = (max(mine, others), finish, b)
             if best_key is None or key < best_key:
                 best, best_key = b, key
@@ -187,21 +202,23 @@ def _symmetry_groups(bins: Sequence[Bin], stages: Optional[int]) -> List[Tuple]:
 
 
 def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], time_limit_s: float,
-        start: Optional[Sequence[Sequence[int]]] = None,
-        stages: Optional[int] = None) -> Tuple[Optional[List[List[int]]], bool]:
+        cutoff: Optional[float] = None, stages: Optional[int] = None) -> Tuple[Optional[List[List[int]]], bool]:
     """min T  s.t.  each piece in one bin; a bin's tokens <= its capacity; and
     stages None: every bin's work / speed <= T;
     stages p:    every bin's work / speed <= z_r of its replica r, (sum of r's bins + (p - 1) z_r) / p <= T.
     Pieces are ordered by work, largest first, and piece k may use only the first k + 1 bins of a group
     of interchangeable bins (any solution relabels into that form), which removes their symmetry.
-    Returns (assignment or None, proven optimal)."""
+    cutoff: a step_time already in hand (the greedy's); only better solutions are searched for.
+    Returns (assignment, proven optimal), or (None, True) when nothing beats the cutoff, or
+    (None, False) when nothing better was found in time."""
     import highspy   # why: only a step small enough for the integer program needs the solver
 
     begin = time.perf_counter()
     n, m = len(works), len(bins)
     order = sorted(range(n), key=lambda i: (-works[i], i))
-    scale = max(max(works), 1e-300)   # works near 1: HiGHS's tolerances are absolute
+    scale = max(max(works), max(b.base_work for b in bins), 1e-300)   # near 1: HiGHS's tolerances are absolute
     w = [works[i] / scale for i in order]
+    bins = [replace(b, base_work=b.base_work / scale) for b in bins]
     groups = _symmetry_groups(bins, stages)
     rank, seen = [], {}
     for key in groups:
@@ -214,8 +231,9 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
+    # the default 1e-4 relative gap stops short when a fixed-shape step's constant work dominates
+    h.setOptionValue("mip_rel_gap", 1e-9)
     upper = np.array([0.0 if rank[b] > k else 1.0 for k in range(n) for b in range(m)] + [inf] * (num_cols - n * m))
     costs = np.zeros(num_cols)
     costs[t_col] = 1.0
@@ -229,14 +247,16 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
         cols = [k * m + b for k in range(n)]
         rows.append((-inf, float(spec.capacity), cols, [float(lengths[order[k]]) for k in range(n)]))
         bound_col = t_col if stages is None else z_col[spec.replica]
-        rows.append((-inf, 0.0, cols + [bound_col], [w[k] / spec.speed for k in range(n)] + [-1.0]))
+        rows.append((-inf, -spec.base_work / spec.speed, cols + [bound_col],
+                     [w[k] / spec.speed for k in range(n)] + [-1.0]))
     for r in replicas:
-        cols, vals = [], []
+        cols, vals, fixed = [], [], 0.0
         for b, spec in enumerate(bins):
             if spec.replica == r:
                 cols += [k * m + b for k in range(n)]
                 vals += [w[k] / (spec.speed * stages) for k in range(n)]
-        rows.append((-inf, 0.0, cols + [z_col[r], t_col], vals + [(stages - 1) / stages, -1.0]))
+                fixed += spec.base_work / (spec.speed * stages)
+        rows.append((-inf, -fixed, cols + [z_col[r], t_col], vals + [(stages - 1) / stages, -1.0]))
     starts, indices, values = [], [], []
     for _, _, cols, vals in rows:
         starts.append(len(indices))
@@ -244,8 +264,10 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
         values += vals
     h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(indices),
               np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
-    if start is not None:
-        _warm_start(h, start, order, w, bins, groups, z_col, stages)
+    if cutoff is not None:
+        # why not setSolution: HiGHS 1.16 handed a warm start can report an objective below the one of
+        # the solution it returns, and stop there (seen on a 7-piece, 2-replica step)
+        h.setOptionValue("objective_bound", cutoff / scale)
     # HiGHS checks its own time_limit only now and then; its interrupt callbacks come at every node
     # and simplex iteration, so the deadline holds more tightly, and a tenth of the budget is kept
     # for what runs between checks (measured up to ~65 ms late on 2 busy cores without it).
@@ -259,65 +281,41 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     h.cbSimplexInterrupt += stop_at_deadline
     h.setOptionValue("time_limit", max(deadline - time.perf_counter(), 1e-3))
     h.run()
-    if h.getInfo().primal_solution_status != 2:   # kSolutionStatusFeasible: no solution within the time
-        return None, False
+    status = h.getModelStatus()
+    if h.getInfo().primal_solution_status != 2:   # kSolutionStatusFeasible
+        # none better than the cutoff exists (the search ended), or none was found in time
+        searched = status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kObjectiveBound)
+        return None, searched
     x = h.getSolution().col_value
     assignment: List[List[int]] = [[] for _ in range(m)]
     for k in range(n):
         assignment[max(range(m), key=lambda b: x[k * m + b])].append(order[k])
     for group in assignment:
         group.sort()
-    return assignment, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-
-
-def _warm_start(h, start, order, w, bins, groups, z_col, stages) -> None:
-    """Hand HiGHS a feasible solution, relabelled into the symmetry-broken form."""
-    import highspy
-
-    position = {piece: k for k, piece in enumerate(order)}
-    members: Dict[Tuple, List[int]] = {}
-    for b, key in enumerate(groups):
-        members.setdefault(key, []).append(b)
-    relabel = {}
-    for group in members.values():   # within a group, bins by their largest piece's rank
-        by_first = sorted(group, key=lambda b: min((position[i] for i in start[b]), default=len(order) + b))
-        relabel.update(zip(by_first, group))
-    m = len(bins)
-    placed: List[List[int]] = [[] for _ in range(m)]
-    for b, group in enumerate(start):
-        placed[relabel[b]] = list(group)
-    values = np.zeros(len(order) * m + len(z_col) + 1)
-    for b, group in enumerate(placed):
-        for i in group:
-            values[position[i] * m + b] = 1.0
-    scaled = dict(zip(order, w))
-    times = bin_times(placed, scaled, bins)
-    if stages is None:
-        values[-1] = max(times)
-    else:
-        for r, t in replica_times(times, bins, stages).items():
-            values[z_col[r]] = max(t_b for t_b, b in zip(times, bins) if b.replica == r)
-        values[-1] = max(replica_times(times, bins, stages).values())
-    solution = highspy.HighsSolution()
-    solution.col_value = values.tolist()
-    solution.value_valid = True
-    h.setSolution(solution)
+    return assignment, status == highspy.HighsModelStatus.kOptimal
 
 
 def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, quadratic: float,
                   time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
-                  fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None) -> Dispatch:
+                  fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None,
+                  fixed_shapes: bool = False) -> Dispatch:
     """Assign pieces of `lengths` tokens to `bins`, minimising step_time: the slowest bin's work / speed
-    (stages None) or the slowest replica's pipeline step of `stages` stages."""
+    (stages None) or the slowest replica's pipeline step of `stages` stages. fixed_shapes: every bin
+    computes its whole budget's linear work (padding included; its base_work), pieces only attention."""
     begin = time.perf_counter()
     if not bins:
         raise ValueError("a dispatch needs at least one micro-batch")
     if stages is not None and stages < 1:
         raise ValueError(f"stages must be at least 1 (the pipeline's depth), got {stages}")
+    if fixed_shapes:
+        bins = [replace(b, base_work=b.base_work + linear * b.capacity) for b in bins]
+        linear = 0.0
     works = [document_cost(n, linear, quadratic) for n in lengths]
     bound = lower_bound(works, bins, stages)
     if not lengths:
-        return Dispatch([[] for _ in bins], [0.0] * len(bins), "empty", 0.0, time.perf_counter() - begin, 0.0)
+        empty: List[List[int]] = [[] for _ in bins]
+        return Dispatch(empty, bin_times(empty, works, bins), "empty", bound, time.perf_counter() - begin,
+                        step_time(empty, works, bins, stages))
     best, method = lpt(lengths, works, bins, stages), "greedy"
     if best is None:
         if fallback is None:
@@ -329,9 +327,11 @@ def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, qu
     left = time_budget_s - (time.perf_counter() - begin)
     value = step_time(best, works, bins, stages)
     if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and value > bound * (1 + 1e-9):
-        solved, optimal = ilp(lengths, works, bins, left, start=best, stages=stages)
+        solved, optimal = ilp(lengths, works, bins, left, cutoff=value, stages=stages)
         if solved is not None and step_time(solved, works, bins, stages) <= value:
             best, method = solved, "ilp-optimal" if optimal else "ilp-time-limit"
+        elif solved is None and optimal:
+            method += "-optimal"   # the integer program proved nothing beats it
     check_assignment(best, lengths, bins)
     return Dispatch(best, bin_times(best, works, bins), method, bound, time.perf_counter() - begin,
                     step_time(best, works, bins, stages))

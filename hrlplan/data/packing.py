@@ -115,6 +115,13 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def additive_attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """block_causal_mask as eager attention adds it to the scores: 0 where allowed, the dtype's most
+    negative value elsewhere (not -inf: a fully masked row would give NaN)."""
+    allowed = block_causal_mask(doc_ids)
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def document_lengths(doc_ids: torch.Tensor) -> List[List[int]]:
     """Per row, the lengths of its documents in order (padding left out): the varlen form
     (cu_seqlens) a kernel that skips masked blocks takes, and what the dispatch cost is computed from."""
