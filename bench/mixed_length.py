@@ -6,7 +6,9 @@ against `balanced` (cost-aware dispatch), on data=code's real document lengths.
 
 Costs are predicted, not measured: a document of L tokens costs linear * L + quadratic * L**2 FLOPs
 (forward and backward) of a GPT-2 of --n-embd / --n-layer / --vocab, the work of an attention kernel
-that skips the masked blocks (see hrlplan/data/dispatch.py). For each step the same documents are
+that skips the masked blocks (see hrlplan/data/dispatch.py); with fixed shapes (the default, as torch
+pipelining runs) every micro-batch pays the linear work of its whole budget, padding included
+(--varlen: only the documents' tokens). For each step the same documents are
 packed both ways; a replica's step is the proportionate flow shop of its pipeline,
 (sum + (pp - 1) * slowest) / pp of its micro-batches, and the step waits on its slowest replica. The
 useful tokens of a step are the same both ways, so the predicted speed-up is the ratio of step times.
@@ -21,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
 
@@ -54,21 +57,23 @@ def quantiles(values: List[float]) -> Dict[str, float]:
 
 def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quadratic: float) -> Dict:
     bins = D.replica_bins(args.micro_batches, [args.budget] * replicas, [1.0] * replicas)
+    # what a micro-batch costs, as dispatch_bins models it (fixed shapes: padding's linear work too)
+    costed = [replace(b, base_work=linear * b.capacity) for b in bins] if args.fixed_shapes else bins
     total = args.micro_batches * replicas
     rows = {"document": [], "balanced": []}
     seconds, methods, useful, ratios = [], Counter(), [], []
     for step in range(args.steps):
         pieces, arrival = stream.step_pieces(step, total)
         lengths = [predictions(p) for p in pieces]
-        works = [D.document_cost(n, linear, quadratic) for n in lengths]
+        works = [D.document_cost(n, 0.0 if args.fixed_shapes else linear, quadratic) for n in lengths]
         result = D.dispatch_bins(lengths, bins, linear, quadratic, time_budget_s=args.time_budget,
-                                 fallback=arrival, stages=args.pp)
+                                 fallback=arrival, stages=args.pp, fixed_shapes=args.fixed_shapes)
         seconds.append(result.seconds)
         methods[result.method] += 1
         useful.append(sum(lengths))
         for name, assignment in (("document", arrival), ("balanced", result.assignment)):
-            times = D.bin_times(assignment, works, bins)
-            rows[name].append({"step": D.step_time(assignment, works, bins, args.pp), "slowest": max(times),
+            times = D.bin_times(assignment, works, costed)
+            rows[name].append({"step": D.step_time(assignment, works, costed, args.pp), "slowest": max(times),
                                **spread(times)})
         ratios.append(rows["document"][-1]["step"] / rows["balanced"][-1]["step"])
     concat_step = (total / replicas + args.pp - 1) / args.pp * D.document_cost(args.budget, linear, quadratic)
@@ -97,6 +102,8 @@ def main(argv=None) -> Dict:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--varlen", dest="fixed_shapes", action="store_false",
+                        help="cost only the documents' tokens (an unpadded varlen run), not fixed-shape micro-batches")
     parser.add_argument("--out", default="bench/results/mixed_length.json")
     args = parser.parse_args(argv)
 
@@ -111,7 +118,7 @@ def main(argv=None) -> Dict:
               "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "vocab": args.vocab,
                         "linear_flops_per_token": linear, "quadratic_flops_per_token_squared": quadratic,
                         "attention_equals_linear_at_tokens": linear / quadratic},
-              "budget": args.budget, "steps": args.steps, "time_budget_s": args.time_budget, "layouts": []}
+              "budget": args.budget, "steps": args.steps, "fixed_shapes": args.fixed_shapes, "time_budget_s": args.time_budget, "layouts": []}
     begin = time.perf_counter()
     for replicas in args.replicas:
         layout = run_layout(stream, replicas, args, linear, quadratic)

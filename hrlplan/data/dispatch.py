@@ -201,6 +201,50 @@ def _symmetry_groups(bins: Sequence[Bin], stages: Optional[int]) -> List[Tuple]:
     return [(b.capacity, b.speed) + ((b.replica,) if stages is not None else ()) for b in bins]
 
 
+def _build_model(h, lengths: Sequence[int], w: Sequence[float], bins: Sequence[Bin], rank: Sequence[int],
+                 stages: Optional[int]) -> None:
+    """ilp's columns (x[k, b] at k * m + b, then z_r per replica with stages, then T) and rows; pieces
+    in work order, works and base works scaled."""
+    import highspy
+
+    n, m = len(w), len(bins)
+    replicas = sorted({b.replica for b in bins}) if stages is not None else []
+    z_col = {r: n * m + j for j, r in enumerate(replicas)}
+    num_cols = n * m + len(replicas) + 1
+    t_col = num_cols - 1
+    inf = highspy.kHighsInf
+    upper = np.array([0.0 if rank[b] > k else 1.0 for k in range(n) for b in range(m)] + [inf] * (num_cols - n * m))
+    costs = np.zeros(num_cols)
+    costs[t_col] = 1.0
+    h.addVars(num_cols, np.zeros(num_cols), upper)
+    h.changeColsCost(num_cols, np.arange(num_cols, dtype=np.int32), costs)
+    h.changeColsIntegrality(n * m, np.arange(n * m, dtype=np.int32), np.full(n * m, highspy.HighsVarType.kInteger))
+    rows: List[Tuple[float, float, List[int], List[float]]] = []
+    for k in range(n):
+        rows.append((1.0, 1.0, [k * m + b for b in range(m)], [1.0] * m))
+    for b, spec in enumerate(bins):
+        cols = [k * m + b for k in range(n)]
+        rows.append((-inf, float(spec.capacity), cols, [float(lengths[k]) for k in range(n)]))
+        bound_col = t_col if stages is None else z_col[spec.replica]
+        rows.append((-inf, -spec.base_work / spec.speed, cols + [bound_col],
+                     [w[k] / spec.speed for k in range(n)] + [-1.0]))
+    for r in replicas:
+        cols, vals, fixed = [], [], 0.0
+        for b, spec in enumerate(bins):
+            if spec.replica == r:
+                cols += [k * m + b for k in range(n)]
+                vals += [w[k] / (spec.speed * stages) for k in range(n)]
+                fixed += spec.base_work / (spec.speed * stages)
+        rows.append((-inf, -fixed, cols + [z_col[r], t_col], vals + [(stages - 1) / stages, -1.0]))
+    starts, indices, values = [], [], []
+    for _, _, cols, vals in rows:
+        starts.append(len(indices))
+        indices += cols
+        values += vals
+    h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(indices),
+              np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
+
+
 def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], time_limit_s: float,
         cutoff: Optional[float] = None, stages: Optional[int] = None) -> Tuple[Optional[List[List[int]]], bool]:
     """min T  s.t.  each piece in one bin; a bin's tokens <= its capacity; and
@@ -224,46 +268,12 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     for key in groups:
         rank.append(seen.get(key, 0))
         seen[key] = rank[-1] + 1
-    replicas = sorted({b.replica for b in bins}) if stages is not None else []
-    z_col = {r: n * m + j for j, r in enumerate(replicas)}   # x[k, b] at column k * m + b; z_r; T last
-    num_cols = n * m + len(replicas) + 1
-    t_col = num_cols - 1
-    inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
     # the default 1e-4 relative gap stops short when a fixed-shape step's constant work dominates
     h.setOptionValue("mip_rel_gap", 1e-9)
-    upper = np.array([0.0 if rank[b] > k else 1.0 for k in range(n) for b in range(m)] + [inf] * (num_cols - n * m))
-    costs = np.zeros(num_cols)
-    costs[t_col] = 1.0
-    h.addVars(num_cols, np.zeros(num_cols), upper)
-    h.changeColsCost(num_cols, np.arange(num_cols, dtype=np.int32), costs)
-    h.changeColsIntegrality(n * m, np.arange(n * m, dtype=np.int32), np.full(n * m, highspy.HighsVarType.kInteger))
-    rows: List[Tuple[float, float, List[int], List[float]]] = []
-    for k in range(n):
-        rows.append((1.0, 1.0, [k * m + b for b in range(m)], [1.0] * m))
-    for b, spec in enumerate(bins):
-        cols = [k * m + b for k in range(n)]
-        rows.append((-inf, float(spec.capacity), cols, [float(lengths[order[k]]) for k in range(n)]))
-        bound_col = t_col if stages is None else z_col[spec.replica]
-        rows.append((-inf, -spec.base_work / spec.speed, cols + [bound_col],
-                     [w[k] / spec.speed for k in range(n)] + [-1.0]))
-    for r in replicas:
-        cols, vals, fixed = [], [], 0.0
-        for b, spec in enumerate(bins):
-            if spec.replica == r:
-                cols += [k * m + b for k in range(n)]
-                vals += [w[k] / (spec.speed * stages) for k in range(n)]
-                fixed += spec.base_work / (spec.speed * stages)
-        rows.append((-inf, -fixed, cols + [z_col[r], t_col], vals + [(stages - 1) / stages, -1.0]))
-    starts, indices, values = [], [], []
-    for _, _, cols, vals in rows:
-        starts.append(len(indices))
-        indices += cols
-        values += vals
-    h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(indices),
-              np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
+    _build_model(h, [lengths[i] for i in order], w, bins, rank, stages)
     if cutoff is not None:
         # why not setSolution: HiGHS 1.16 handed a warm start can report an objective below the one of
         # the solution it returns, and stop there (seen on a 7-piece, 2-replica step)

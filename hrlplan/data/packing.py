@@ -178,7 +178,10 @@ class PackedDocuments:
     The step's pieces are drawn at random (with replacement across steps) and taken in arrival order
     while they fit next-fit into `micro_batches` rows of `token_budget` (so the padding is what the
     last piece that did not fit leaves). `balanced` then re-dispatches those same pieces by cost
-    through `dispatcher` (pieces lengths -> assignment), e.g. functools.partial(dispatch.dispatch, ...)."""
+    through `dispatcher` (pieces lengths -> assignment), e.g. functools.partial(dispatch.dispatch, ...).
+    The documents are the same on every rank; a balanced assignment is not when the integer program
+    stops at its wall-clock deadline, so one rank per pipeline (the first stage, whose activations
+    carry on) or per job (broadcasting the assignment) must decide it."""
 
     def __init__(self, train: torch.Tensor, val: torch.Tensor, eot_id: int, token_budget: int, seed: int,
                  packing: str = "document", dispatcher=None, pad_id: Optional[int] = None):
