@@ -9,6 +9,7 @@ mapping) -- global_batch_size, schedule, stages_per_rank, microbatches ("auto" o
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 from typing import Any, Dict, Tuple
 
@@ -189,16 +190,45 @@ def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
         if mode == "true":
             raise UserError(f"planner.heterogeneous=true cannot plan replicas: {reason}")
         return {"plan": None, "skipped": reason}
-    incumbent = tracker.best.time if tracker.best is not None else float("inf")
-    return search_hetero(sim, meta, cluster, cfg, train_cfg, incumbent)
+    if importlib.util.find_spec("highspy") is None:
+        if mode == "true":
+            raise UserError("planner.heterogeneous=true needs the highspy package (pip install highspy)")
+        return {"plan": None, "skipped": "the highspy package is not installed (pip install highspy)"}
+    # no incumbent: the best replica plan is found (and reported) even where the single template wins
+    hetero = search_hetero(sim, meta, cluster, cfg, train_cfg, float("inf"), started=t0)
+    single = tracker.best.time if tracker.best is not None else float("inf")
+    if hetero["plan"] is not None and hetero["predicted"]["step_time_s"] >= single:
+        hetero["lost"] = lost_on(sim, hetero, tracker.best)
+        hetero["plan"] = None
+    return hetero
+
+
+def lost_on(sim, hetero: Dict[str, Any], single: Scored) -> Dict[str, Any]:
+    """The best replica plan against the single template: its time and where it lost (the
+    components of the simulator's step, replica plan minus single template, largest first)."""
+    mine = hetero["predicted"]["breakdown"]
+    theirs = sim.evaluate(single.layout, detail=True).breakdown
+    sync = mine.get("cross_replica_reduce_s", 0.0) + mine.get("dp_comm_exposed_s", 0.0)
+    parts = {"sync_s": sync - theirs.get("dp_comm_exposed_s", 0.0),
+             "bubble_s": mine.get("bubble_s", 0.0) - theirs.get("bubble_s", 0.0),
+             "compute_s": mine.get("compute_s", 0.0) - theirs.get("compute_s", 0.0),
+             "p2p_comm_s": mine.get("p2p_comm_s", 0.0) - theirs.get("p2p_comm_s", 0.0),
+             "tp_comm_s": mine.get("tp_comm_s", 0.0) - theirs.get("tp_comm_s", 0.0)}
+    ranked = sorted(parts.items(), key=lambda kv: -kv[1])
+    return {"summary": hetero_summary(hetero["replicas"]), "step_time_s": hetero["predicted"]["step_time_s"],
+            "single_template_step_time_s": single.time, "lost_on_s": dict(ranked),
+            "lost_mostly_on": ranked[0][0][:-2] if ranked[0][1] > 0 else "nothing (ties)"}
 
 
 def hetero_info(hetero: Dict[str, Any]) -> Dict[str, Any]:
     """plan_info.json's planner.heterogeneous: what the replica search proved, or why it did not run."""
     if "skipped" in hetero:
         return {"ran": False, "why": hetero["skipped"]}
-    keys = ("proven", "note", "sub_space", "rounds", "template_searches", "options", "time_s", "nproc_per_node")
+    keys = ("proven", "note", "sub_space", "rounds", "template_searches", "options", "time_s", "nproc_per_node",
+            "out_of_time")
     out = {"ran": True, **{k: hetero[k] for k in keys}}
+    if "lost" in hetero:
+        out["best_replica_plan"] = hetero["lost"]
     out["chosen"] = "heterogeneous replicas" if hetero.get("plan") is not None else \
         "the single-template plan (no replica plan of the sub-space is faster)"
     return out

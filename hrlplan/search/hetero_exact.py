@@ -21,7 +21,7 @@ result is a heterogeneous plan only where it beats it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.search.exact import search_exact
@@ -29,8 +29,9 @@ from hrlplan.search.splits import SplitTables
 from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
 
 DEFAULT_SHARE_STEPS = 16
-DEFAULT_TIME_S = 45.0
+DEFAULT_TIME_S = 50.0   # the whole planning time, the single-template search included
 DEFAULT_MAX_ROUNDS = 300
+DEFAULT_TEMPLATE_SIMS = 400
 TP_ANY = 0
 
 
@@ -64,10 +65,15 @@ class TemplateTable:
     def __init__(self, sim, meta, cluster, planner_cfg, train_cfg, deadline: float):
         self.sim, self.meta, self.cluster = sim, meta, cluster
         self.cfg = {k: v for k, v in planner_cfg.items() if k != "heterogeneous"}
+        # a replica's branch and bound can run to 10^4 simulations (48 blocks, 16 stages, 128
+        # micro-batches); beyond this cap its template is the best found and the result unproven
+        self.cfg["max_simulations"] = min(int(planner_cfg.get("max_simulations", 10 ** 9)),
+                                          int(planner_cfg.get("hetero_template_simulations", DEFAULT_TEMPLATE_SIMS)))
         self.train = dict(train_cfg) if isinstance(train_cfg, dict) else {
             k: getattr(train_cfg, k) for k in train_cfg.__dataclass_fields__}
         self.deadline = deadline
         self.bounds: Dict[tuple, float] = {}
+        self.bottlenecks: Dict[tuple, float] = {}
         self.table: Dict[tuple, Tuple[float, Any]] = {}
         self.searches = 0
         self.unproven = 0
@@ -97,8 +103,14 @@ class TemplateTable:
         best = float("inf")
         rs = self._space(key)
         for c in rs.configs():
-            bottleneck = SplitTables(sim, rs, c).minmax()
-            best = min(best, (c.num_microbatches * bottleneck + floor) * scale)
+            # A split's memory only grows with the micro-batch count (receive buffers, activations in
+            # flight), so the bottleneck at min(m, pp) micro-batches bounds the one at m from below:
+            # tables shared by every row count with the same micro-batch size.
+            probe = replace(c, num_microbatches=min(c.num_microbatches, c.pp))
+            shared = (rs._replica_pool, probe)
+            if shared not in self.bottlenecks:
+                self.bottlenecks[shared] = SplitTables(sim, rs, probe).minmax()
+            best = min(best, (c.num_microbatches * self.bottlenecks[shared] + floor) * scale)
         self.bounds[key] = best
         return best
 
@@ -223,11 +235,14 @@ def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: Te
     return out
 
 
-def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float) -> Dict[str, Any]:
+def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float,
+                  started: Optional[float] = None) -> Dict[str, Any]:
     """The best plan of the sub-space that beats `incumbent_s` (the single-template optimum; inf if
-    none fits), or none; with what was proven. Returns {plan, predicted, replicas, proven, note, ...}."""
+    none fits), or none; with what was proven. Returns {plan, predicted, replicas, proven, note, ...}.
+    planner.hetero_time_s bounds the planning time from `started` (default: now), the search
+    included; beyond it the result is the best found and says it is not proven."""
     t0 = time.perf_counter()
-    budget_s = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S))
+    budget_s = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S)) - (t0 - (started or t0))
     steps = int(planner_cfg.get("hetero_share_steps", DEFAULT_SHARE_STEPS))
     max_rounds = int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS))
     global_batch = int(train_cfg.global_batch_size)
@@ -245,14 +260,15 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
         options = enumerate_options(table, space, global_batch, steps, tps)
         n_options += len(options)
         if table.out_of_time:
-            gave_up = f"planner.hetero_time_s={budget_s:g} s ran out while the replica templates were searched"
+            gave_up = (f"planner.hetero_time_s={planner_cfg.get('hetero_time_s', DEFAULT_TIME_S)} s ran out while the "
+                       "replica templates were bounded")
         if not options:
             continue
         program = ShareProgram(options, global_batch, best_s)
         while True:
             if rounds >= max_rounds or time.perf_counter() > t0 + budget_s:
                 gave_up = gave_up or (f"planner.hetero_max_rounds={max_rounds}" if rounds >= max_rounds
-                                      else f"planner.hetero_time_s={budget_s:g} s")
+                                      else f"planner.hetero_time_s={planner_cfg.get('hetero_time_s', DEFAULT_TIME_S)} s")
                 break
             solution = program.solve()
             if solution is None:
@@ -286,4 +302,5 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     return {"plan": best and best[0], "predicted": best and best[1], "replicas": best and best[2],
             "proven": proven, "note": note, "sub_space": sub_space, "rounds": rounds,
             "template_searches": table.searches, "options": n_options, "time_s": time.perf_counter() - t0,
+            "out_of_time": table.out_of_time or "hetero_time_s" in gave_up,
             "nproc_per_node": sorted(spaces)}
