@@ -323,6 +323,14 @@ class TrainConfig:
     measure_memory: bool = True       # peak memory per rank and its split, tracked over the first 2 steps
     vocab_parallel: bool = True       # tp>1: token embedding and head sharded over the vocabulary (whole if vocab % tp != 0)
     tf32: bool = True                 # CUDA: float32 matmuls in TF32 (costed at the TF32 peak); false: full fp32
+    # torch.compile of each transformer block on its own (regional, runtime/compile.py); CPU needs a C++ compiler
+    compile: bool = False
+    # Float8 training: torchao's float8 linears in the blocks (runtime/float8.py); CUDA compute capability >= 8.9
+    # and `pip install 'hrlplan[float8]'`
+    float8: bool = False
+    # context-parallel degree: each sequence sharded over this many ranks (runtime/context_parallel.py); a
+    # train key until the plan carries a cp field; > 1 needs CUDA (torch's context-parallel attention)
+    context_parallel: int = 1
     # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans; null: $HRLPLAN_PLAN_TIMEOUT_MIN, else 60
     plan_timeout_min: Optional[float] = None
     # training collectives (NCCL/gloo): a dead rank ends the job this fast; null: $HRLPLAN_TRAIN_TIMEOUT_MIN, else 10

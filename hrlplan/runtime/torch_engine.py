@@ -20,12 +20,16 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from hrlplan.config import TrainConfig, section
+from hrlplan.errors import UserError
 from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import Plan, stage_to_group
+from hrlplan.runtime.compile import apply_compile
+from hrlplan.runtime.float8 import apply_float8
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+from hrlplan.validate.train_options import train_options_refusal
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -89,12 +93,24 @@ def default_reshard_after_forward(plan: Plan) -> bool:
     return plan.num_stages == 1
 
 
+def check_device_options(train: TrainConfig, device: torch.device, num_stages: int) -> None:
+    """train.compile / float8 / context_parallel on the device this worker really got (the launcher
+    checked its own host's already; a SLURM node may differ)."""
+    cuda = device.type == "cuda"
+    options = {"compile": train.compile, "float8": train.float8, "context_parallel": train.context_parallel}
+    refused = train_options_refusal(options, device.type, torch.cuda.get_device_capability(device) if cuda else None,
+                                    torch.cuda.get_device_name(device) if cuda else "", num_stages)
+    if refused:
+        raise UserError(refused[1])
+
+
 class TorchPipelineEngine:
     """One step = one `schedule.step`; parts maps this rank's stage indices to their modules."""
 
     def __init__(self, plan: Plan, train: TrainConfig, device: torch.device, full_model, recorder: StepRecorder):
         train = section(TrainConfig, train)
         self.plan, self.device, self.recorder = plan, device, recorder
+        check_device_options(train, device, plan.num_stages)
         self.rank = dist.get_rank()
         self.coords = rank_coords(plan, self.rank)
         self.mesh = build_mesh(plan, device.type)
@@ -113,10 +129,14 @@ class TorchPipelineEngine:
         self.reshard_after_forward = reshard_after_forward(plan)
         for i in self.stage_ids:
             part = all_parts[i].to(self.device)
+            if train.float8:   # first, as torchtitan's model converters: tp then shards the Float8Linears
+                apply_float8(part)
             if tp > 1:
                 parallelize_stage(part, self.mesh["tp"], vocab_parallel=bool(train.vocab_parallel),
                                   sequence_parallel=self.sequence_parallel)
             apply_recompute(part, plan.stages[i].recompute)   # after tp, before FSDP (torchtitan's order)
+            if train.compile:   # each block on its own, around its checkpoint, inside FSDP's hooks
+                apply_compile(part)
             blocks = getattr(part.base, part.blocks_attr)
             if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train.dp_mode != "fsdp"):
                 part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards

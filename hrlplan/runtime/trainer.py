@@ -34,6 +34,7 @@ from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime import distributed, timing
 from hrlplan.runtime.checkpoint import find_resume
+from hrlplan.runtime.compile import eager_while
 from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.mfu import mfu
@@ -95,6 +96,18 @@ def runs_on_torch_schedules(plan: Plan) -> bool:
     return not plan.heterogeneous and plan.uniform_tp
 
 
+def refuse_on_hetero_engine(train: Any) -> None:
+    """hrlplan's own executor (heterogeneous replicas, unequal tp) compiles nothing, converts
+    nothing and shards no sequence: asking it to would be ignored, so it is refused."""
+    t = train_config(train)
+    asked = [k for k, on in (("train.compile", t.compile), ("train.float8", t.float8),
+                             ("train.context_parallel", t.context_parallel > 1)) if on]
+    if asked:
+        raise UserError(f"{asked[0]}: runs on torch's pipeline schedules only (identical replicas, one tp degree), "
+                        f"and this plan runs on hrlplan's heterogeneous executor; set {asked[0]}="
+                        f"{'1' if asked[0].endswith('parallel') else 'false'} or use a homogeneous plan")
+
+
 class MFUBasis(NamedTuple):
     """Model FLOPs utilization's figures, from the job: training FLOPs per token (model_meta) and the
     summed peak FLOP/s of the ranks that train (runtime/mfu.job_peak_flops)."""
@@ -121,6 +134,8 @@ class PipelineTrainer(TrainAdapter):
         self.recorder = timing.StepRecorder(self.device)
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
+        if Engine is HeteroPipelineEngine:
+            refuse_on_hetero_engine(self.train)
         self.engine = Engine(plan, self.train, self.device, full, self.recorder)
         self.checkpoint_writes = getattr(self.engine, "checkpoint_writes", None)
         del full
@@ -177,7 +192,8 @@ class PipelineTrainer(TrainAdapter):
         dist.barrier()   # a common start, so every rank's timeline shares one origin
         self.recorder.begin()
         t0 = time.perf_counter()
-        with self.meter.step():
+        metered = self.meter.step()
+        with metered, eager_while(bool(self.train.compile) and isinstance(metered, mem.LiveStorageTracker)):
             loss = self.engine.forward_backward(inputs, targets)
             t1 = self._now()
             grad_norm = self.engine.sync_and_clip(grad_clip(self.train))

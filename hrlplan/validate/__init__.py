@@ -92,6 +92,7 @@ RULES = {
     "planner.heterogeneous": ("one of auto, true, false",
                               lambda v: isinstance(v, bool) or str(v).lower() in ("auto", "true", "false")),
     "planner.recompute": ("one of " + ", ".join(RECOMPUTE_CHOICES), lambda v: v in RECOMPUTE_CHOICES),
+    "train.context_parallel": POS_INT,
     "train.plan_timeout_min": _optional(POS), "train.collective_timeout_min": _optional(POS),
     "cluster.inter_node_GBps": POS, "cluster.inter_node_latency_us": NONNEG, "cluster.intra_node_latency_us": NONNEG,
 }

@@ -17,6 +17,7 @@ from hrlplan.validate.consistency import override_keys
 from hrlplan.validate.environ import check_environment_variables
 from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
 from hrlplan.validate.model_files import check_model_config, model_shape
+from hrlplan.validate.train_options import train_options_refusal
 
 LM_DATA = ("synthetic", "code")
 CHECKPOINT_METADATA = ".metadata"   # torch.distributed.checkpoint's index beside its shards
@@ -55,9 +56,28 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
                                                               "use train.device=auto or cpu")
+    if str(config.get("mode", "train")) == "train":
+        _check_train_options(train)
     local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
     if launching and local:
         check_world_size(cluster, str(train.get("device", "auto")))
+
+
+def _check_train_options(train: Dict[str, Any]) -> None:
+    """train.compile / float8 / context_parallel against this host's device (the workers check theirs
+    again: a SLURM node may differ from the submitting host)."""
+    if not (train.get("compile") or train.get("float8") or int(train.get("context_parallel") or 1) > 1):
+        return
+    import torch   # why: only these options need to know the device
+
+    device = str(train.get("device", "auto"))
+    cuda = device != "cpu" and torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(0) if cuda else None
+    name = torch.cuda.get_device_name(0) if cuda else ""
+    refused = train_options_refusal(train, "cuda" if cuda else "cpu", capability, name)
+    if refused:
+        key, why = refused
+        raise ConfigError(key, train.get(key.split(".", 1)[1]), message=why)
 
 
 def _explicit(config: Dict[str, Any], overrides: Optional[Sequence[str]]) -> set:
