@@ -1,0 +1,103 @@
+"""train.float8=true: which devices run it (a pure check, refused in one line before workers start
+elsewhere), and which of the runtime's modules torchao's float8 conversion swaps (runtime/float8.py):
+the blocks' linears, never the embeddings, the output head, dims that are not multiples of 16, or
+matmuls too small to gain. The conversion itself runs on CPU (torchao builds Float8Linear there)."""
+import pytest
+import torch
+
+from hrlplan.errors import ConfigError, UserError
+from hrlplan.runtime.float8 import apply_float8, float8_conversion, float8_skip_reason
+from hrlplan.validate.train_options import float8_refusal, float8_supported
+
+LLAMA = ["arch=llama-tiny", "arch.num_hidden_layers=2"]
+
+
+def _stage(overrides, on_meta=False):
+    from hrlplan.compose import compose
+    from hrlplan.models.hf import build_stage_modules
+    from hrlplan.runtime.trainer import build_full_model
+
+    cfg = compose(overrides)
+    model = build_full_model(cfg["arch"], 0, materialized=not on_meta)
+    return build_stage_modules(model, [(0, 2)])[0]
+
+
+@pytest.mark.parametrize("device, capability, ok", [
+    ("cpu", None, False), ("cuda", (7, 0), False), ("cuda", (8, 0), False), ("cuda", (8, 6), False),
+    ("cuda", (8, 9), True), ("cuda", (9, 0), True), ("cuda", (10, 0), True), ("cuda", None, False)])
+def test_float8_runs_on_gpus_of_compute_capability_8_9_and_up(device, capability, ok):
+    assert float8_supported(device, capability) is ok
+    assert (float8_refusal(device, capability) is None) is ok
+
+
+def test_refusals_are_one_line_naming_the_key_and_the_device():
+    cpu = float8_refusal("cpu")
+    a100 = float8_refusal("cuda", (8, 0), "NVIDIA A100-SXM4-80GB")
+    for why in (cpu, a100):
+        assert why.startswith("train.float8=true needs a GPU with fp8 tensor cores") and "\n" not in why
+        assert why.endswith("set train.float8=false")
+    assert "a CPU run" in cpu and "NVIDIA A100-SXM4-80GB (compute capability 8.0)" in a100
+
+
+def test_the_launcher_refuses_float8_on_this_cpu_host_before_workers_start():
+    from hrlplan.compose import compose
+    from hrlplan.validate.host import check_environment
+
+    with pytest.raises(ConfigError, match=r"^train\.float8=true needs a GPU") as err:
+        check_environment(compose(["train.float8=true", "train.device=cpu"]), launching=False)
+    assert err.value.key == "train.float8"
+    check_environment(compose(["train.float8=true", "train.device=cpu", "mode=plan"]), launching=False)  # plans only
+
+
+def test_the_blocks_linears_are_swapped_and_embeddings_and_head_are_not():
+    part = _stage(LLAMA)
+    plan = float8_conversion(part, skip_small=False)
+    assert plan.pop("model.embed_tokens") == "embedding"
+    assert plan.pop("lm_head") == "output head"
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    assert plan == {f"model.layers.{i}.{n}": "float8" for i in range(2) for n in names}
+
+
+def test_small_matmuls_and_dims_off_16_stay_in_high_precision():
+    small = float8_conversion(_stage(LLAMA))   # torchao's rule: K <= 4096 and N <= 1024 do not gain
+    assert {v for k, v in small.items() if ".layers." in k} == {"too small to gain"}
+    odd = float8_conversion(_stage(LLAMA + ["arch.intermediate_size=100"]), skip_small=False)
+    assert odd["model.layers.0.mlp.up_proj"] == odd["model.layers.0.mlp.down_proj"] == "dims not multiples of 16"
+    assert odd["model.layers.0.self_attn.q_proj"] == "float8"
+    gpt2 = float8_conversion(_stage(["arch=gpt2-tiny", "arch.n_layer=2"]), skip_small=False)
+    assert gpt2["transformer.h.0.mlp.c_fc"] == "not an nn.Linear"   # transformers' Conv1D
+
+
+def test_a_llama_7b_block_swaps_every_linear_at_its_real_size():
+    part = _stage(["arch=llama-7b", "arch.num_hidden_layers=2"], on_meta=True)
+    plan = float8_conversion(part)
+    assert sum(v == "float8" for v in plan.values()) == 14 and plan["lm_head"] == "output head"
+    assert float8_skip_reason(torch.nn.Linear(4096, 1024, device="meta"), "x") == "too small to gain"
+    assert float8_skip_reason(torch.nn.Linear(4096, 1040, device="meta"), "x") is None
+
+
+def test_torchao_converts_exactly_the_chosen_linears_and_trains_on_cpu():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    part = _stage(LLAMA)
+    x = torch.randint(0, 128, (2, 32))
+    reference = part(x).detach()
+    assert apply_float8(part, skip_small=False) == 14
+    swapped = {n for n, m in part.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == {n for n, v in float8_conversion(part, skip_small=False).items() if v == "float8"}
+    assert not isinstance(part.lm_head, Float8Linear)
+    out = part(x)
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in part.parameters() if p.requires_grad)
+    # e4m3 keeps 3 mantissa bits (2^-4 relative per value): the logits follow, not exactly
+    relative = ((out.detach() - reference).norm() / reference.norm()).item()
+    print(f"float8 vs fp32 logits, relative error {relative:.3g}")
+    assert relative < 0.1
+
+
+def test_a_stage_with_nothing_to_swap_is_refused():
+    pytest.importorskip("torchao")
+    with pytest.raises(UserError, match=r"^train\.float8=true swaps no linear of this model"):
+        apply_float8(_stage(LLAMA))
