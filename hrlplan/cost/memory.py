@@ -27,7 +27,7 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from hrlplan.plan import RECOMPUTE_MODES  # noqa: F401 (one list of modes: the plan's)
 # Mixed-precision AdamW keeps fp32 parameters, fp32 gradients and two fp32 moments per parameter.
 STATE_BYTES_PER_PARAM = 16
 # Gradients FSDP2 accumulates unsharded between micro-batches: in its reduce dtype (float32 here).
@@ -46,24 +46,77 @@ def block_activation_terms(meta) -> Tuple[float, float, float]:
     return replicated, max(total - scores - replicated, 0.0), scores
 
 
-def held_per_token(meta, tp: int, recompute: str, fused_attention: bool = True) -> float:
+# Block families whose attention projects q, k and v in one matmul (HF's fused c_attn / query_key_value).
+FUSED_QKV_BLOCKS = ("GPT2Block", "GPTBigCodeBlock", "GPTNeoXLayer", "FalconDecoderLayer", "BloomBlock")
+
+
+def held_per_token(meta, tp: int, recompute: str, fused_attention: bool = True,
+                   sequence_parallel: bool = False) -> float:
     """Bytes per token (16-bit values) one block keeps for its backward between forward and backward.
 
-    none: everything; selective: the attention core's own tensors are recomputed (the scores,
-    Korthikanti's selective recomputation; with SDPA nothing of the core is stored anyway, so
-    selective saves no memory over none there); full: only the block's input (torch.utils.checkpoint
-    keeps the wrapped block's arguments), 2h replicated over tp."""
+    none: everything; selective: op-level selective activation checkpointing (runtime/recompute.py):
+    the block's input, the outputs of every other matmul and of the attention kernel
+    (op_sac_saved_per_token); full: only the block's input (torch.utils.checkpoint keeps the
+    wrapped block's arguments), 2h. With sequence parallelism (tp > 1) the block input and the
+    norms are sharded over tp as well."""
+    sp = sequence_parallel and tp > 1
     if recompute == "full":
-        return 2.0 * meta.hidden_size
+        return 2.0 * meta.hidden_size / (tp if sp else 1)
+    none = _held_without_recompute(meta, tp, fused_attention, sp)
+    if recompute == "selective" and meta.family == "hf":
+        return min(op_sac_saved_per_token(meta, tp, sp), none)
+    return none   # another family's blocks: nothing claimed for the op policy
+
+
+def _held_without_recompute(meta, tp: int, fused_attention: bool, sp: bool) -> float:
     rep, shard, scores = block_activation_terms(meta)
-    kept_scores = 0.0 if (fused_attention or recompute == "selective") else scores
-    return rep + (shard + kept_scores) / tp
+    kept_scores = 0.0 if fused_attention else scores
+    # sequence parallelism shards the replicated terms too (Korthikanti et al. 2022: 34sbh/t):
+    # measured on llama-tiny at tp 2, it saves more than that (tests/test_sp_memory.py)
+    return (rep if not sp else rep / tp) + (shard + kept_scores) / tp
 
 
-def live_per_token(meta, tp: int, fused_attention: bool = True) -> float:
+def block_matmuls(meta):
+    """One block's matmuls in forward order: (input width, output width, row-parallel) per token.
+    Row-parallel projections (attention out, MLP down) make whole-width partial sums on every tp rank."""
+    x = meta.extra or {}
+    h = float(meta.hidden_size)
+    q, kv, ffn = float(x.get("query_width") or h), float(x.get("kv_width") or h), ffn_width(meta)
+    attn = [(h, q + 2 * kv, False)] if x.get("block_class") in FUSED_QKV_BLOCKS else \
+        [(h, q, False), (h, kv, False), (h, kv, False)]
+    mlp = [(h, ffn, False)] * (2 if x.get("gated_mlp") else 1) + [(ffn, h, True)]
+    return attn + [(q, h, True)] + mlp
+
+
+def op_sac_saved_per_token(meta, tp: int, sp: bool) -> float:
+    """Bytes per token (16-bit) one block keeps under the op-level policy (runtime/recompute.py,
+    torchtitan's): its input (sharded under SP), the outputs of the 1st, 3rd, ... matmul (sharded
+    over tp, a row-parallel one whole), the attention kernel's output and fp32 log-sum-exp, and under
+    SP the two reduce-scatters' outputs. Everything else is recomputed in backward."""
+    h = float(meta.hidden_size)
+    q = float((meta.extra or {}).get("query_width") or h)
+    shard = float(tp) if sp else 1.0
+    saved = 2.0 * h / shard
+    for _, out, row in block_matmuls(meta)[0::2]:
+        saved += 2.0 * (out if row else out / tp)
+    saved += 2.0 * q / tp + 4.0 * meta.num_heads / tp
+    if sp:
+        saved += 2 * 2.0 * h / tp
+    return saved
+
+
+def op_sac_recomputed_fraction(meta) -> float:
+    """The share of a block's forward FLOPs the op policy reruns in backward: its 2nd, 4th, ...
+    matmuls (the cheap ops it also reruns are not counted; the attention kernel's output is kept)."""
+    flops = sum(meta.block_flops_fwd_per_token) / max(len(meta.block_flops_fwd_per_token), 1)
+    rerun = sum(2.0 * i * o for i, o, _ in block_matmuls(meta)[1::2])
+    return min(rerun / flops, 1.0) if flops > 0 and meta.family == "hf" else 1.0
+
+
+def live_per_token(meta, tp: int, fused_attention: bool = True, sequence_parallel: bool = False) -> float:
     """Bytes per token of one block's full activations: what recomputation rebuilds for the one
     block whose backward runs (the transient a full-recompute stage adds at its peak)."""
-    return held_per_token(meta, tp, "none", fused_attention)
+    return held_per_token(meta, tp, "none", fused_attention, sequence_parallel)
 
 
 # Backward's working set, beside what the forward saved (saved tensors are freed node by node as the
@@ -83,10 +136,19 @@ def ffn_width(meta) -> float:
     return float((meta.extra or {}).get("ffn_size") or 4 * meta.hidden_size)
 
 
-def block_backward_per_token(meta, tp: int) -> float:
+# Under sequence parallelism a block's backward also holds whole-sequence gradients on every tp rank:
+# the all-gathered gradient of a row-parallel projection's sequence-sharded output and the whole
+# partial gradient a column-parallel projection reduce-scatters back to sequence shards -- two
+# tokens x h tensors (measured on llama-tiny and gpt2-tiny at tp 2: tests/test_sp_memory.py).
+SP_BACKWARD_WHOLE_TENSORS = 2
+
+
+def block_backward_per_token(meta, tp: int, sequence_parallel: bool = False) -> float:
     """Bytes per token (16-bit values, as the activations) one block's backward holds at its peak
-    beside the saved activations: BACKWARD_FFN_TENSORS gradients of the ffn width, sharded over tp."""
-    return 2.0 * BACKWARD_FFN_TENSORS * ffn_width(meta) / tp
+    beside the saved activations: BACKWARD_FFN_TENSORS gradients of the ffn width, sharded over tp
+    (and SP_BACKWARD_WHOLE_TENSORS of the hidden width under sequence parallelism)."""
+    whole = SP_BACKWARD_WHOLE_TENSORS * float(meta.hidden_size) if sequence_parallel and tp > 1 else 0.0
+    return 2.0 * (BACKWARD_FFN_TENSORS * ffn_width(meta) / tp + whole)
 
 
 def weight_gradient_temporary(meta, tp: int) -> float:
@@ -101,16 +163,22 @@ def loss_backward_per_token(meta, vocab_tp: int) -> float:
 
 
 def stage_transient(meta, tp: int, vocab_tp: int, tokens: float, scale: float, recompute: str, n_blocks,
-                    last: bool, fused_attention: bool = True):
+                    last: bool, fused_attention: bool = True, sequence_parallel: bool = False):
     """Bytes of the largest working set one backward of this stage adds on top of what the schedule
     holds (one backward runs at a time on a rank): a block's (block_backward_per_token and its fresh
     weight gradient; with full recomputation the block is rebuilt first: its activations and their
-    gradients, 2x one block, measured), or the loss's on the last stage. `scale` converts the 16-bit
-    convention to the run's activation bytes; `n_blocks` may be an array (0: no block)."""
+    gradients, 2x one block, measured; op-level selective first rebuilds what it did not keep, beside
+    those gradients: measured, tests/test_sp_memory.py), or the loss's on the last stage. `scale`
+    converts the 16-bit convention to the run's activation bytes; `n_blocks` may be an array (0: no block)."""
     repeats = getattr(meta, "block_repeats", 1)
-    work = tokens * block_backward_per_token(meta, tp) * scale * repeats + weight_gradient_temporary(meta, tp)
+    work = (tokens * block_backward_per_token(meta, tp, sequence_parallel) * scale * repeats
+            + weight_gradient_temporary(meta, tp))
+    live = live_per_token(meta, tp, fused_attention, sequence_parallel)
     if recompute == "full":
-        work = max(work, 2.0 * tokens * live_per_token(meta, tp, fused_attention) * scale * repeats)
+        work = max(work, 2.0 * tokens * live * scale * repeats)
+    elif recompute == "selective":
+        kept = held_per_token(meta, tp, recompute, fused_attention, sequence_parallel)
+        work = work + (live - kept) * tokens * scale * repeats
     head = tokens * loss_backward_per_token(meta, vocab_tp) if last else 0.0
     if isinstance(n_blocks, np.ndarray):
         return np.maximum(np.where(n_blocks > 0, work, 0.0), head)
@@ -147,16 +215,20 @@ def attention_core_flops_per_token(meta) -> float:
     return 4.0 * meta.seq_len * meta.hidden_size if meta.family == "hf" else 0.0
 
 
-def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int) -> Dict[str, Any]:
+def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int,
+                gathered_params=None) -> Dict[str, Any]:
     """static_state_bytes by kind: weights (fp32 master, plus FSDP2's unsharded compute copy),
     gradients (the most that exist at once) and optimizer (two fp32 moments). FSDP2 with more
     than one micro-batch accumulates unsharded fp32 gradients until the step's last backward and
     frees them as it reduce-scatters them into 4/dp-byte shards; with one micro-batch each block's
-    gradient is reduce-scattered as it is made: only the shards accumulate."""
+    gradient is reduce-scattered as it is made: only the shards accumulate. `gathered_params`: the
+    parameters unsharded at once (reshard_after_forward: gathered_under_reshard); None: all of them."""
     p = params_per_rank
     if dp_mode == "fsdp" and dp > 1:
         grads = UNSHARDED_GRAD_BYTES if microbatches > 1 else 4.0 / dp
-        return {"weights": p * (4.0 / dp + bytes_per_value), "gradients": p * grads, "optimizer": p * 8.0 / dp}
+        gathered = p if gathered_params is None else gathered_params
+        return {"weights": p * 4.0 / dp + gathered * bytes_per_value, "gradients": p * grads,
+                "optimizer": p * 8.0 / dp}
     return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
 
 
@@ -180,6 +252,22 @@ def position_peak_bytes(static, gradients, activations_before_grads, activations
     elif rebuilt:
         held = max(held, gradients + before + rebuilt)
     return static - gradients + held
+
+
+# FSDP2 with reshard_after_forward (runtime/parallel.py): the stage root's own weights (embedding,
+# final norm, head) and the last block are never resharded; backward gathers the block it reaches
+# while the one before still holds its weights (torch's backward prefetch) -- the last block and
+# RESHARD_GATHERED_BLOCKS more at once.
+RESHARD_GATHERED_BLOCKS = 1
+
+
+def gathered_under_reshard(root_params, largest_block_params, n_blocks: int, microbatches: int, params_per_rank):
+    """Parameters FSDP2 holds unsharded at once with reshard_after_forward. With more micro-batches
+    than one, torch pipelining keeps a non-last backward's gathered weights until the next forward
+    (set_reshard_after_backward(False)): all of them, as without resharding."""
+    if microbatches > 1:
+        return params_per_rank
+    return root_params + np.minimum(n_blocks, 1 + RESHARD_GATHERED_BLOCKS) * largest_block_params
 
 
 def static_state_bytes(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int):

@@ -47,6 +47,10 @@ class Layout:
     # devices; `tp` is then the largest) and its activation recomputation (RECOMPUTE_MODES).
     stage_tp: Tuple[int, ...] = ()
     recompute: Tuple[str, ...] = ()
+    # sequence parallelism on every tp stage (the plan's stages agree), and FSDP2's
+    # reshard_after_forward as the plan resolves it (Plan.resolved_reshard_after_forward)
+    sequence_parallel: bool = False
+    reshard_after_forward: bool = False
 
     @property
     def pp(self) -> int:
@@ -228,7 +232,8 @@ class StageCostModel:
 
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None,
-              shared_cores: bool = False, recompute: str = "none", microbatches: int = 2) -> StageCost:
+              shared_cores: bool = False, recompute: str = "none", microbatches: int = 2,
+              sequence_parallel: bool = False, reshard_after_forward: bool = False) -> StageCost:
         """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
         per-op overhead, calibrated as every rank busy pays it, shrinks in the same proportion when
         it is below that factor. FSDP's hooks and collectives and tensor parallel's overhead do not:
@@ -237,8 +242,12 @@ class StageCostModel:
         at its ranks-alone level, these too, for simulate_shared_timeline to slow by the ranks busy.
         `recompute` (none | selective | full) is the stage's activation recomputation: full reruns
         its blocks' forward (their tp all-reduces included) in backward and keeps each block's input
-        only; selective reruns the attention core. `microbatches` per step decides whether FSDP keeps
-        unsharded gradients between them (see memory.static_state_bytes)."""
+        only; selective (op-level) reruns every other matmul (memory.op_sac_recomputed_fraction)
+        and the tp collectives it did not keep. `microbatches` per step decides whether FSDP keeps
+        unsharded gradients between them (see memory.static_state_bytes). `sequence_parallel`
+        (tp > 1): the same communication volume (all-gather + reduce-scatter for each all-reduce),
+        less activation memory. `reshard_after_forward` (FSDP, dp > 1): fewer unsharded weights, one
+        all-gather of the blocks more per micro-batch's backward (and forward after the first)."""
         meta, o = self.meta, self.opts
         if recompute not in mem.RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(mem.RECOMPUTE_MODES)}")
@@ -267,18 +276,28 @@ class StageCostModel:
         fwd_share = 3.0 / (1.0 + ratio)
         fwd = fwd_share * compute_fwd + tp_comm + ov.op_fwd * derate
         bwd = fwd_share * ratio * compute_fwd + tp_comm_bwd + ov.op_bwd * derate
+        sp = sequence_parallel and tp > 1
         if recompute == "full":
             bwd = bwd + fwd_share * blocks_c + tp_comm
         elif recompute == "selective":
-            bwd = bwd + fwd_share * core_c * n_blocks
-        activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks)
+            # kept reduce-scatters under SP: only the all-gathers (half the volume) run again
+            bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
+        activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks, sp)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
-        state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches)
+        reshard = reshard_after_forward and dp > 1 and o.dp_mode == "fsdp"
+        gathered = None
+        if reshard:
+            root = self.span_params(start, start, first, last, pp, tp)
+            gathered = mem.gathered_under_reshard(root, max(meta.block_params or [0]) / tp, n_blocks, microbatches,
+                                                  per_rank)
+        state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches, gathered)
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
         workspace = max(self.dev.workspace[d] for d in group)
-        buffers = mem.receive_buffer_bytes(act_msg, microbatches, first, last) if o.receive_buffers else 0.0
+        # under SP stages hand each other the sequence-sharded activation, tp rank to tp rank
+        message = act_msg / tp if sp else act_msg
+        buffers = mem.receive_buffer_bytes(message, microbatches, first, last) if o.receive_buffers else 0.0
         memory = dict(state, workspace=workspace, transient=transient, buffers=buffers)
         static = sum(memory.values())
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
@@ -298,28 +317,44 @@ class StageCostModel:
             if o.dp_mode == "fsdp":
                 first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * lockstep
             last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * lockstep
+            if reshard:
+                regather = self._regather_time(per_rank, n_blocks, dp, dp_bw, dp_lat) * lockstep
+                bwd += regather
+                fwd += regather * (microbatches - 1) / microbatches
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
                          tp_comm_bwd=tp_comm_bwd, memory=memory)
 
-    def _activation(self, start, end, last: bool, tp: int, tokens: float, recompute: str, n_blocks):
+    def _regather_time(self, per_rank, n_blocks, dp: int, dp_bw: float, dp_lat: float):
+        """One more all-gather of a resharded stage's blocks (all but its last, which stays gathered):
+        the calibrated per-block all-gather, else half an all-reduce of their bytes (the existing
+        collective model: an all-reduce is a reduce-scatter and an all-gather)."""
+        ov = self.dev.overheads
+        units = np.maximum(n_blocks - 1, 0) if isinstance(n_blocks, np.ndarray) else max(n_blocks - 1, 0)
+        if ov.dp_allgather or ov.dp_allgather_fixed:
+            return units * ov.dp_allgather
+        share = units / np.maximum(n_blocks, 1) if isinstance(n_blocks, np.ndarray) else units / max(n_blocks, 1)
+        return all_reduce_time(per_rank * share * self.opts.bytes_per_value, dp, dp_bw, dp_lat) / 2.0
+
+    def _activation(self, start, end, last: bool, tp: int, tokens: float, recompute: str, n_blocks, sp: bool = False):
         """(bytes one micro-batch keeps on each rank until its backward, the transient of a block being
         recomputed): see hrlplan.cost.memory. Blocks keep their share of meta's per-block figures."""
         meta, o = self.meta, self.opts
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         mean = sum(meta.block_activation_bytes_per_token) / max(len(meta.block_activation_bytes_per_token), 1)
         span = self._prefix("_pa", end) - self._prefix("_pa", start)
-        held = mem.held_per_token(meta, tp, recompute, o.fused_attention) / mean if mean > 0 else 0.0
+        held = mem.held_per_token(meta, tp, recompute, o.fused_attention, sp) / mean if mean > 0 else 0.0
         head = self.head_activation_per_token(tp) if last else 0.0
         activation = tokens * (span * held + head) * scale
         # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
         transient = mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, n_blocks, last,
-                                        o.fused_attention)
+                                        o.fused_attention, sp)
         return activation, transient
 
-    def activation_message(self, microbatch_size: int) -> float:
-        return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value
+    def activation_message(self, microbatch_size: int, sequence_shards: int = 1) -> float:
+        """Bytes one tp rank sends the next stage per micro-batch (sequence_shards: tp under SP)."""
+        return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value / sequence_shards
 
 
 _GUESSES = {   # cost_options key: (the table lacking it, what is guessed)

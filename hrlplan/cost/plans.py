@@ -68,7 +68,8 @@ def layout_of_plan(plan) -> Layout:
     return Layout(spans=tuple(tuple(s.layers) for s in plan.stages), groups=groups, tp=plan.stages[0].tp,
                   dp=plan.dp, microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                   schedule=plan.schedule, stages_per_rank=plan.stages_per_rank,
-                  recompute=tuple(s.recompute for s in plan.stages))
+                  recompute=tuple(s.recompute for s in plan.stages), sequence_parallel=plan.sequence_parallel,
+                  reshard_after_forward=plan.resolved_reshard_after_forward())
 
 
 def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
@@ -241,7 +242,8 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
         for k, (stage, group) in enumerate(zip(stages, ranks)):
             c = sim.costs.stage(stage.layers[0], stage.layers[1], k == 0, k == n - 1, [devices[r] for r in group],
                                 stage.tp, dp, mbs, len(set(map(tuple, ranks))), recompute=stage.recompute,
-                                microbatches=m)
+                                microbatches=m, sequence_parallel=stage.sequence_parallel,
+                                reshard_after_forward=not plan.heterogeneous and plan.resolved_reshard_after_forward())
             memory = dict(c.memory)
             if zb and k > 0 and "buffers" in memory:   # as the simulator adds it (cost-model patch applied)
                 blocks = (stage.layers[1] - stage.layers[0]) * meta.block_repeats

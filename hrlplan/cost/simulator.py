@@ -135,7 +135,7 @@ class _StepRun:
         self.ov = sim.devices.overheads
         self.n = len(layout.spans)
         self.groups = [layout.groups[layout.stage_group(k)] for k in range(self.n)]
-        msg = sim.costs.activation_message(layout.microbatch_size)
+        msg = sim.costs.activation_message(layout.microbatch_size, layout.tp if layout.sequence_parallel else 1)
         last = self.n - 1
         self.sends = [sim.costs.p2p(self.groups[k], self.groups[k + 1], msg, layout.schedule) if k < last else 0.0
                       for k in range(self.n)]
@@ -149,7 +149,8 @@ class _StepRun:
         return [sim.costs.stage(start, end, k == 0, k == last, self.groups[k], lay.tp_of(k), lay.dp,
                                 lay.microbatch_size, lay.pp, links=sim.links(self.groups[k], lay.tp_of(k), lay.dp),
                                 contention=contention, shared_cores=shared_cores,
-                                recompute=lay.recompute_of(k), microbatches=lay.num_microbatches)
+                                recompute=lay.recompute_of(k), microbatches=lay.num_microbatches,
+                                sequence_parallel=lay.sequence_parallel, reshard_after_forward=lay.reshard_after_forward)
                 for k, (start, end) in enumerate(lay.spans)]
 
     def durations(self, costs):

@@ -48,6 +48,9 @@ class StagePlan:
     embedding: bool = False           # holds the input embeddings (first stage only)
     head: bool = False                # holds the final norm + output head (last stage only)
     recompute: str = "none"           # none | selective | full (RECOMPUTE_MODES)
+    # Sequence parallelism (Korthikanti et al. 2022, torchtitan's): the norms and the block inputs
+    # sharded over the tp ranks along the sequence; tp > 1 only, the same on every stage.
+    sequence_parallel: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -97,6 +100,10 @@ class Plan:
     # micro-batch counts and batch shares, and ranks the plan leaves idle. Empty for the usual plan.
     pipelines: List[PipelinePlan] = field(default_factory=list)
     unused_ranks: List[int] = field(default_factory=list)
+    # FSDP2's reshard_after_forward: true frees each block's gathered weights after its forward and
+    # gathers them again in backward; null (default): torchtitan's rule, true without pipelining and
+    # false under it (resolved_reshard_after_forward). Only with dp > 1 under train.dp_mode=fsdp.
+    reshard_after_forward: Optional[bool] = None
 
     # ------------------------------------------------------------ derived
     @property
@@ -117,13 +124,26 @@ class Plan:
             return self.pipelines
         rows = self.microbatch_size * self.num_microbatches
         return [PipelinePlan(stages=[StagePlan(layers=list(s.layers), ranks=s.ranks[d * s.tp:(d + 1) * s.tp], tp=s.tp,
-                                               embedding=s.embedding, head=s.head, recompute=s.recompute)
+                                               embedding=s.embedding, head=s.head, recompute=s.recompute,
+                                               sequence_parallel=s.sequence_parallel)
                                      for s in self.stages],
                              num_microbatches=self.num_microbatches, batch_size=rows) for d in range(self.dp)]
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the plan's tp stages run sequence parallel (validate keeps every stage alike)."""
+        return any(s.sequence_parallel and s.tp > 1 for s in self.stages)
+
+    def resolved_reshard_after_forward(self) -> bool:
+        """reshard_after_forward as written, or torchtitan's default: true when one stage runs per
+        rank and no other (no pipeline schedule re-running forwards per micro-batch), else false."""
+        if self.reshard_after_forward is not None:
+            return bool(self.reshard_after_forward)
+        return self.num_stages == 1
 
     def stage_group(self, stage_index: int) -> int:
         return stage_to_group(stage_index, self.pp, self.stages_per_rank, self.schedule)
@@ -139,10 +159,14 @@ class Plan:
     # ------------------------------------------------------------ YAML
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
-        # recompute: none is the default; leaving it out keeps plans without recomputation as they were
+        # defaults are left out: a plan without recomputation or sequence parallelism reads as it always did
         for stage in d["stages"] + [s for p in d["pipelines"] for s in p["stages"]]:
             if stage.get("recompute") == "none":
                 stage.pop("recompute")
+            if not stage.get("sequence_parallel"):
+                stage.pop("sequence_parallel", None)
+        if d.get("reshard_after_forward") is None:
+            d.pop("reshard_after_forward", None)
         if not self.pipelines:   # the usual plan's YAML stays as short as it always was
             d.pop("pipelines")
             if not self.unused_ranks:
@@ -190,6 +214,9 @@ class Plan:
             raise PlanError("device_groups", f"must be a list of lists of integer ranks, got {groups!r}", source)
         if not isinstance(d.get("unused_ranks", []), list) or not all(_is_int(r) for r in d.get("unused_ranks", [])):
             raise PlanError("unused_ranks", f"must be a list of integer ranks, got {d['unused_ranks']!r}", source)
+        if d.get("reshard_after_forward") is not None and not isinstance(d["reshard_after_forward"], bool):
+            raise PlanError("reshard_after_forward", f"must be true, false or null (null: true without pipelining, "
+                            f"false under it), got {d['reshard_after_forward']!r}", source)
         if not isinstance(d.get("meta", {}), dict):
             raise PlanError("meta", f"must be a mapping, got {type(d['meta']).__name__}", source)
         d = dict(d)
@@ -238,7 +265,7 @@ def _parse_stages(raw: Any, where: str, source: str) -> List[StagePlan]:
         extra = set(s) - set(StagePlan.__dataclass_fields__)
         if extra:
             raise PlanError(f"{where}[{i}].{sorted(extra)[0]}", "unknown key; known: layers, ranks, tp, dp, embedding, head, "
-                            "recompute", source)
+                            "recompute, sequence_parallel", source)
         for key in ("layers", "ranks"):
             if key not in s:
                 raise PlanError(f"{where}[{i}].{key}", "missing", source)
@@ -263,7 +290,7 @@ def _check_stage_types(s: Dict[str, Any], where: str, source: str) -> None:
     for key in ("tp", "dp"):
         if key in s and not _is_int(s[key]):
             raise PlanError(f"{where}.{key}", f"must be an integer, got {s[key]!r}", source)
-    for key in ("embedding", "head"):
+    for key in ("embedding", "head", "sequence_parallel"):
         if key in s and not isinstance(s[key], bool):
             raise PlanError(f"{where}.{key}", f"must be true or false, got {s[key]!r}", source)
     if "recompute" in s and not isinstance(s["recompute"], str):
@@ -316,7 +343,8 @@ def launch_meta(world_size: int, cluster=None) -> Dict[str, Any]:
 def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: int, microbatch_size: int,
                      num_microbatches: int, schedule: str, stages_per_rank: int = 1,
                      meta: Optional[Dict[str, Any]] = None, rank_order: Optional[List[int]] = None,
-                     recompute: Union[str, Sequence[str], None] = None) -> Plan:
+                     recompute: Union[str, Sequence[str], None] = None, sequence_parallel: bool = False,
+                     reshard_after_forward: Optional[bool] = None) -> Plan:
     """Build (and validate) a plan with equal groups of tp*dp ranks, one per pipeline position.
 
     `rank_order` lists the world's ranks in the order groups take them (default 0..N-1), which is
@@ -334,10 +362,11 @@ def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: 
     plan = Plan(model=model, n_layer=n_layer, world_size=world, pp=pp, microbatch_size=microbatch_size,
                 num_microbatches=num_microbatches, global_batch_size=microbatch_size * num_microbatches * dp,
                 schedule=schedule, stages=[], device_groups=groups, stages_per_rank=stages_per_rank,
-                meta=dict(meta or {}))
+                meta=dict(meta or {}), reshard_after_forward=reshard_after_forward)
     for i, (start, end) in enumerate(spans):
         plan.stages.append(StagePlan(layers=[start, end], ranks=list(groups[plan.stage_group(i)]), tp=tp, dp=dp,
-                                     embedding=(i == 0), head=(i == len(spans) - 1), recompute=modes[i]))
+                                     embedding=(i == 0), head=(i == len(spans) - 1), recompute=modes[i],
+                                     sequence_parallel=bool(sequence_parallel) and tp > 1))
     plan.meta.setdefault("launch", launch_meta(world))
     validate(plan)
     return plan

@@ -14,9 +14,10 @@ if TYPE_CHECKING:   # annotations only: hrlplan.plan imports this module
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-# Activation recomputation per stage: none keeps every activation for backward; selective
-# recomputes attention's core (Korthikanti et al. 2022); full keeps each block's input only and
-# reruns the block's forward in backward (torch.utils.checkpoint per block, as torchtitan does).
+# Activation recomputation per stage: none keeps every activation for backward; selective is
+# op-level selective activation checkpointing (torchtitan's `op` policy: the outputs of every other
+# matmul and of the attention kernel are kept, the cheap ops recomputed); full keeps each block's
+# input only and reruns the block's forward in backward (torch.utils.checkpoint per block).
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Heterogeneous pipelines (and stages of unequal tp) run on hrlplan's own executor, which offers these.
 HETERO_SCHEDULES = ("gpipe", "1f1b")
@@ -64,6 +65,24 @@ def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) 
             raise err(f"{where}[{i}].ranks", f"{len(s.ranks)} ranks listed but tp*dp = {s.tp}*{s.dp} = {s.tp * s.dp}")
         if s.recompute not in RECOMPUTE_MODES:
             raise err(f"{where}[{i}].recompute", f"unknown mode {s.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+        if s.sequence_parallel and s.tp < 2:
+            raise err(f"{where}[{i}].sequence_parallel", f"shards over the tp ranks but the stage has tp {s.tp}; "
+                      "set it false or give the stage tp > 1")
+
+
+def _check_sequence_parallel(plan: Plan, err) -> None:
+    """Stages hand each other sequence-sharded activations: every stage runs it or none does, and
+    only the torch pipelining engine (uniform tp, one pipeline template) runs it."""
+    chosen = [s.sequence_parallel for s in plan.stages]
+    if not any(chosen):
+        return
+    if not all(chosen):
+        first_off = chosen.index(False)
+        raise err(f"stages[{first_off}].sequence_parallel", "is false while another stage's is true; stages pass "
+                  "sequence-sharded activations to each other, so set it on every stage or on none")
+    if not plan.uniform_tp:
+        raise err("stages", "sequence_parallel needs the same tp on every stage (unequal tp runs on hrlplan's own "
+                  "executor, which has no sequence parallelism); set sequence_parallel false or make tp uniform")
 
 
 def _check_rank_range(plan: Plan, err) -> None:
@@ -131,6 +150,8 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
         _validate_heterogeneous(plan, err)
         _check_launch(plan, err)
         return
+    if plan.reshard_after_forward is not None and not isinstance(plan.reshard_after_forward, bool):
+        raise err("reshard_after_forward", f"must be true, false or null, got {plan.reshard_after_forward!r}")
     if plan.stages_per_rank < 1:
         raise err("stages_per_rank", "must be >= 1")
     if plan.stages_per_rank > 1 and plan.schedule not in MULTI_STAGE_SCHEDULES:
@@ -148,6 +169,7 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
         raise err("device_groups", f"groups must have equal size (or tp*dp of their stages), got sizes "
                   f"{sorted({len(g) for g in plan.device_groups})}")
     _check_stage_layers(plan.stages, plan.n_layer, "stages", err)
+    _check_sequence_parallel(plan, err)
     for i, s in enumerate(plan.stages):
         group = plan.device_groups[plan.stage_group(i)]
         if sorted(s.ranks) != sorted(group):
@@ -177,6 +199,8 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
 
 
 def _validate_heterogeneous(plan: Plan, err) -> None:
+    if plan.reshard_after_forward is not None:
+        raise err("reshard_after_forward", "heterogeneous pipelines hold whole replicas (no FSDP sharding); remove the key")
     if plan.schedule not in HETERO_SCHEDULES:
         raise err("schedule", f"heterogeneous pipelines run on hrlplan's own executor, which offers "
                   f"{' and '.join(HETERO_SCHEDULES)}, not {plan.schedule}")
@@ -186,6 +210,9 @@ def _validate_heterogeneous(plan: Plan, err) -> None:
         for i, s in enumerate(pipe.stages):
             if s.dp != 1:
                 raise err(f"{where}.stages[{i}].dp", "a pipeline is one replica (dp 1); list more pipelines for more replicas")
+            if s.sequence_parallel:
+                raise err(f"{where}.stages[{i}].sequence_parallel", "heterogeneous pipelines run on hrlplan's own "
+                          "executor, which has no sequence parallelism; set it false")
         _check_stage_layers(pipe.stages, plan.n_layer, f"{where}.stages", err)
         if pipe.num_microbatches < 1 or pipe.batch_size < 1:
             raise err(f"{where}.num_microbatches", "num_microbatches and batch_size must be >= 1")

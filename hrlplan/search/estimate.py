@@ -16,7 +16,7 @@ same device-type make-up, node span, tp, dp and micro-batch size share one cost 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,18 +54,21 @@ class ConfigEstimator:
         self._node = [d.node for d in sim.cluster.devices]
         self._name = [d.name for d in sim.cluster.devices]
 
-    def _position(self, group: Sequence[int], tp: int, dp: int, mb: int, pp: int, first: bool, last: bool):
+    def _position(self, group: Sequence[int], tp: int, dp: int, mb: int, pp: int, first: bool, last: bool,
+                  options: Optional[Dict[str, Any]] = None):
+        """`options`: StageCostModel.stage's layout-wide keywords (SearchSpace.stage_options)."""
+        options = dict(options or {})
         key = (tuple(sorted({self._name[d] for d in group})), min(self.sim.devices.flops[d] for d in group),
-               len({self._node[d] for d in group}), tp, dp, mb, first, last)
+               len({self._node[d] for d in group}), tp, dp, mb, first, last, tuple(sorted(options.items())))
         hit = self._pos.get(key)
         if hit is not None:
             return hit
         costs, L = self.sim.costs, self.L
         links = self.sim.links(group, tp, dp)
-        full = costs.stage(0, L, False, False, group, tp, dp, mb, pp, links=links)
-        base = costs.stage(0, 0, first, last, group, tp, dp, mb, pp, links=links)
+        full = costs.stage(0, L, False, False, group, tp, dp, mb, pp, links=links, **options)
+        base = costs.stage(0, 0, first, last, group, tp, dp, mb, pp, links=links, **options)
         limit = min(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in group)
-        empty = costs.stage(0, 0, False, False, group, tp, dp, mb, pp, links=links)
+        empty = costs.stage(0, 0, False, False, group, tp, dp, mb, pp, links=links, **options)
         per_block = ((full.fwd + full.bwd) / L, (full.static_memory - empty.static_memory) / L,
                      full.activation / L, full.dp_sync / L)
         extra = (base.fwd + base.bwd, base.static_memory, base.activation, base.dp_sync)
@@ -97,8 +100,11 @@ class ConfigEstimator:
         fixed_sync = np.zeros(pp)
         limit = np.zeros(pp)
         for g in range(pp):
+            options = space.stage_options(c)
+            if c.reshard_after_forward:   # its saving depends on the micro-batch count (memory.gathered_under_reshard)
+                options["microbatches"] = c.num_microbatches
             per, extra, lim = self._position(groups[g], c.tp, c.dp, c.microbatch_size, pp, g == first_pos,
-                                             g == last_pos)
+                                             g == last_pos, options)
             b[g], s[g], a[g], sync[g] = per[0], per[1], per[2], per[3]
             fixed_t[g] = extra[0]
             fixed_m[g] = extra[1] + (flight[n - 1] * extra[2] if g == last_pos else 0.0) + other_chunks[g] * per[2]
@@ -117,7 +123,7 @@ class ConfigEstimator:
         bottleneck = float(busy.max())
         fill = float(busy.sum())
         m = c.num_microbatches
-        msg = sim.costs.activation_message(c.microbatch_size)
+        msg = sim.costs.activation_message(c.microbatch_size, c.tp if space.sequence_parallel(c) else 1)
         send = 0.0
         for g in range(pp - 1):
             send = max(send, sim.costs.p2p(groups[g], groups[g + 1], msg, c.schedule))

@@ -4,7 +4,9 @@ timeline.png).
 - parallel degrees: always all three, `pp=2 tp=4 dp=2` (tp per stage when stages differ: `tp=4/2/2`);
 - micro-batching: count first, in words, `4 micro-batches of 2` (rows each), `1 micro-batch of 8`:
   never `4x2` or `2 x 4`, which read either way round;
-- idle devices: the cluster's devices the plan leaves out and the launched ranks it leaves idle.
+- idle devices: the cluster's devices the plan leaves out and the launched ranks it leaves idle;
+- options beyond the degrees, in brackets after them, only where the plan sets them:
+  `pp=1 tp=8 dp=4 [sequence parallel, FSDP reshards after forward]` (plan_options).
 """
 from __future__ import annotations
 
@@ -37,10 +39,19 @@ def layout_text(pp: int, tp: Union[int, Sequence[int]], dp: int, count: int, siz
 
 def layout_summary(layout: Any) -> str:
     """A search Layout (hrlplan.cost.model.Layout) as `pp=2 tp=1 dp=2, 4 micro-batches of 2, 1f1b,
-    layers/stage=[3,3]`: the planners' summaries (plan_info.json's chosen/runner_up, the why text)."""
+    layers/stage=[3,3]`: the planners' summaries (plan_info.json's chosen/runner_up, the why text);
+    recomputation, sequence parallelism and resharding appended where a layout uses them."""
     spans = ",".join(str(b - a) for a, b in layout.spans)
+    extras = []
+    modes = getattr(layout, "recompute", ())
+    if any(m != "none" for m in modes):
+        extras.append("recompute=" + ("/".join(modes) if len(set(modes)) > 1 else modes[0]))
+    if getattr(layout, "sequence_parallel", False):
+        extras.append("sequence parallel")
+    if getattr(layout, "reshard_after_forward", False) and layout.dp > 1:
+        extras.append("FSDP reshards after forward")
     return (f"{layout_text(layout.pp, layout.tp, layout.dp, layout.num_microbatches, layout.microbatch_size, layout.schedule)}"
-            f", layers/stage=[{spans}]")
+            f", layers/stage=[{spans}]" + "".join(f", {e}" for e in extras))
 
 
 def plan_micro_batching(plan: Plan) -> str:
@@ -52,8 +63,20 @@ def plan_micro_batching(plan: Plan) -> str:
 
 
 def plan_degrees(plan: Plan) -> str:
+    """`pp=2 tp=4 dp=2`, then what plan_options lists in brackets."""
     stages = plan.pipelines[0].stages if plan.heterogeneous else plan.stages
-    return degrees(plan.pp, [s.tp for s in stages], plan.dp)
+    options = plan_options(plan)
+    return degrees(plan.pp, [s.tp for s in stages], plan.dp) + (f" [{', '.join(options)}]" if options else "")
+
+
+def plan_options(plan: Plan) -> List[str]:
+    """The plan's sequence parallelism and FSDP resharding where it states them: `sequence parallel`;
+    `FSDP reshards after forward` / `FSDP keeps weights gathered` where reshard_after_forward is
+    written (unwritten: torchtitan's default, true without pipelining, false under it)."""
+    out = ["sequence parallel"] if not plan.heterogeneous and plan.sequence_parallel else []
+    if plan.reshard_after_forward is not None:
+        out.append("FSDP reshards after forward" if plan.reshard_after_forward else "FSDP keeps weights gathered")
+    return out
 
 
 def plan_summary(plan: Plan) -> str:

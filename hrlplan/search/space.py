@@ -48,6 +48,8 @@ class Config:
     # Nodes in pipeline order when the order follows the links, not the types (() = by type, then
     # node number): see SearchSpace.orders.
     node_order: Tuple[int, ...] = ()
+    # FSDP2's reshard_after_forward (SearchSpace.reshard_options: searched where it can save memory)
+    reshard_after_forward: bool = False
 
     @property
     def n_stages(self) -> int:
@@ -190,7 +192,23 @@ class SearchSpace:
                         if pp == 1:
                             v = 1
                         for mb, m in self.microbatchings(pp, dp, schedule):
-                            yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order)
+                            for reshard in self.reshard_options(dp, m):
+                                yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order, reshard)
+
+    def reshard_options(self, dp: int, microbatches: int) -> Tuple[bool, ...]:
+        """FSDP2's reshard_after_forward, both ways where it can lower the peak: FSDP over dp > 1
+        with one micro-batch per step (with more, torch pipelining keeps a backward's gathered
+        weights until the next forward: resharding only adds all-gathers, memory.gathered_under_reshard)."""
+        if dp > 1 and microbatches == 1 and str(self.train.dp_mode) == "fsdp":
+            return (False, True)
+        return (False,)
+
+    @staticmethod
+    def sequence_parallel(c: Config) -> bool:
+        """Sequence parallelism on every tp > 1 layout, not searched: it moves the same bytes as the
+        all-reduces it replaces (an all-gather and a reduce-scatter each) and holds less activation
+        memory, so no layout is faster or smaller without it (cost.model.StageCostModel.stage)."""
+        return c.tp > 1
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
         devs = self.ordered_devices(c.pool, c.type_order, c.node_order)
@@ -205,7 +223,8 @@ class SearchSpace:
             recompute = self.choose_recompute(c, spans, groups)
         return Layout(spans=spans, groups=groups, tp=c.tp, dp=c.dp, microbatch_size=c.microbatch_size,
                       num_microbatches=c.num_microbatches, schedule=c.schedule, stages_per_rank=c.stages_per_rank,
-                      recompute=tuple(recompute) if any(m != "none" for m in recompute) else ())
+                      recompute=tuple(recompute) if any(m != "none" for m in recompute) else (),
+                      sequence_parallel=self.sequence_parallel(c), reshard_after_forward=c.reshard_after_forward)
 
     def choose_recompute(self, c: Config, spans, groups) -> Tuple[str, ...]:
         """Each stage's cheapest recomputation mode whose memory fits (none, selective, full: each
@@ -224,7 +243,7 @@ class SearchSpace:
             for mode in modes:
                 cost = sim.costs.stage(a, b, k == 0, k == n - 1, g, c.tp, c.dp, c.microbatch_size, c.pp,
                                        links=sim.links(g, c.tp, c.dp), recompute=mode,
-                                       microbatches=c.num_microbatches)
+                                       microbatches=c.num_microbatches, **self.stage_options(c))
                 if cost.static_memory + flight[k] * cost.activation <= limit:
                     chosen = mode
                     break
@@ -232,8 +251,14 @@ class SearchSpace:
         return tuple(out)
 
 
+    def stage_options(self, c: Config) -> Dict[str, bool]:
+        """The layout-wide options StageCostModel.stage takes beside recompute, for configuration c."""
+        return {"sequence_parallel": self.sequence_parallel(c), "reshard_after_forward": c.reshard_after_forward}
+
+
 def recompute_modes(planner_cfg: Dict[str, Any]) -> Tuple[str, ...]:
-    """planner.recompute: auto searches none/selective/full per stage; a mode restricts to it."""
+    """planner.recompute: auto searches none/selective/full per stage (selective: op-level SAC);
+    a mode restricts to it."""
     value = str(planner_cfg.get("recompute", "auto"))
     if value == "auto":
         return RECOMPUTE_MODES
@@ -302,7 +327,18 @@ def _compact_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str,
     return homogeneous_plan(meta.name, meta.n_layer, list(layout.spans), dp=layout.dp, tp=layout.tp,
                             microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
                             schedule=layout.schedule, stages_per_rank=layout.stages_per_rank, meta=plan_meta,
-                            rank_order=rank_order, recompute=list(layout.recompute) or None), rank_of
+                            rank_order=rank_order, recompute=list(layout.recompute) or None,
+                            sequence_parallel=layout.sequence_parallel,
+                            reshard_after_forward=_reshard_field(layout)), rank_of
+
+
+def _reshard_field(layout: Layout) -> Optional[bool]:
+    """The plan's reshard_after_forward: null where it is the default (or no FSDP over dp > 1 runs),
+    else the layout's choice written out."""
+    default = len(layout.spans) == 1
+    if layout.dp == 1 or layout.reshard_after_forward == default:
+        return None
+    return layout.reshard_after_forward
 
 
 def _plain(x: Any) -> Any:

@@ -79,7 +79,8 @@ class SplitTables:
             for i in reversed(range(len(modes))):   # the cheapest fitting mode is written last
                 c = sim.costs.stage(starts, ends, k == 0, k == n - 1, g, config.tp, config.dp,
                                     config.microbatch_size, config.pp, links=sim.links(g, config.tp, config.dp),
-                                    recompute=modes[i], microbatches=config.num_microbatches, **base)
+                                    recompute=modes[i], microbatches=config.num_microbatches,
+                                    **space.stage_options(config), **base)
                 busy = c.fwd + c.bwd * bwd_floor
                 need = c.static_memory + flight[k] * c.activation
                 fits = valid & (need <= limit)
