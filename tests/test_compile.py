@@ -80,3 +80,13 @@ def test_compiled_blocks_with_recompute_train_as_eager_over_two_stages(tmp_path)
     plan = _plan([(0, 1), (1, 2)], 2, recompute="selective")
     compiled = train_with_options(plan, GPT2 + ["train.compile=true"], tmp_path / "compiled", STEPS)["losses"]
     assert compiled == pytest.approx(reference_losses(GPT2, STEPS), abs=TOLERANCE)
+
+
+def test_the_launcher_refuses_compile_for_hrm_whose_trainer_does_not_compile():
+    from hrlplan.compose import compose
+    from hrlplan.errors import ConfigError
+    from hrlplan.validate.host import check_environment
+
+    with pytest.raises(ConfigError, match=r"^train\.compile=true is for the language models' pipeline runtime"):
+        check_environment(compose(["arch=hrm", "train.compile=true", "train.device=cpu"]), launching=False)
+    check_environment(compose(["train.compile=true", "train.device=cpu"]), launching=False)   # g++ is here

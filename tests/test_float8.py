@@ -101,3 +101,14 @@ def test_a_stage_with_nothing_to_swap_is_refused():
     pytest.importorskip("torchao")
     with pytest.raises(UserError, match=r"^train\.float8=true swaps no linear of this model"):
         apply_float8(_stage(LLAMA))
+
+
+@pytest.mark.slow
+def test_pretrain_refuses_float8_on_cpu_in_one_line(tmp_path):
+    from _runs import pretrain
+
+    proc = pretrain(tmp_path / "run", "train.float8=true", "train.steps=1", "logger.mode=disabled", check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hrlplan: error:")]
+    assert len(errors) == 1 and errors[0].startswith("hrlplan: error: train.float8=true needs a GPU with fp8")
+    assert "Traceback" not in proc.stderr

@@ -57,17 +57,25 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
             raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
                                                               "use train.device=auto or cpu")
     if str(config.get("mode", "train")) == "train":
-        _check_train_options(train)
+        _check_train_options(train, str(arch.get("family", "hf")))
     local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
     if launching and local:
         check_world_size(cluster, str(train.get("device", "auto")))
 
 
-def _check_train_options(train: Dict[str, Any]) -> None:
+def _check_train_options(train: Dict[str, Any], family: str) -> None:
     """train.compile / float8 / context_parallel against this host's device (the workers check theirs
-    again: a SLURM node may differ from the submitting host)."""
-    if not (train.get("compile") or train.get("float8") or int(train.get("context_parallel") or 1) > 1):
+    again: a SLURM node may differ from the submitting host); HRM's trainer runs none of them."""
+    asked = [k for k in ("compile", "float8") if train.get(k)] + \
+        (["context_parallel"] if int(train.get("context_parallel") or 1) > 1 else [])
+    if not asked:
         return
+    if family == "hrm":
+        key, value = asked[0], train.get(asked[0])
+        off, shown = ("1", value) if key == "context_parallel" else ("false", "true")
+        raise ConfigError(f"train.{key}", value, message=f"train.{key}={shown} "
+                          f"is for the language models' pipeline runtime; HRM's trainer does not run it: set "
+                          f"train.{key}={off}")
     import torch   # why: only these options need to know the device
 
     device = str(train.get("device", "auto"))
