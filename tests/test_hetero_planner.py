@@ -64,6 +64,9 @@ def brute_force(meta, cluster, cfg, train, steps):
         if predicted["feasible"]:
             best = min(best, predicted["step_time_s"])
             pairs.append((max(table.exact(key)[0] for *_, key in chosen), predicted["step_time_s"]))
+    # the program's coefficients before refinement are lower bounds on the exact templates' times
+    for key, (exact_s, _) in table.table.items():
+        assert table.bound(key) <= exact_s * (1 + 1e-9)
     return best, pairs
 
 
@@ -144,3 +147,17 @@ def test_row_grid():
     assert row_grid(128, 16) == list(range(8, 129, 8))
     assert row_grid(12, 16) == list(range(1, 13))
     assert row_grid(7, 4) == list(range(1, 8))
+
+
+def test_baselines_sample_the_same_space_at_the_given_simulator_calls():
+    from hrlplan.search.hetero_baselines import Sampler, annealing, random_search
+
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
+    cfg = asdict(ExactPlannerConfig())
+    for search in (random_search, annealing):
+        sim = Simulator(meta, cluster, cost_options(cfg, train))
+        best, plan = search(Sampler(sim, meta, cluster, cfg, train, seed=1), 60)
+        assert 60 <= sim.evaluations < 60 + 8   # one plan's replicas past the budget at most
+        validate(plan)
+        assert best == pytest.approx(predict_any_plan(plan, meta, cluster)["step_time_s"])

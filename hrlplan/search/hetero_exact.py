@@ -265,6 +265,7 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
         if not options:
             continue
         program = ShareProgram(options, global_batch, best_s)
+        assessed = set()
         while True:
             if rounds >= max_rounds or time.perf_counter() > t0 + budget_s:
                 gave_up = gave_up or (f"planner.hetero_max_rounds={max_rounds}" if rounds >= max_rounds
@@ -277,17 +278,21 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
             if bound >= best_s:
                 break
             unrefined = {options[i].key for i in chosen} - set(table.table)
-            if unrefined:   # bounds in the solution: replace them by the exact templates' times, solve again
-                for key in unrefined:
-                    program.set_time(key, table.exact(key)[0])
-                continue
-            rounds += 1
-            replicas = replicas_of([options[i] for i in chosen], spaces, table)
-            plan, predicted = hetero_plan(meta, cluster, replicas, schedule, {}, sim=sim)
-            if predicted["feasible"] and predicted["step_time_s"] < best_s:
-                best_s, best = predicted["step_time_s"], (plan, predicted, replicas)
-                program.h.changeColBounds(program.z, 0.0, best_s)
-            program.cut(chosen)
+            for key in unrefined:   # bounds in the solution: replace them by the exact templates' times
+                program.set_time(key, table.exact(key)[0])
+            selection = tuple(chosen)
+            if selection not in assessed and all(table.table[options[i].key][1] is not None for i in chosen):
+                # every selection whose templates are known is a plan: assess it at once, so that a
+                # good incumbent exists early even where the budget ends the proof
+                assessed.add(selection)
+                rounds += 1
+                replicas = replicas_of([options[i] for i in chosen], spaces, table)
+                plan, predicted = hetero_plan(meta, cluster, replicas, schedule, {}, sim=sim)
+                if predicted["feasible"] and predicted["step_time_s"] < best_s:
+                    best_s, best = predicted["step_time_s"], (plan, predicted, replicas)
+                    program.h.changeColBounds(program.z, 0.0, best_s)
+            if not unrefined:   # the bound was exact for this selection: it is assessed, cut it off
+                program.cut(chosen)
         lower_bound = min(lower_bound, best_s)
     proven = not gave_up and table.unproven == 0
     grid = row_grid(global_batch, steps)
