@@ -255,18 +255,18 @@ def position_peak_bytes(static, gradients, activations_before_grads, activations
 
 
 # FSDP2 with reshard_after_forward (runtime/parallel.py): the stage root's own weights (embedding,
-# final norm, head) and the last block are never resharded; backward gathers the block it reaches
-# while the one before still holds its weights (torch's backward prefetch) -- the last block and
-# RESHARD_GATHERED_BLOCKS more at once.
-RESHARD_GATHERED_BLOCKS = 1
+# final norm, head) and the last block are never resharded, and the peak comes at backward's start,
+# before it gathers another block: root and last block, RESHARD_GATHERED_BLOCKS more (measured on
+# CPU: none, dp 2 with one and with two micro-batches; a GPU's backward prefetch may overlap one
+# more block's gather with the last block's backward, one block's 16-bit weights).
+RESHARD_GATHERED_BLOCKS = 0
 
 
-def gathered_under_reshard(root_params, largest_block_params, n_blocks: int, microbatches: int, params_per_rank):
-    """Parameters FSDP2 holds unsharded at once with reshard_after_forward. With more micro-batches
-    than one, torch pipelining keeps a non-last backward's gathered weights until the next forward
-    (set_reshard_after_backward(False)): all of them, as without resharding."""
-    if microbatches > 1:
-        return params_per_rank
+def gathered_under_reshard(root_params, largest_block_params, n_blocks):
+    """Parameters FSDP2 holds unsharded at the peak with reshard_after_forward. With several
+    micro-batches torch pipelining keeps a non-last backward's gathered weights until the next
+    forward reshards them, but activations are then near zero: the peak still comes at a backward's
+    start (measured: dp 2, 2 micro-batches, tests/test_memory.py)."""
     return root_params + np.minimum(n_blocks, 1 + RESHARD_GATHERED_BLOCKS) * largest_block_params
 
 

@@ -289,8 +289,7 @@ class StageCostModel:
         gathered = None
         if reshard:
             root = self.span_params(start, start, first, last, pp, tp)
-            gathered = mem.gathered_under_reshard(root, max(meta.block_params or [0]) / tp, n_blocks, microbatches,
-                                                  per_rank)
+            gathered = mem.gathered_under_reshard(root, max(meta.block_params or [0]) / tp, n_blocks)
         state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches, gathered)
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value

@@ -101,8 +101,6 @@ class ConfigEstimator:
         limit = np.zeros(pp)
         for g in range(pp):
             options = space.stage_options(c)
-            if c.reshard_after_forward:   # its saving depends on the micro-batch count (memory.gathered_under_reshard)
-                options["microbatches"] = c.num_microbatches
             per, extra, lim = self._position(groups[g], c.tp, c.dp, c.microbatch_size, pp, g == first_pos,
                                              g == last_pos, options)
             b[g], s[g], a[g], sync[g] = per[0], per[1], per[2], per[3]

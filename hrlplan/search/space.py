@@ -192,14 +192,14 @@ class SearchSpace:
                         if pp == 1:
                             v = 1
                         for mb, m in self.microbatchings(pp, dp, schedule):
-                            for reshard in self.reshard_options(dp, m):
+                            for reshard in self.reshard_options(pp, dp):
                                 yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order, reshard)
 
-    def reshard_options(self, dp: int, microbatches: int) -> Tuple[bool, ...]:
-        """FSDP2's reshard_after_forward, both ways where it can lower the peak: FSDP over dp > 1
-        with one micro-batch per step (with more, torch pipelining keeps a backward's gathered
-        weights until the next forward: resharding only adds all-gathers, memory.gathered_under_reshard)."""
-        if dp > 1 and microbatches == 1 and str(self.train.dp_mode) == "fsdp":
+    def reshard_options(self, pp: int, dp: int) -> Tuple[bool, ...]:
+        """FSDP2's reshard_after_forward, both ways for FSDP over dp > 1 without pipelining (where
+        torchtitan reshards by default); under pipelining kept gathered, torchtitan's choice: a
+        stage runs a forward per micro-batch and would all-gather its weights again for each."""
+        if pp == 1 and dp > 1 and str(self.train.dp_mode) == "fsdp":
             return (False, True)
         return (False,)
 
