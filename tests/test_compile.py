@@ -90,3 +90,18 @@ def test_the_launcher_refuses_compile_for_hrm_whose_trainer_does_not_compile():
     with pytest.raises(ConfigError, match=r"^train\.compile=true is for the language models' pipeline runtime"):
         check_environment(compose(["arch=hrm", "train.compile=true", "train.device=cpu"]), launching=False)
     check_environment(compose(["train.compile=true", "train.device=cpu"]), launching=False)   # g++ is here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2)])
+def test_compiled_blocks_under_fsdp_or_tensor_parallel_train_as_one_process(tmp_path, dp, tp):
+    """FSDP2's hooks around each compiled block (dp 2), or the blocks' DTensor linears and sequence
+    parallelism's sharded norms traced by dynamo (tp 2); measure_memory off: every step compiled."""
+    from hrlplan.plan import homogeneous_plan
+
+    plan = homogeneous_plan("gpt2-tiny", 2, [(0, 2)], dp=dp, tp=tp, microbatch_size=4 // dp, num_microbatches=1,
+                            schedule="1f1b", sequence_parallel=tp > 1)
+    overrides = GPT2 + ["train.measure_memory=false", "train.compile=true", "train.dp_mode=fsdp"]
+    compiled = train_with_options(plan, overrides, tmp_path / "compiled", STEPS,
+                                  stage_options={"sequence_parallel": tp > 1})["losses"]
+    assert compiled == pytest.approx(reference_losses(GPT2, STEPS), abs=TOLERANCE)
