@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import predict_any_plan
+from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
 
@@ -31,7 +32,6 @@ def hetero_mode(planner_cfg: Dict[str, Any]) -> str:
     raw = planner_cfg.get("heterogeneous", "auto")
     value = str(raw).lower() if not isinstance(raw, bool) else ("true" if raw else "false")
     if value not in MODES:
-        from hrlplan.errors import UserError
         raise UserError(f"planner.heterogeneous={raw!r} is not one of auto, true, false")
     return value
 

@@ -29,7 +29,7 @@ from hrlplan.search.splits import SplitTables
 from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
 
 DEFAULT_SHARE_STEPS = 16
-DEFAULT_TIME_S = 50.0   # the whole planning time, the single-template search included
+DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search included
 DEFAULT_MAX_ROUNDS = 300
 DEFAULT_TEMPLATE_SIMS = 400
 TP_ANY = 0
@@ -268,8 +268,9 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
         assessed = set()
         while True:
             if rounds >= max_rounds or time.perf_counter() > t0 + budget_s:
+                limit = planner_cfg.get("hetero_time_s", DEFAULT_TIME_S)
                 gave_up = gave_up or (f"planner.hetero_max_rounds={max_rounds}" if rounds >= max_rounds
-                                      else f"planner.hetero_time_s={planner_cfg.get('hetero_time_s', DEFAULT_TIME_S)} s")
+                                      else f"planner.hetero_time_s={limit} s")
                 break
             solution = program.solve()
             if solution is None:
