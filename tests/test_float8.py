@@ -112,3 +112,37 @@ def test_pretrain_refuses_float8_on_cpu_in_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hrlplan: error:")]
     assert len(errors) == 1 and errors[0].startswith("hrlplan: error: train.float8=true needs a GPU with fp8")
     assert "Traceback" not in proc.stderr
+
+
+def _float8_under_tp_worker():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hrlplan.runtime.distributed import init_distributed, shutdown
+    from hrlplan.runtime.tensor_parallel import parallelize_stage
+
+    init_distributed("cpu", {"collective_timeout_min": 5})
+    try:
+        part = _stage(LLAMA)
+        apply_float8(part, skip_small=False)
+        x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+        alone = part(x).detach()
+        parallelize_stage(part, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)),
+                          vocab_parallel=False, sequence_parallel=True)
+        out = part(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.float().pow(2).mean().backward()
+        return ((out.detach() - alone).norm() / alone.norm()).item()
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_float8_linears_under_tp_2_with_sequence_parallel_match_one_process(tmp_path):
+    """Conversion first, then the plain tp styles shard the Float8Linears (torchao scales DTensors
+    over the whole tensor: the same fp8 values as one process; communication stays high-precision)."""
+    pytest.importorskip("torchao")
+    from hrlplan.launch.local import launch_workers
+
+    relative = launch_workers(_float8_under_tp_worker, (), 2, name="h14-float8-tp", log_dir=str(tmp_path))
+    assert all(r < 1e-5 for r in relative.values()), relative

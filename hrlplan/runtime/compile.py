@@ -1,17 +1,17 @@
 """Regional compilation (train.compile=true): every transformer block of a stage compiled on its own
 with torch.compile, as torchtitan's apply_compile does.
 
-One block is compiled once and its code reused by every block of the same shape (dynamo caches by
-code object and guards), so a stage of many blocks compiles in about one block's time, and the
-embedding, the head and the pipeline's send/receive stay eager. Order (torchtitan's): tensor
-parallel, activation recomputation, compile, then FSDP -- FSDP's hooks run around the compiled
-block, and a checkpointed block is compiled with its checkpoint (dynamo traces torch.utils.checkpoint
-as a higher-order op, keeping the recomputation).
+Dynamo treats a module's parameters as graph inputs (inline_inbuilt_nn_modules, torch's default
+since 2.5), so blocks of one class and shape share one compiled graph: a stage of many blocks
+compiles in about one block's time (bench/compile.py reports it), while the embedding, the head and
+the pipeline's send/receive stay eager. Order (torchtitan's): tensor parallel, activation
+recomputation, compile, then FSDP -- FSDP's hooks run around the compiled block, and a checkpointed
+block is compiled with its checkpoint (dynamo traces torch.utils.checkpoint as a higher-order op,
+keeping the recomputation and the op-level policy).
 
-fullgraph=True where the block allows it: a graph break would silently fall back to eager for part
-of the block, which a user asking for compile should hear about. HF's blocks carry a few Python-side
-branches (a deprecation shim, an attention-interface lookup) that dynamo resolves at trace time;
-should a future transformers release add a real break, the compile error names the block.
+fullgraph=True: a graph break would silently run part of a block eagerly, which a user asking for
+compile should hear about. transformers' GPT-2 and Llama blocks trace whole (tests/test_compile.py);
+a block that breaks fails at its first step with dynamo's error naming the break.
 
 Inductor on CPU builds C++ kernels: a host without a C++ compiler is refused before workers start
 (hrlplan/validate/train_options.compile_refusal, from hrlplan/validate/host.py).
