@@ -142,3 +142,41 @@ def test_show_plan_renders_layout_table_and_why(tmp_path):
     plan, info = make_plan(meta, cluster, asdict(ExactPlannerConfig()), TRAIN)
     text = render(Plan.from_yaml(plan.to_yaml()), json.loads(json.dumps(info)))
     assert plan.layout() in text and "why:" in text and "stage" in text
+
+
+# ---------------------------------------------------------------- issue 32: SP, op-level SAC, resharding
+def test_layouts_run_sequence_parallel_on_tp_and_search_resharding_without_pipelining():
+    from hrlplan.search.plan_text import layout_summary, plan_summary
+    from hrlplan.search.space import to_plan
+
+    meta, cluster = toy_meta(n_layer=4), cpu_probe(4)
+    cfg = asdict(ExactPlannerConfig())
+    space = SearchSpace(meta, cluster, cfg, TRAIN)
+    space.sim = Simulator(meta, cluster, cost_options(cfg, TRAIN))
+    configs = list(space.configs())
+    # resharding both ways only for FSDP over dp > 1 without pipelining (torchtitan's domain)
+    assert {c.reshard_after_forward for c in configs if c.pp == 1 and c.dp > 1} == {False, True}
+    assert not any(c.reshard_after_forward for c in configs if c.pp > 1 or c.dp == 1)
+    assert SearchSpace(meta, cluster, cfg, dict(TRAIN, dp_mode="replicate")).reshard_options(1, 4) == (False,)
+    tp2 = next(c for c in configs if c.tp == 2 and c.pp == 1 and c.reshard_after_forward)
+    layout = space.layout(tp2, [(0, 4)])
+    assert layout.sequence_parallel and layout.reshard_after_forward
+    result = space.sim.evaluate(layout, detail=True)
+    plan = to_plan(meta, cluster, layout, result, {})
+    again = Plan.from_yaml(plan.to_yaml())
+    assert again.sequence_parallel and again.reshard_after_forward is None   # the default without pipelining: unwritten
+    assert "sequence parallel" in layout_summary(layout) and "[sequence parallel]" in plan_summary(again)
+    kept = next(c for c in configs if c.tp == 1 and c.pp == 1 and c.dp == 4 and not c.reshard_after_forward)
+    plan = to_plan(meta, cluster, space.layout(kept, [(0, 4)]), result, {})
+    assert plan.reshard_after_forward is False and "FSDP keeps weights gathered" in plan_summary(plan)
+    pp2 = next(c for c in configs if c.pp == 2 and c.tp == 1)
+    assert not space.layout(pp2, [(0, 2), (2, 4)]).sequence_parallel
+
+
+def test_planner_recompute_selective_is_op_level_sac():
+    from hrlplan.search.space import recompute_modes
+
+    assert recompute_modes({"recompute": "auto"}) == ("none", "selective", "full")
+    meta, cluster = toy_meta(n_layer=4), cpu_probe(2)
+    plan, _ = make_plan(meta, cluster, dict(asdict(ExactPlannerConfig()), recompute="selective"), TRAIN)
+    assert {s.recompute for s in plan.stages} == {"selective"}
