@@ -346,3 +346,68 @@ def test_pipeline_stages_given_the_document_ids_equal_the_whole_model(attention)
     grads = dict(whole.named_parameters())
     for name, param in staged.named_parameters():
         assert torch.allclose(param.grad, grads[name].grad, rtol=1e-8, atol=1e-12), name
+
+
+class _DocumentStage(torch.nn.Module):
+    """A stage whose forward takes the step's positions and document ids as keyword arguments."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x, positions, doc_ids):
+        return _stage_forward(self.stage, x, positions, doc_ids, block_causal_mask)
+
+
+def _pipeline_worker(rank, port, out, docs, assignment, budget):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from hrlplan.models.hf import build_stage_modules
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = _gpt2(tie_word_embeddings=False)
+        stage = build_stage_modules(model, [(0, 1), (1, 2)])[rank]
+        # every rank builds the step's batch (the data are a pure function of the step); the first stage
+        # takes the tokens, every stage the positions and document ids of the micro-batch it runs
+        batch = pack_micro_batches(docs, assignment, budget, pad_id=0)
+        step_tokens = batch.useful_tokens
+        pipe = PipelineStage(_DocumentStage(stage), rank, 2, torch.device("cpu"))
+        # each micro-batch's loss is already divided by the step's useful tokens: the schedule must not
+        # divide the gradients by the number of micro-batches as well (its default)
+        schedule = Schedule1F1B(pipe, n_microbatches=len(assignment), scale_grads=False,
+                                loss_fn=lambda logits, targets: token_weighted_loss(logits, targets, step_tokens))
+        sides = dict(positions=batch.positions, doc_ids=batch.doc_ids)
+        losses = []
+        if rank == 0:
+            schedule.step(batch.inputs, **sides)
+        else:
+            schedule.step(target=batch.targets, losses=losses, **sides)
+        torch.save({"grads": {n: p.grad for n, p in stage.named_parameters()},
+                    "loss": float(sum(loss.detach() for loss in losses)) if losses else None}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_two_stage_pipeline_carrying_document_ids_equals_one_process(tmp_path, free_port):
+    """torch.distributed.pipelining (1F1B, 4 micro-batches, gloo): the document ids and positions go to
+    every stage as the schedule's keyword arguments; loss and gradients equal the whole model's."""
+    import torch.multiprocessing as mp
+
+    docs = _documents([5, 9, 3, 12, 7, 2, 14, 4], seed=4)
+    assignment, taken = next_fit([predictions(d) for d in docs], micro_batches=4, token_budget=16)
+    assert taken == len(docs)
+    mp.start_processes(_pipeline_worker, args=(free_port, str(tmp_path), docs, assignment, 16), nprocs=2,
+                       start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    model = _gpt2(tie_word_embeddings=False)
+    batch = pack_micro_batches(docs, assignment, 16, pad_id=0)
+    loss = _packed_loss(model, batch, batch.useful_tokens)
+    loss.backward()
+    assert ranks[1]["loss"] == pytest.approx(loss.item(), rel=1e-10)
+    grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=1e-8, atol=1e-12), name
