@@ -160,3 +160,17 @@ def test_layout_of_a_plan_carries_the_fields():
     lay = layout_of_plan(_plan(sequence_parallel=True, reshard_after_forward=True))
     assert isinstance(lay, Layout) and lay.sequence_parallel and lay.reshard_after_forward
     assert not layout_of_plan(_plan()).sequence_parallel and not layout_of_plan(_plan()).reshard_after_forward
+
+
+def test_plan_info_stages_name_the_options():
+    from hrlplan.cost.simulator import Simulator
+
+    sim = Simulator(llama7b_meta(), a100_node(), CostOptions(bytes_per_value=2))
+    base = dict(spans=((0, 32),), groups=(tuple(range(8)),), tp=4, dp=2, microbatch_size=1, num_microbatches=1,
+                schedule="1f1b", recompute=("selective",))
+    on = sim.evaluate(Layout(**base, sequence_parallel=True, reshard_after_forward=True), detail=True)
+    off = sim.evaluate(Layout(**base), detail=True)
+    assert on.stages[0]["sequence_parallel"] and on.stages[0]["reshard_after_forward"]
+    assert not off.stages[0]["sequence_parallel"] and not off.stages[0]["reshard_after_forward"]
+    assert on.stages[0]["recompute"] == "selective"
+    assert max(on.memory_bytes.values()) < max(off.memory_bytes.values())

@@ -288,6 +288,8 @@ class _StepRun:
                 "stage": k, "layers": list(lay.spans[k]), "position": pos,
                 "devices": list(self.groups[k]), "device_type": self.sim.cluster.devices[self.groups[k][0]].name,
                 "tp": lay.tp_of(k), "recompute": lay.recompute_of(k),
+                "sequence_parallel": lay.sequence_parallel and lay.tp_of(k) > 1,
+                "reshard_after_forward": lay.reshard_after_forward and lay.dp > 1,
                 "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": self.sends[k] * scale,
                 # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
                 "bwd_input_s": self.bwd[k] * scale, "bwd_weight_s": self.wgt[k] * scale,
