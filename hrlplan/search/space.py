@@ -73,6 +73,7 @@ class SearchSpace:
         self.recompute_modes = recompute_modes(planner_cfg)
         self._chains: Optional[Tuple[List[List[int]], List[List[float]]]] = None
         self.sim = None   # make_plan binds the simulator: layouts then pick each stage's recomputation
+        self.allow_sequence_parallel = True
         self.pools = self._pools()
 
     # ------------------------------------------------------------ pools and orders
@@ -203,12 +204,13 @@ class SearchSpace:
             return (False, True)
         return (False,)
 
-    @staticmethod
-    def sequence_parallel(c: Config) -> bool:
+    def sequence_parallel(self, c: Config) -> bool:
         """Sequence parallelism on every tp > 1 layout, not searched: it moves the same bytes as the
         all-reduces it replaces (an all-gather and a reduce-scatter each) and holds less activation
-        memory, so no layout is faster or smaller without it (cost.model.StageCostModel.stage)."""
-        return c.tp > 1
+        memory, so no layout is faster or smaller without it (cost.model.StageCostModel.stage).
+        A planner whose plans run on hrlplan's own executor (heterogeneous pipelines, which has no
+        sequence parallelism) sets allow_sequence_parallel = False."""
+        return self.allow_sequence_parallel and c.tp > 1
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
         devs = self.ordered_devices(c.pool, c.type_order, c.node_order)
