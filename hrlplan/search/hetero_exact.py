@@ -133,24 +133,27 @@ def nproc_candidates(cluster) -> List[int]:
 
 def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: int, steps: int,
                       tps: List[int]) -> List[Option]:
+    """Every (type, size, count, rows, tp) option with its bound; types take turns along the
+    diagonals of (size, rows), so that a budget ending the bounding leaves every type some options."""
     grid = row_grid(global_batch, steps)
-    out = []
+    todo = []
     for t in space.types:
-        for size in space.replica_sizes(t):
+        for s_rank, size in enumerate(space.replica_sizes(t)):
             counts = space.replica_counts(t, size)
             for tp in tps:
                 if tp != TP_ANY and (size % tp or tp > space.nproc):
                     continue
-                for rows in grid:
+                for r_rank, rows in enumerate(grid):
                     fitting = [k for k in counts if k * rows <= global_batch]
-                    if not fitting:
-                        break
-                    bound = table.bound((space.nproc, t, size, rows, tp))
-                    if bound is None:
-                        return out
-                    if bound == float("inf"):
-                        continue
-                    out.extend(Option(t, size, k, rows, tp, bound, space.nproc) for k in fitting)
+                    if fitting:
+                        todo.append(((s_rank + r_rank, rows, t, tp), (t, size, tp, rows, fitting)))
+    out = []
+    for _, (t, size, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
+        bound = table.bound((space.nproc, t, size, rows, tp))
+        if bound is None:
+            break
+        if bound < float("inf"):
+            out.extend(Option(t, size, k, rows, tp, bound, space.nproc) for k in fitting)
     return out
 
 
@@ -247,7 +250,9 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     max_rounds = int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS))
     global_batch = int(train_cfg.global_batch_size)
     schedule = str(train_cfg.schedule)
-    table = TemplateTable(sim, meta, cluster, planner_cfg, train_cfg, t0 + budget_s)
+    # bounding every option gets half the budget (what is left then goes to templates and plans), so
+    # that a large instance still assembles plans from the options bounded so far
+    table = TemplateTable(sim, meta, cluster, planner_cfg, train_cfg, t0 + budget_s / 2)
     tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= int(planner_cfg.get("max_tp", 8)) and meta.num_heads % tp == 0] \
         if same_tp_required(meta) else [TP_ANY]
     spaces = {n: HeteroSpace(cluster, n) for n in nproc_candidates(cluster)}
