@@ -126,6 +126,11 @@ def test_replicas_use_nodes_a_single_template_cannot():
     launch = plan.meta["launch"]
     assert {len(v.split(",")) for v in launch["per_node_visible_devices"]} == {launch["nproc_per_node"]}
     assert info["planner"]["heterogeneous"]["nproc_per_node"] == [2, 3]
+    # one template runs 2 per node (4 devices); three replicas on the 3-device node are faster
+    assert plan.heterogeneous and launch["nproc_per_node"] == 3 and plan.world_size == 3
+    assert info["chosen"]["step_time_s"] < info["runner_up"]["step_time_s"]
+    assert "best single template" in info["why"]["text"]
+    assert plan.meta["planner"]["heterogeneous"]["chosen"] == "heterogeneous replicas"
 
 
 def test_heterogeneous_switch_and_its_refusals():
