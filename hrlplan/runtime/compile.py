@@ -23,8 +23,6 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from hrlplan.validate.train_options import COMPILE_KEY, compile_refusal  # noqa: F401
-
 
 def apply_compile(part: nn.Module, fullgraph: bool = True) -> nn.Module:
     """Compile every block of an HFStage (its ModuleDict of blocks) in place; returns the part.

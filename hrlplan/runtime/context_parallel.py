@@ -10,8 +10,8 @@ batch, its rotary position ids (positions of the whole sequence, not 0..s/cp), a
 torch 2.13 runs context-parallel attention only through SDPA's CUDA kernels (flash, efficient,
 cuDNN): on CPU, SDPA dispatches _scaled_dot_product_flash_attention_for_cpu, which has no sharding
 rule ("does not have a sharding strategy registered"), so cp > 1 is refused on CPU before workers
-start (context_parallel_refusal). Training under cp on CUDA needs the plan's cp degree (a cp mesh
-dimension beside pp/dp/tp); until the plan carries it, cp > 1 is refused there too.
+start (validate/train_options.context_parallel_refusal). Training under cp on CUDA needs the plan's
+cp degree (a cp mesh dimension beside pp/dp/tp); until the plan carries it, cp > 1 is refused there.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import List, Sequence
 
 import torch
 
-from hrlplan.validate.train_options import CP_KEY, context_parallel_refusal  # noqa: F401
+from hrlplan.validate.train_options import CP_KEY
 
 
 def check_divisible(seq_len: int, cp: int) -> None:

@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch.nn as nn
 
 from hrlplan.errors import UserError
-from hrlplan.validate.train_options import FLOAT8_KEY, float8_refusal, float8_supported  # noqa: F401
+from hrlplan.validate.train_options import FLOAT8_KEY
 
 HEAD_NAMES = ("lm_head", "output")
 DIM_MULTIPLE = 16
