@@ -399,8 +399,10 @@ def test_a_two_stage_pipeline_carrying_document_ids_equals_one_process(tmp_path,
     docs = _documents([5, 9, 3, 12, 7, 2, 14, 4], seed=4)
     assignment, taken = next_fit([predictions(d) for d in docs], micro_batches=4, token_budget=16)
     assert taken == len(docs)
+    # spawn, not fork: this process has run OpenMP (the model tests above), and a forked child's first
+    # parallel region can hang on the copied thread pool
     mp.start_processes(_pipeline_worker, args=(free_port, str(tmp_path), docs, assignment, 16), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     model = _gpt2(tie_word_embeddings=False)
     batch = pack_micro_batches(docs, assignment, 16, pad_id=0)
