@@ -349,10 +349,11 @@ def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, qu
 
 def dispatch(lengths: Sequence[int], micro_batches: int, capacity: int, linear: float = 1.0, quadratic: float = 0.0,
              time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
-             fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None) -> List[List[int]]:
+             fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None,
+             fixed_shapes: bool = False) -> List[List[int]]:
     """One replica's micro-batches, all of `capacity` tokens: the assignment only (PackedDocuments'
     dispatcher: functools.partial(dispatch, linear=..., quadratic=...)). For one replica the pipeline
     objective (stages) and the slowest micro-batch have the same optimum: the sum is fixed."""
     return dispatch_bins(lengths, micro_batch_bins(micro_batches, capacity), linear, quadratic, time_budget_s,
-                         max_ilp_variables, fallback, stages).assignment
+                         max_ilp_variables, fallback, stages, fixed_shapes).assignment
 
