@@ -118,7 +118,8 @@ def main(argv=None) -> Dict:
               "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "vocab": args.vocab,
                         "linear_flops_per_token": linear, "quadratic_flops_per_token_squared": quadratic,
                         "attention_equals_linear_at_tokens": linear / quadratic},
-              "budget": args.budget, "steps": args.steps, "fixed_shapes": args.fixed_shapes, "time_budget_s": args.time_budget, "layouts": []}
+              "budget": args.budget, "steps": args.steps, "fixed_shapes": args.fixed_shapes,
+              "time_budget_s": args.time_budget, "layouts": []}
     begin = time.perf_counter()
     for replicas in args.replicas:
         layout = run_layout(stream, replicas, args, linear, quadratic)

@@ -19,14 +19,15 @@ the pipeline's depth p (`stages`), the slowest replica's pipeline step, (sum + (
 of its bins' times. With one replica the sum is fixed and both objectives agree; across data-parallel
 replicas the sums differ, and only the pipeline objective balances them. It is computed by:
 
-- an integer program (HiGHS, through highspy) when pieces x bins <= max_ilp_variables, warm-started
-  from the greedy, stopped at the step's time budget (its best solution so far is kept);
-- otherwise, or with no time left, LPT (longest processing time first: each piece, largest first, to
-  the bin where it finishes earliest). With identical bins and capacities that do not bind, LPT is
-  within 4/3 - 1/(3m) of the optimum for m bins (Graham 1969); with speeds, within 2m/(m+1)
-  (Gonzalez, Ibarra and Sahni 1977). For the pipeline objective the greedy (each piece where the
-  step grows least) is a heuristic with no stated bound; the lower bound is reported beside it. If capacities make the greedy fail, the caller's feasible
-  `fallback` (arrival order) is kept.
+- LPT first (longest processing time first: each piece, largest first, to the bin where it finishes
+  earliest). With identical bins and capacities that do not bind, LPT is within 4/3 - 1/(3m) of the
+  optimum for m bins (Graham 1969); with speeds, within 2m/(m+1) (Gonzalez, Ibarra and Sahni 1977).
+  For the pipeline objective the greedy (each piece where the step grows least) is a heuristic with
+  no stated bound; the lower bound is reported beside it. If capacities make the greedy fail, the
+  caller's feasible `fallback` (arrival order) is kept;
+- then, when pieces x bins <= max_ilp_variables and time is left, an integer program (HiGHS, through
+  highspy) searching only for steps better than the greedy's, stopped at the step's time budget
+  (its best solution so far is kept).
 
 Whatever runs, the result holds each piece exactly once (checked before it is returned).
 """
