@@ -52,6 +52,7 @@ RESUME_KEYS: Tuple[Tuple[str, str, str], ...] = (
     ("train.log_interval", SAFE, "how often to log"),
     ("train.profile", SAFE, "measurement only"),
     ("train.measure_memory", SAFE, "measurement only"),
+    ("train.compile", SAFE, "the same math, compiled (float8 changes the numerics: it stays trained)"),
     ("train.plan_timeout_min", SAFE, "a timeout"),
     ("train.collective_timeout_min", SAFE, "a timeout"),
     ("data.num_workers", SAFE, "loader processes, not the data"),
