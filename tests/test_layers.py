@@ -12,7 +12,7 @@ ROOT = Path(hrlplan.__file__).resolve().parent
 # layer and those below it, never one above.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("leaves", ("hrlplan", "hrlplan.errors", "hrlplan.config", "hrlplan.devices", "hrlplan.measure",
-                "hrlplan.optim",
+                "hrlplan.optim", "hrlplan.solver",
                 "hrlplan.search.config")),   # re-exports the planner sections of hrlplan.config
     ("facts", ("hrlplan.cluster", "hrlplan.model_meta", "hrlplan.plan", "hrlplan.activations", "hrlplan.models",
                "hrlplan.data", "hrlplan.validate",

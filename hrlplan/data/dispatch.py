@@ -39,6 +39,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan.solver import quiet_highs
+
 DEFAULT_TIME_BUDGET_S = 0.5
 DEFAULT_MAX_ILP_VARIABLES = 4000
 
@@ -269,8 +271,7 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     for key in groups:
         rank.append(seen.get(key, 0))
         seen[key] = rank[-1] + 1
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("random_seed", 0)
     # the default 1e-4 relative gap stops short when a fixed-shape step's constant work dominates
     h.setOptionValue("mip_rel_gap", 1e-9)
