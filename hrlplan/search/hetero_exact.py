@@ -245,7 +245,10 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     planner.hetero_time_s bounds the planning time from `started` (default: now), the search
     included; beyond it the result is the best found and says it is not proven."""
     t0 = time.perf_counter()
-    budget_s = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S)) - (t0 - (started or t0))
+    whole = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S))
+    # what the single-template search left, but never under a quarter of it (that search alone may
+    # take most of the budget on large clusters: the replica search still gets its turn)
+    budget_s = max(whole - (t0 - (started or t0)), whole / 4)
     steps = int(planner_cfg.get("hetero_share_steps", DEFAULT_SHARE_STEPS))
     max_rounds = int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS))
     global_batch = int(train_cfg.global_batch_size)
