@@ -141,3 +141,20 @@ def test_workers_join_the_cgroup_the_launcher_lists_for_their_local_rank():
         with capped_workers([1.0, 0.5], 3):
             pass
     assert join_from_environment({}) is None
+
+
+def test_the_probe_reads_its_own_cpu_quota(tmp_path):
+    """A capped worker's probe measures over several CFS periods (cluster._measure_device): it finds
+    the quota of its own cgroup, and none where the group has no limit or cgroups are not there."""
+    from hrlplan.cluster import cpu_quota_period
+
+    group = tmp_path / "cpu" / "hrlplan-x" / "w1"
+    group.mkdir(parents=True)
+    (group / "cpu.cfs_period_us").write_text("100000\n")
+    (group / "cpu.cfs_quota_us").write_text("33000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:memory:/\n4:cpu,cpuacct:/hrlplan-x/w1\n")
+    assert cpu_quota_period(str(proc), str(tmp_path / "cpu")) == 0.1
+    (group / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota_period(str(proc), str(tmp_path / "cpu")) is None
+    assert cpu_quota_period(str(tmp_path / "missing"), str(tmp_path / "cpu")) is None

@@ -112,6 +112,9 @@ def run(config: Config, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any
             # SLURM restarted this job (our requeue after a preemption checkpoint, a timeout, a node
             # failure): continue from this run's last checkpoint, whatever resume said at submission.
             config.train.resume = "auto"
+    if config.cluster.cpu_shares and (situation or in_distributed_job() or not probes_here(config.cluster)):
+        raise UserError("cluster.cpu_shares caps the local workers this command starts; under torchrun, SLURM or "
+                        "a preset cluster it starts none: leave cluster.cpu_shares out")
     if in_distributed_job():
         return worker_main(config, raise_errors=situation == "submitit", job=job)
     if not probes_here(config.cluster):
@@ -126,7 +129,7 @@ def run(config: Config, job: Optional[JobInfo] = None) -> Optional[Dict[str, Any
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     try:
         announce_workers(config, nproc)   # the workers' imports are seconds of silence otherwise
-        results = launch_workers(worker_main, (config, False, job), nproc)
+        results = launch_workers(worker_main, (config, False, job), nproc, cpu_shares=config.cluster.cpu_shares)
     except Interrupted as stop:
         return _interrupted(run_dir, stop)
     except UserError:

@@ -40,7 +40,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -48,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hrlplan.errors import UserError, one_line
+from hrlplan.launch.cpu_quota import capped_workers, join_from_environment
 
 # This process's variables when the module was imported: in a fork server's worker, those of the server
 # (it imports this module first); whatever differs in the worker, torch's launcher set for that worker.
@@ -246,6 +247,7 @@ def _recorded(launch_env: Dict[str, str], launcher: Tuple[int, Dict[int, Any]], 
     (WorkerExits), then run entrypoint with torch's error recording, so an exception's text reaches
     the agent (a module-level function: it is pickled)."""
     _adopt_environment(launch_env)
+    join_from_environment()   # cluster.cpu_shares: before this worker computes anything
     _adopt_console(*launcher)
     (Path(pids) / f"rank{os.environ['LOCAL_RANK']}").write_text(str(os.getpid()))
     return record(entrypoint)(*args)
@@ -318,8 +320,10 @@ def _log_dir(args: tuple, log_dir: Optional[str]) -> str:
 
 
 def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name: str = "hrlplan",
-                   log_dir: Optional[str] = None) -> Dict[int, Any]:
-    """Run entrypoint(*args) in nproc local workers; returns {rank: return value}.
+                   log_dir: Optional[str] = None, cpu_shares: Optional[Sequence[Optional[float]]] = None
+                   ) -> Dict[int, Any]:
+    """Run entrypoint(*args) in nproc local workers; returns {rank: return value}. cpu_shares caps
+    each worker to a share of one core (cluster.cpu_shares; hrlplan/launch/cpu_quota.py).
 
     A worker that dies (or raises) stops the others; the failure is reported as one UserError that
     names the rank, how it ended and its first error line, with where its full output is. Ctrl-C or
@@ -346,7 +350,8 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     stop = StopForwarder()
     exits = WorkerExits(Path(logs) / f".{run_id}-pids")
     try:
-        with _environment(**env), stop, exits:  # the workers inherit these variables
+        # the workers inherit these variables; capped ones join their cgroup first thing (_recorded)
+        with capped_workers(cpu_shares, nproc, run_id) as quota_env, _environment(**env, **quota_env), stop, exits:
             launcher = (os.getpid(), {fd: _file_identity(fd) for fd in (1, 2)})
             results = elastic_launch(config, _recorded)(dict(os.environ), launcher, str(exits.folder), entrypoint, *args)
     except ChildFailedError as e:
