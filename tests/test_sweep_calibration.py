@@ -16,25 +16,36 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # One job of a sweep, reduced to the cache calls rank 0 makes (hrlplan/launch/planning.py calibrated()):
-# look the key up; on a miss "measure" (sleep) and store.
+# look the key up; on a miss "measure" -- until the test creates the release file, or for a time -- and store.
 JOB = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     from hrlplan.launch import plan_cache
-    name, measure_s = sys.argv[1], float(sys.argv[2])
+    name, measure, release = sys.argv[1], float(sys.argv[2]), sys.argv[4]
     cal = plan_cache.load_calibration({}, "calibration-k", wait_s=60)
     if cal is None:
         print("measuring", flush=True)
         open(sys.argv[3], "w").close()   # tells the test this job holds the key
-        time.sleep(measure_s)
+        deadline = time.time() + measure
+        while time.time() < deadline and not (release and os.path.exists(release)):
+            time.sleep(0.05)
         plan_cache.store_calibration({}, "calibration-k", {"by": name})
         cal = {"by": name}
     print("result", json.dumps(cal), flush=True)
 """)
 
 
-def _job(name, measure_s, flag, env):
-    return subprocess.Popen([sys.executable, "-c", JOB, name, str(measure_s), str(flag)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _job(name, measure_s, flag, env, release=""):
+    return subprocess.Popen([sys.executable, "-c", JOB, name, str(measure_s), str(flag), str(release)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(job, text, lines):
+    """Collect the job's output lines until one holds `text` (an explicit sync point, not a sleep)."""
+    for line in job.stdout:
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"{text!r} never printed: {''.join(lines)}")
 
 
 def _wait_until_measuring(job, flag):
@@ -46,12 +57,16 @@ def _wait_until_measuring(job, flag):
 
 def test_sweep_points_started_together_measure_once(tmp_path):
     env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
-    first = _job("first", 3, tmp_path / "first-measures", env)
+    release = tmp_path / "release"
+    first = _job("first", 300, tmp_path / "first-measures", env, release)
     _wait_until_measuring(first, tmp_path / "first-measures")
     second = _job("second", 0, tmp_path / "second-measures", env)
+    seen = []
+    _read_until(second, "another job is calibrating", seen)   # the second waits on the first's key...
+    release.touch()                                           # ...and only then does the first finish
     outs = [p.communicate(timeout=180) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
-    (out1, _), (out2, _) = outs
+    out1, out2 = outs[0][0], "".join(seen) + outs[1][0]
     assert "measuring" in out1 and "measuring" not in out2, outs
     assert "another job is calibrating" in out2 and 'result {"by": "first"}' in out2, outs
     assert json.loads((tmp_path / "cache" / "calibration-k" / "calibration.json").read_text()) == {"by": "first"}
