@@ -17,14 +17,11 @@ def _plan(spans, dp, microbatches):
 
 
 def test_default_reshards_without_pipelining_only():
-    from hrlplan.runtime.torch_engine import reshard_after_forward
-
     alone, piped = _plan([(0, 6)], 2, 1), _plan([(0, 3), (3, 6)], 2, 2)
-    assert not reshard_after_forward(alone)   # a plan file without the field: what the cost model charges today
-    alone.reshard_after_forward = piped.reshard_after_forward = None   # the field, left to its default
-    assert reshard_after_forward(alone) and not reshard_after_forward(piped)
+    assert alone.reshard_after_forward is None and piped.reshard_after_forward is None   # the field's default
+    assert alone.resolved_reshard_after_forward() and not piped.resolved_reshard_after_forward()
     piped.reshard_after_forward = True
-    assert reshard_after_forward(piped)
+    assert piped.resolved_reshard_after_forward()
 
 
 @pytest.mark.slow

@@ -36,20 +36,14 @@ def test_full_recompute_also_reruns_the_tp_all_reduces():
     assert full.bwd - none.bwd == pytest.approx(none.fwd, rel=1e-6)
 
 
-def test_selective_recomputes_the_attention_core_only():
+def test_selective_is_op_level_checkpointing_between_none_and_full():
+    """selective = op-level SAC (every other matmul's output and the attention's kept, the cheap ops
+    recomputed): it holds less than none and more than full, and recomputes less than full."""
     none, _ = _stage("none")
     sel, _ = _stage("selective")
     full, _ = _stage("full")
     assert none.bwd < sel.bwd < full.bwd
-    # with SDPA (fused attention) the core stores no scores: selective saves no memory
-    assert sel.activation == pytest.approx(none.activation)
-    # an attention that stores the s x s scores (Korthikanti et al.'s 5as per token) loses them
-    eager_none, _ = _stage("none", fused=False)
-    eager_sel, _ = _stage("selective", fused=False)
-    meta = llama7b_meta()
-    scores = 5 * meta.num_heads * meta.seq_len
-    assert eager_none.activation - eager_sel.activation == pytest.approx(8 * 2048 * scores)
-    assert eager_sel.activation == pytest.approx(sel.activation)
+    assert full.activation < sel.activation < none.activation
 
 
 def test_activations_split_replicated_and_sharded_over_tp():

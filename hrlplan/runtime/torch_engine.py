@@ -75,24 +75,6 @@ def sequence_parallel(plan: Plan) -> bool:
     return chosen.pop()
 
 
-def reshard_after_forward(plan: Plan) -> bool:
-    """FSDP2's reshard_after_forward for the plan's `reshard_after_forward` field: True/False as
-    written; None: torchtitan's default, default_reshard_after_forward. A plan without the field
-    (the schema has none yet) keeps False, what the cost model charges today (cost/memory.py holds
-    the unsharded weights all step), until the plan and the cost model know the field together."""
-    if not hasattr(plan, "reshard_after_forward"):
-        return False
-    chosen = plan.reshard_after_forward
-    return default_reshard_after_forward(plan) if chosen is None else bool(chosen)
-
-
-def default_reshard_after_forward(plan: Plan) -> bool:
-    """True without pipelining (a block's unsharded weights live only while it runs, and backward
-    all-gathers them again), False when this rank runs a pipeline schedule of several stages (a
-    block runs a forward per micro-batch: resharding would all-gather it again for each)."""
-    return plan.num_stages == 1
-
-
 def check_device_options(train: TrainConfig, device: torch.device, num_stages: int) -> None:
     """train.compile / float8 / context_parallel on the device this worker really got (the launcher
     checked its own host's already; a SLURM node may differ)."""
@@ -126,7 +108,7 @@ class TorchPipelineEngine:
         mp_dtype = torch.bfloat16 if train.dtype == "bfloat16" else None
         tp = plan.stages[0].tp
         self.sequence_parallel = tp > 1 and sequence_parallel(plan)
-        self.reshard_after_forward = reshard_after_forward(plan)
+        self.reshard_after_forward = plan.resolved_reshard_after_forward()   # the plan's rule, as cost/ charges it
         for i in self.stage_ids:
             part = all_parts[i].to(self.device)
             if train.float8:   # first, as torchtitan's model converters: tp then shards the Float8Linears
