@@ -179,6 +179,12 @@ class ExactPlannerConfig(PlannerConfigBase):
     name: str = "exact"
     max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
     max_simulations: int = 20_000      # simulator calls of the layer-split branch-and-bound; likewise
+    # planner.heterogeneous (search/hetero_exact.py): the whole planning time, the single-template search
+    # included; the batch-share grid (B/steps); integer-program rounds; simulator calls per replica template
+    hetero_time_s: float = 45.0
+    hetero_share_steps: int = 16
+    hetero_max_rounds: int = 300
+    hetero_template_simulations: int = 400
 
 
 @dataclass

@@ -10,7 +10,7 @@ split, tp, micro-batch size and count, recomputation -- searched by `search_exac
 the replica's devices (ReplicaSpace).
 
 Heterogeneous plans run on hrlplan's own executor (hrlplan.runtime.hetero), which offers gpipe and
-1f1b, and whose GPT-2 replicas must hold a block at one tp degree (`same_tp_required`).
+1f1b, and whose GPT-2 replicas hold a block at one tp degree (`same_tp_required`: resumable).
 """
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ def why_not_hetero(train_cfg) -> str:
 
 
 def same_tp_required(meta) -> bool:
-    """hrlplan.runtime.hetero refuses GPT-2 replicas holding a block at different tp degrees."""
+    """GPT-2 replicas holding a block at different tp degrees train (runtime/hetero_sync.py maps their
+    gradients through Hugging Face's layout) but cannot resume: a checkpoint keeps each block in one
+    replica's layout. The planner keeps them at one tp, so every plan it writes can be resumed."""
     return meta.model_type == "gpt2"
 
 
@@ -132,6 +134,7 @@ class ReplicaSpace(SearchSpace):
     def __init__(self, meta, cluster, planner_cfg, train_cfg, pool: Pool, tp: Optional[int] = None):
         self._replica_pool, self._fixed_tp = pool, tp
         super().__init__(meta, cluster, planner_cfg, train_cfg)
+        self.allow_sequence_parallel = False   # the heterogeneous executor (runtime/hetero.py) has none
 
     def _pools(self) -> List[Pool]:
         return [self._replica_pool]
