@@ -9,6 +9,7 @@ mapping) -- global_batch_size, schedule, stages_per_rank, microbatches ("auto" o
 from __future__ import annotations
 
 import dataclasses
+import math
 import importlib.util
 import time
 from typing import Any, Dict, Tuple
@@ -153,7 +154,7 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
         result = unchecked.evaluate(layout_of(plan), detail=True) if plan.uniform_tp and not plan.heterogeneous \
             else result
         result.memory_bytes = memory or result.memory_bytes
-    if result.feasible:
+    if result.feasible or (over_memory and math.isfinite(result.step_time_s)):   # a time-only figure too
         predicted = plan.meta.setdefault("predicted", {})
         predicted.update({"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
                           "memory_bytes_per_rank": [int(result.memory_bytes.get(d, 0)) for d in rank_devices(plan)],
