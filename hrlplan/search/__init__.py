@@ -9,8 +9,8 @@ mapping) -- global_batch_size, schedule, stages_per_rank, microbatches ("auto" o
 from __future__ import annotations
 
 import dataclasses
-import math
 import importlib.util
+import math
 import time
 from typing import Any, Dict, Tuple
 
