@@ -61,7 +61,8 @@ def test_shipped_generalist_plans_held_out_instances_near_exact(seed):
     assert seed in HELD_OUT_SEEDS and not (extra["train_seeds"][0] <= seed <= extra["train_seeds"][1])
     inst = random_instance(seed)
     assert not is_benchmark_like(inst.meta, inst.cluster)
-    exact, _ = make_plan(inst.meta, inst.cluster, asdict(ExactPlannerConfig()), inst.train)
+    # the space HRL plans in: one template (the replica search would only add its own budget here)
+    exact, _ = make_plan(inst.meta, inst.cluster, dict(asdict(ExactPlannerConfig()), heterogeneous=False), inst.train)
     hrl, _ = make_plan(inst.meta, inst.cluster, _zero_shot_cfg(), inst.train)
     assert hrl.meta["planner"]["policy"] == "shipped generalist"
     assert exact.meta["predicted"]["step_time_s"] / hrl.meta["predicted"]["step_time_s"] >= 0.97
