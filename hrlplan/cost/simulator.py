@@ -295,6 +295,7 @@ class _StepRun:
                 "bwd_input_s": self.bwd[k] * scale, "bwd_weight_s": self.wgt[k] * scale,
                 "recv_handshake_s": (self.handshake[k] if self.handshake else 0.0) * scale,
                 "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
+                "last_bwd_extra_s": c.last_bwd_extra * scale,     # its reduces in the step's last backward
                 "dp_sync_s": c.dp_sync * scale, "params": c.params,
                 "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                 "static_split_bytes": {key: float(v) for key, v in (c.memory or {}).items()},
