@@ -67,7 +67,7 @@ def test_heterogeneous_plan_round_trips_and_assigns_ranks(modules):
     assert "device_groups" not in text and "num_microbatches: 2" in text
     again = Plan.from_yaml(text)
     assert again == plan and again.dp == 2
-    assert again.layout() == "[E+h0-h5+H]x1mb/4 || [E+h0-h2 | h3-h5+H]x2mb/8"
+    assert again.layout() == "[E+h0-h5+H] (1 micro-batch of 4) || [E+h0-h2 | h3-h5+H] (2 micro-batches of 4)"
 
 
 def test_homogeneous_yaml_is_unchanged():

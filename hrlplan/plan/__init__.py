@@ -153,7 +153,9 @@ class Plan:
 
     def layout(self) -> str:
         if self.pipelines:
-            return " || ".join(f"[{p.layout()}]x{p.num_microbatches}mb/{p.batch_size}" for p in self.pipelines)
+            # the one notation of micro-batching (search/plan_text.py): count first, in words
+            return " || ".join(f"[{p.layout()}] ({p.num_microbatches} micro-batch{'es' if p.num_microbatches != 1 else ''}"
+                               f" of {p.microbatch_size})" for p in self.pipelines)
         return " | ".join(s.token() for s in self.stages)
 
     # ------------------------------------------------------------ YAML
