@@ -172,7 +172,7 @@ def idle_devices_line(plan, devices: int, unit: str = "devices") -> Optional[str
         return None
     advice = "; planner.allow_idle_ranks=false uses every worker" if unit == "workers" else ""
     return (f"the plan trains on {len(used)} of {devices} {unit}; {len(idle)} {'stays' if len(idle) == 1 else 'stay'} "
-            f"idle (ranks {rank_ranges(idle)}): "
+            f"idle ({'rank' if len(idle) == 1 else 'ranks'} {rank_ranges(idle)}): "
             f"predicted faster than using all of them (plan_info.json has the alternatives){advice}")
 
 
