@@ -73,12 +73,14 @@ def layout_of_plan(plan) -> Layout:
 
 
 def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
-    """Gradient bytes hetero.py reduces per unit (it reduces in float32 whatever the dtype)."""
-    out = {"embed": float(meta.embedding_params) * 4, "final": float(meta.head_params) * 4}
+    """Gradient bytes the heterogeneous executor reduces per unit: in the training dtype (runtime/
+    hetero_sync.py sends bfloat16 buckets under bfloat16, float32 otherwise)."""
+    b = float(bytes_per_value)
+    out = {"embed": float(meta.embedding_params) * b, "final": float(meta.head_params) * b}
     if meta.tied_embeddings:
-        out["final"] = max(out["final"] - meta.head_matmul_params * 4, 0.0)
+        out["final"] = max(out["final"] - meta.head_matmul_params * b, 0.0)
     for i, p in enumerate(meta.block_params):
-        out[f"block{i}"] = float(p) * 4
+        out[f"block{i}"] = float(p) * b
     return out
 
 
@@ -99,7 +101,7 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
                     units.append("embed")
             for u in units:
                 holders.setdefault(u, []).append((p, s))
-    sizes = _unit_bytes(meta)
+    sizes = _unit_bytes(meta, sim.opts.bytes_per_value)
     buckets: Dict[Tuple[int, ...], float] = {}
     for unit, hs in holders.items():
         tps = {pipes[p].stages[s].tp for p, s in hs}
