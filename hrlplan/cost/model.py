@@ -263,14 +263,7 @@ class StageCostModel:
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats
         ov = self.dev.overheads
-        # Megatron TP: two all-reduces of the activations per block in forward, two in backward;
-        # calibrated: what a tp=2 block measured beyond half its compute, more ring steps beyond 2
-        tp_comm = tp_comm_bwd = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat) if tp > 1 else 0.0
-        if tp > 1 and ov.tp_block:
-            # under the mean field not shrunk with the busy share (see above): measured -8..-19% on
-            # pp2 x tp2 as it is, +13..+26% shrunk; on shared cores, alone and slowed as it runs
-            tp_comm = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1) * lockstep
-            tp_comm_bwd = n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * lockstep
+        tp_comm, tp_comm_bwd = self._tp_comm(n_blocks, tp, act_msg, tokens, tp_bw, tp_lat, lockstep)
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd_share = 3.0 / (1.0 + ratio)
@@ -286,19 +279,11 @@ class StageCostModel:
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
         reshard = reshard_after_forward and dp > 1 and o.dp_mode == "fsdp"
-        gathered = None
-        if reshard:
-            root = self.span_params(start, start, first, last, pp, tp)
-            gathered = mem.gathered_under_reshard(root, max(meta.block_params or [0]) / tp, n_blocks)
-        state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches, gathered)
+        memory = self._static_memory(start, first, last, group, tp, dp, pp, per_rank, n_blocks, microbatches,
+                                     reshard, act_msg / tp if sp else act_msg, transient)
+        static = sum(memory.values())
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
-        workspace = max(self.dev.workspace[d] for d in group)
-        # under SP stages hand each other the sequence-sharded activation, tp rank to tp rank
-        message = act_msg / tp if sp else act_msg
-        buffers = mem.receive_buffer_bytes(message, microbatches, first, last) if o.receive_buffers else 0.0
-        memory = dict(state, workspace=workspace, transient=transient, buffers=buffers)
-        static = sum(memory.values())
         dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
@@ -324,6 +309,37 @@ class StageCostModel:
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
                          tp_comm_bwd=tp_comm_bwd, memory=memory)
+
+    def _tp_comm(self, n_blocks, tp: int, act_msg, tokens, tp_bw: float, tp_lat: float, lockstep: float):
+        """(forward, backward) tensor-parallel communication of a stage's blocks. Megatron TP: two
+        all-reduces of the activations per block in forward, two in backward; calibrated: what a tp=2
+        block measured beyond half its compute, more ring steps beyond 2."""
+        if tp <= 1:
+            return 0.0, 0.0
+        ov = self.dev.overheads
+        if not ov.tp_block:
+            both = 2 * n_blocks * all_reduce_time(act_msg, tp, tp_bw, tp_lat)
+            return both, both
+        # under the mean field not shrunk with the busy share (see stage): measured -8..-19% on
+        # pp2 x tp2 as it is, +13..+26% shrunk; on shared cores, alone and slowed as it runs
+        return (n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 1) * lockstep,
+                n_blocks * (tp - 1) * interpolate_by_tokens(ov.tp_block, tokens, 2) * lockstep)
+
+    def _static_memory(self, start, first: bool, last: bool, group, tp: int, dp: int, pp: int, per_rank,
+                       n_blocks, microbatches: int, reshard: bool, message, transient) -> Dict[str, float]:
+        """A stage's memory per rank beside its activations, by kind: weights, gradients and optimizer
+        state (memory.state_split; under FSDP resharding only the root's and the last block's weights
+        stay gathered), the workspace, the backward's transient, the receive buffers of `message`
+        (under SP the sequence-sharded activation, tp rank to tp rank)."""
+        o = self.opts
+        gathered = None
+        if reshard:
+            root = self.span_params(start, start, first, last, pp, tp)
+            gathered = mem.gathered_under_reshard(root, max(self.meta.block_params or [0]) / tp, n_blocks)
+        state = mem.state_split(per_rank, dp, o.dp_mode, o.bytes_per_value, microbatches, gathered)
+        workspace = max(self.dev.workspace[d] for d in group)
+        buffers = mem.receive_buffer_bytes(message, microbatches, first, last) if o.receive_buffers else 0.0
+        return dict(state, workspace=workspace, transient=transient, buffers=buffers)
 
     def _regather_time(self, per_rank, n_blocks, dp: int, dp_bw: float, dp_lat: float):
         """One more all-gather of a resharded stage's blocks (all but its last, which stays gathered):
