@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.search.exact import search_exact
 from hrlplan.search.splits import SplitTables
+from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
 
 DEFAULT_SHARE_STEPS = 16
@@ -163,8 +164,7 @@ class ShareProgram:
     def __init__(self, options: List[Option], global_batch: int, incumbent: float):
         import highspy
         self.options = options
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = quiet_highs()   # no banner on the console
         h.setOptionValue("mip_rel_gap", 0.0)
         self.h = h
         inf = highspy.kHighsInf
