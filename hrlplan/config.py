@@ -42,7 +42,8 @@ def _choice(name: str, *values: str) -> type:
 
 
 DType = _choice("DType", "float32", "bfloat16")
-Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "interleaved_zero_bubble",
+                   "dualpipev")
 DPMode = _choice("DPMode", "fsdp", "replicate")
 Device = _choice("Device", "auto", "cpu", "cuda")
 LoggerMode = _choice("LoggerMode", "offline", "online", "disabled")
@@ -51,6 +52,7 @@ PosEncodings = _choice("PosEncodings", "rope", "learned")
 LossType = _choice("LossType", "stablemax_cross_entropy", "softmax_cross_entropy")
 HRMLossName = _choice("HRMLossName", "losses@ACTLossHead")
 CostRuntime = _choice("CostRuntime", "torch", "megatron")
+Packing = _choice("Packing", "concat", "document", "balanced")
 
 
 # ---------------------------------------------------------------- arch (one schema per family)
@@ -134,6 +136,8 @@ class CostConfig:
     runtime: CostRuntime = CostRuntime["torch"]
     fused_attention: Optional[bool] = None   # attention keeps no s x s scores (SDPA / flash kernels)
     receive_buffers: Optional[bool] = None   # a pipeline stage keeps one receive buffer per micro-batch
+    # train.compile's speed-up of a block's compute: null takes the calibration's measured figure, else 1.0
+    compile_speedup: Optional[float] = None
 
 
 @dataclass
@@ -361,6 +365,10 @@ class DataConfig:
     source: Optional[str] = None     # a directory of .py / CodeSearchNet .jsonl(.gz) / .parquet files
     vocab_size: int = 4096           # for a tokenizer trained here
     max_files: int = 2000
+    # concat: one stream cut into seq_len chunks (documents attend across boundaries); document: whole
+    # documents packed into seq_len rows, attention kept to each document; balanced: as document, with each
+    # step's documents dispatched over micro-batches (and replicas) by their cost (hrlplan/data/dispatch.py)
+    packing: Packing = Packing["concat"]
 
 
 @dataclass
