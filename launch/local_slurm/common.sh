@@ -13,6 +13,18 @@ running() {
   [[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == *"$2"* ]]
 }
 
+# stop_pid NAME PIDFILE: SIGTERM, up to 15 s of grace, then SIGKILL that one pid (never by name).
+stop_pid() {
+  local pid
+  if ! running "$2" "$1"; then rm -f "$2"; return 0; fi
+  pid=$(cat "$2")
+  say "stopping $1 (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null
+  for _ in $(seq 60); do running "$2" "$1" || { rm -f "$2"; return 0; }; sleep 0.25; done
+  kill -KILL "$pid" 2>/dev/null
+  rm -f "$2"
+}
+
 # install_slurm: Debian's slurmctld, slurmd, slurm-client and munge when one is missing (about 7 s).
 # No init system is assumed: the packages' postinst cannot start services; the scripts start them.
 install_slurm() {

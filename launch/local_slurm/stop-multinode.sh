@@ -32,15 +32,6 @@ in_login() {
   nsenter --net="/run/netns/${P}login" unshare --uts --mount --propagation private \
     /bin/sh -c 'mount --bind "$1" /etc/hosts && hostname login && shift && exec "$@"' in_login "$DIR/etc/hosts" "$@"
 }
-stop() {  # stop NAME PIDFILE: SIGTERM, up to 15 s of grace, then SIGKILL that one pid
-  local pid
-  if ! running "$2" "$1"; then rm -f "$2"; return 0; fi
-  pid=$(cat "$2")
-  say "stopping $1 (pid $pid)"
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 60); do running "$2" "$1" || { rm -f "$2"; return 0; }; sleep 0.25; done
-  kill -KILL "$pid" 2>/dev/null; rm -f "$2"
-}
 T0=$(date +%s.%N)
 
 if [[ "${KEEP_JOBS:-0}" != 1 ]] && has_ns "${P}login" && running "$DIR/run/slurmctld.pid" slurmctld; then
@@ -52,9 +43,9 @@ if [[ "${KEEP_JOBS:-0}" != 1 ]] && has_ns "${P}login" && running "$DIR/run/slurm
     for _ in $(seq 40); do [[ -z "$(in_login squeue -h -t R,CG -o %i 2>/dev/null)" ]] && break; sleep 0.25; done
   fi
 fi
-for k in $(seq 1 "$N"); do stop slurmd "$DIR/run/slurmd.node$k.pid"; done
-stop slurmctld "$DIR/run/slurmctld.pid"
-stop munged "$DIR/munge/munged.pid"
+for k in $(seq 1 "$N"); do stop_pid slurmd "$DIR/run/slurmd.node$k.pid"; done
+stop_pid slurmctld "$DIR/run/slurmctld.pid"
+stop_pid munged "$DIR/munge/munged.pid"
 
 # Whatever still runs in our namespaces is ours (orphaned job steps, a client in login).
 for sig in TERM KILL; do

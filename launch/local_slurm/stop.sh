@@ -14,17 +14,6 @@ RUN="$DIR/run"
 export SLURM_CONF="$DIR/etc/slurm.conf"
 # shellcheck source=launch/local_slurm/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-# stop NAME PIDFILE: SIGTERM, up to 15 s of grace, then SIGKILL that one pid.
-stop() {
-  local pid
-  if ! running "$2" "$1"; then rm -f "$2"; return 0; fi
-  pid=$(cat "$2")
-  say "stopping $1 (pid $pid)"
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 60); do running "$2" "$1" || { rm -f "$2"; return 0; }; sleep 0.25; done
-  kill -KILL "$pid" 2>/dev/null
-  rm -f "$2"
-}
 
 if [[ "${KEEP_JOBS:-0}" != 1 ]] && running "$RUN/slurmctld.pid" slurmctld; then
   jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
@@ -35,8 +24,8 @@ if [[ "${KEEP_JOBS:-0}" != 1 ]] && running "$RUN/slurmctld.pid" slurmctld; then
     for _ in $(seq 40); do [[ -z "$(squeue -h -t R,CG -o %i 2>/dev/null)" ]] && break; sleep 0.25; done
   fi
 fi
-stop slurmd "$RUN/slurmd.pid"
-stop slurmctld "$RUN/slurmctld.pid"
-[[ "${KEEP_MUNGE:-0}" == 1 ]] || stop munged /run/munge/munged.pid
+stop_pid slurmd "$RUN/slurmd.pid"
+stop_pid slurmctld "$RUN/slurmctld.pid"
+[[ "${KEEP_MUNGE:-0}" == 1 ]] || stop_pid munged /run/munge/munged.pid
 if [[ "${CLEAN:-0}" == 1 ]]; then rm -rf "$DIR/state"; fi
 say "stopped"
