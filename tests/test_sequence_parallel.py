@@ -76,6 +76,36 @@ def _layout(part) -> Dict[str, Any]:
             "head_dtensor": isinstance(part.lm_head.weight, DTensor), "shards": part.sequence_shards}
 
 
+def _vocab_layout(part) -> Dict[str, Any]:
+    emb = part.base.wte if part.model_type == "gpt2" else part.base.embed_tokens
+    return {"embedding": [repr(p) for p in getattr(emb.weight, "placements", ())],
+            "embedding_rows": tuple(getattr(emb.weight, "_local_tensor", emb.weight).shape),
+            "embedding_grad": [repr(p) for p in getattr(emb.weight.grad, "placements", ())],
+            "head": [repr(p) for p in getattr(part.lm_head.weight, "placements", ())],
+            "tied": part.lm_head.weight is emb.weight, "loss_mesh": part.loss_mesh is not None}
+
+
+def _vocab_fallbacks(mesh) -> Dict[str, Any]:
+    """An odd vocabulary keeps the embedding and head whole (said once per process), as the switch does."""
+    import logging
+
+    import torch.distributed as dist
+
+    from hrlplan.runtime.tensor_parallel import parallelize_stage
+
+    said: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hrlplan.runtime.tensor_parallel").addHandler(handler)
+    for _ in range(2):
+        odd, _ = _stage([*GPT2, "arch.vocab_size=127"])
+        parallelize_stage(odd, mesh)
+    off, _ = _stage(GPT2)
+    parallelize_stage(off, mesh, vocab_parallel=False)
+    return {"odd": {**_vocab_layout(odd), "said": said if dist.get_rank() == 0 else None},
+            "off": _vocab_layout(off)}
+
+
 def _block_output_shape(part) -> List[int]:
     import torch
 
@@ -116,17 +146,43 @@ def _worker() -> Dict[str, Any]:
                 parallelize_stage(part, mesh, **options)
                 apply_recompute(part, recompute)
                 out[name][case] = {**_train(part, train, stage_loss([part]), lambda: loss_context([part])),
-                                   **_layout(part), "block_output": _block_output_shape(part)}
-        return out
+                                   **_layout(part), "block_output": _block_output_shape(part),
+                                   "vocab": _vocab_layout(part)}
+        return {**out, **_vocab_fallbacks(mesh)}
     finally:
         shutdown()
 
 
-@pytest.mark.slow
-def test_sequence_parallel_stage_trains_as_the_whole_stage_with_less_activation_memory(tmp_path):
+@pytest.fixture(scope="module")
+def stage_cases(tmp_path_factory):
+    """One launch of two gloo workers for every stage-level case (sequence and vocabulary parallel)."""
     from hrlplan.launch.local import launch_workers
 
-    results = launch_workers(_worker, (), 2, name="sequence-parallel", log_dir=str(tmp_path))
+    return launch_workers(_worker, (), 2, name="sequence-parallel", log_dir=str(tmp_path_factory.mktemp("sp")))
+
+
+@pytest.mark.slow
+def test_sharded_embedding_and_head_train_as_the_whole_stage(stage_cases):
+    """A vocabulary-parallel embedding and head (tp=2, DTensor) train what the whole stage trains;
+    an odd vocabulary, or vocab_parallel=false, keeps them whole."""
+    out = stage_cases[0]
+    for name in ("gpt2", "llama"):
+        case = out[name]["tp"]["vocab"]
+        assert out[name]["tp"]["losses"] == pytest.approx(out[name]["whole"]["losses"], abs=1e-5), name
+        assert case["embedding"] == case["head"] == ["Shard(dim=0)"], name
+        assert case["embedding_rows"][0] == 64, name   # 128 / tp
+        assert case["embedding_grad"] == ["Shard(dim=0)"], name   # sliced as the weight: the tie sync needs it
+        assert case["loss_mesh"], name
+    assert out["gpt2"]["tp"]["vocab"]["tied"] and not out["llama"]["tp"]["vocab"]["tied"]
+    odd = out["odd"]
+    assert odd["embedding"] == [] and odd["head"] == [] and odd["tied"] and not odd["loss_mesh"]
+    assert len(odd["said"]) == 1 and "127 is not divisible by tp=2" in odd["said"][0]
+    assert out["off"]["embedding"] == [] and out["off"]["tied"] and not out["off"]["loss_mesh"]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_stage_trains_as_the_whole_stage_with_less_activation_memory(stage_cases):
+    results = stage_cases
     for name in ("gpt2", "llama"):
         for rank in (0, 1):
             case = results[rank][name]
