@@ -166,3 +166,36 @@ def test_baselines_sample_the_same_space_at_the_given_simulator_calls():
         assert 60 <= sim.evaluations < 60 + 8   # one plan's replicas past the budget at most
         validate(plan)
         assert best == pytest.approx(predict_any_plan(plan, meta, cluster)["step_time_s"])
+
+
+def test_cross_replica_reduce_overlaps_the_last_backward():
+    from hrlplan.cost.plans import cross_replica_finish
+    # one bucket over ranks 0 (replica A) and 1 (replica B): each may start its reduce min(t, last
+    # backward) before its end; the bucket waits for the later member
+    got = cross_replica_finish({(0, 1): 2.0}, end={0: 10.0, 1: 7.0}, last_backward={0: 1.0, 1: 5.0})
+    assert got == {0: pytest.approx(11.0), 1: pytest.approx(11.0)}   # S = max(10 - 1, 7 - 2) = 9
+    # fully hidden where the window covers it; a rank outside every bucket ends with its pipeline
+    got = cross_replica_finish({(0, 1): 2.0}, end={0: 10.0, 1: 10.0, 2: 4.0}, last_backward={0: 3.0, 1: 3.0, 2: 1.0})
+    assert got == {0: 10.0, 1: 10.0, 2: 4.0}
+    # a rank's buckets run in sequence, hidden together by its one window (rank 0 may start at 8,
+    # its partners, 1 s of reduce each, at 9: both buckets from 9)
+    got = cross_replica_finish({(0, 1): 1.0, (0, 2): 1.0}, end={0: 10.0, 1: 10.0, 2: 10.0},
+                               last_backward={0: 2.0, 1: 5.0, 2: 5.0})
+    assert got == {0: pytest.approx(11.0), 1: pytest.approx(10.0), 2: pytest.approx(11.0)}
+
+
+def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
+    meta = toy_meta(n_layer=6)
+    cluster = fast_slow(1, 1)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"))
+    predicted = out["predicted"]
+    b = predicted["breakdown"]
+    assert b["cross_replica_reduce_s"] > 0
+    assert 0.0 <= b["cross_replica_reduce_exposed_s"] <= b["cross_replica_reduce_s"] + 1e-12
+    serial = (b["pipeline_end_s"] + b["cross_replica_reduce_s"] + b["step_collectives_s"] + b["optimizer_s"])
+    assert predicted["step_time_s"] <= serial + sim.devices.overheads.step * sim.devices.time_scale + 1e-12
+    for r in out["replicas"]:
+        assert predicted["step_time_s"] >= sim.evaluate(r.layout).step_time_s * (1 - 1e-12)

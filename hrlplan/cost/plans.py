@@ -5,7 +5,8 @@ A heterogeneous plan (replicas with different templates, or stages of unequal tp
 pipeline by pipeline (each a dp=1 layout, every stage at its own tp degree); the step then waits for the
 slowest pipeline, runs hetero.py's cross-replica gradient reduce (one all-reduce per distinct set of
 ranks holding a parameter unit, in sequence on a rank), the gradient-norm and loss all-reduces over
-the world and the optimizer.
+the world and the optimizer. The reduce overlaps each rank's last backward as runtime/hetero_sync.py
+runs it (cross_replica_finish): a bucket starts once every member's gradients can be final.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost.model import CostOptions, Layout
-from hrlplan.cost.simulator import Simulator
+from hrlplan.cost.simulator import Simulator, _StepRun
 from hrlplan.errors import UserError
 
 
@@ -84,8 +85,8 @@ def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
     return out
 
 
-def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
-    """(seconds, collectives on the busiest rank) of hetero.py's per-unit gradient all-reduces."""
+def cross_replica_buckets(plan, meta, sim: Simulator) -> Dict[Tuple[int, ...], float]:
+    """Per distinct set of plan ranks holding a parameter unit (tp shard): the seconds of its all-reduce."""
     pipes = plan.as_pipelines()
     devices = rank_devices(plan)
     holders: Dict[str, List[Tuple[int, int]]] = {}
@@ -114,16 +115,23 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
             ranks = tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks}))
             buckets[ranks] = buckets.get(ranks, 0.0) + sizes.get(unit, 0.0)
     dev, lat = sim.devices, sim.devices.overheads.allreduce_latency
-    per_rank: Dict[int, float] = {}
-    count: Dict[int, int] = {}
+    out: Dict[Tuple[int, ...], float] = {}
     for ranks, nbytes in buckets.items():
         if len(ranks) < 2:
             continue
         ring = [devices[r] for r in ranks]
         bw, ring_lat = dev.ring_bw_lat(ring)
         n = len(ranks)
-        t = dev.overheads.allreduce(n, nbytes, 2.0 * (n - 1) / n * nbytes / bw
-                                    + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat))
+        out[ranks] = dev.overheads.allreduce(n, nbytes, 2.0 * (n - 1) / n * nbytes / bw
+                                             + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat))
+    return out
+
+
+def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
+    """(seconds, collectives on the busiest rank) of hetero.py's per-unit gradient all-reduces."""
+    per_rank: Dict[int, float] = {}
+    count: Dict[int, int] = {}
+    for ranks, t in cross_replica_buckets(plan, meta, sim).items():
         for r in ranks:
             per_rank[r] = per_rank.get(r, 0.0) + t
             count[r] = count.get(r, 0) + 1
@@ -131,6 +139,36 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
         return 0.0, 0
     worst = max(per_rank, key=per_rank.get)
     return per_rank[worst], count[worst]
+
+
+def cross_replica_finish(buckets: Dict[Tuple[int, ...], float], end: Dict[int, float],
+                         last_backward: Dict[int, float]) -> Dict[int, float]:
+    """Per rank, when its pipeline work and its share of the cross-replica reduce are done.
+
+    A rank's buckets are final during its last backward (post-accumulate-grad hooks), so its reduce
+    may start min(its reduce time, its last backward) before its pipeline end; a bucket's all-reduce
+    starts once every member may start (S = max over members), and a rank runs its buckets in
+    sequence: finish = max(pipeline end, the last bucket's end)."""
+    total: Dict[int, float] = {}
+    for ranks, t in buckets.items():
+        for r in ranks:
+            total[r] = total.get(r, 0.0) + t
+    ready = {r: end[r] - min(total[r], last_backward[r]) for r in total}
+    start = {ranks: max(ready[r] for r in ranks) for ranks in buckets}
+    cursor: Dict[int, float] = {}
+    for ranks in sorted(buckets, key=lambda b: (start[b], b)):
+        done = max(max(cursor.get(r, ready[r]) for r in ranks), start[ranks]) + buckets[ranks]
+        for r in ranks:
+            cursor[r] = done
+    return {r: max(e, cursor.get(r, e)) for r, e in end.items()}
+
+
+def _pipeline_timing(sim: Simulator, layout: Layout, contention: Optional[float]) -> Tuple[List[float], List[float]]:
+    """(end, duration of the last backward) per pipeline position, as Simulator.evaluate runs it."""
+    run = _StepRun(sim, layout)
+    run.simulate_pipeline(contention)
+    _, finish, _ = run.step_time(run.position_totals())
+    return finish, list(run.tl.last_backward)
 
 
 def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
@@ -181,10 +219,22 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     pipe_end = max(r.breakdown["pipeline_end_s"] for r in results) / scale
     optimizer = max(r.breakdown["optimizer_s"] for r in results) / scale
     reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
+    finish_s = pipe_end
+    if reduce_s > 0:
+        end, window = {}, {}
+        for pipe, lay in zip(plan.as_pipelines(), layouts):
+            pos_end, pos_window = _pipeline_timing(sim, lay, contention)
+            for k, st in enumerate(pipe.stages):
+                for r in st.ranks:
+                    end[r], window[r] = pos_end[lay.stage_group(k)], pos_window[lay.stage_group(k)]
+        finish_s = max(cross_replica_finish(cross_replica_buckets(plan, meta, sim), end, window).values())
     world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
-    step = (pipe_end + reduce_s + world_collectives + optimizer + ov.step) * scale
+    step = (finish_s + world_collectives + optimizer + ov.step) * scale
+    # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's)
+    step = max([step] + [r.step_time_s for r in results])
     worst = max(results, key=lambda r: r.breakdown["pipeline_end_s"])
     breakdown = dict(worst.breakdown, step_time_s=step, cross_replica_reduce_s=reduce_s * scale,
+                     cross_replica_reduce_exposed_s=max(finish_s - pipe_end, 0.0) * scale,
                      cross_replica_collectives=reduce_n, step_collectives_s=world_collectives * scale,
                      optimizer_s=optimizer * scale)
     breakdown.pop("memory_bytes_per_device", None)

@@ -209,7 +209,7 @@ def lost_on(sim, hetero: Dict[str, Any], single: Scored) -> Dict[str, Any]:
     components of the simulator's step, replica plan minus single template, largest first)."""
     mine = hetero["predicted"]["breakdown"]
     theirs = sim.evaluate(single.layout, detail=True).breakdown
-    sync = mine.get("cross_replica_reduce_s", 0.0) + mine.get("dp_comm_exposed_s", 0.0)
+    sync = mine.get("cross_replica_reduce_exposed_s", 0.0) + mine.get("dp_comm_exposed_s", 0.0)
     parts = {"sync_s": sync - theirs.get("dp_comm_exposed_s", 0.0),
              "bubble_s": mine.get("bubble_s", 0.0) - theirs.get("bubble_s", 0.0),
              "compute_s": mine.get("compute_s", 0.0) - theirs.get("compute_s", 0.0),
