@@ -26,6 +26,9 @@ CASES = {   # name: (arch, spans, dp, tp, microbatch_size, micro-batches, recomp
     "tp2-sp-selective": ("llama-tiny", [(0, 4)], 1, 2, 4, 1, "selective", True, None),
     "fsdp2-reshard": ("llama-tiny", [(0, 4)], 2, 1, 4, 1, "none", False, True),
     "fsdp2-gathered": ("llama-tiny", [(0, 4)], 2, 1, 4, 1, "none", False, False),
+    "full": ("llama-tiny", [(0, 4)], 1, 1, 4, 1, "full", False, None),
+    "gpt2-full": ("gpt2-tiny", [(0, 4)], 1, 1, 4, 1, "full", False, None),
+    "pp2-full": ("llama-tiny", [(0, 2), (2, 4)], 1, 1, 2, 2, "full", False, None),
 }
 
 

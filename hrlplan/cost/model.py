@@ -363,9 +363,17 @@ class StageCostModel:
         head = self.head_activation_per_token(tp) if last else 0.0
         activation = tokens * (span * held + head) * scale
         # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
-        transient = mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, n_blocks, last,
-                                        o.fused_attention, sp)
-        return activation, transient
+        def transient_of(blocks, with_loss: bool):
+            return mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, blocks, with_loss,
+                                       o.fused_attention, sp)
+        if recompute != "full":
+            return activation, transient_of(n_blocks, last)
+        # a rebuilt block peaks once the micro-batch has freed all but its first block's input; the
+        # loss's backward comes before that, beside everything held
+        one_input = tokens * mem.held_per_token(meta, tp, "full", o.fused_attention, sp) * scale
+        rebuilt = mem.rebuilt_beyond_held(transient_of(n_blocks, False), activation, one_input)
+        loss = transient_of(0, last)
+        return activation, (np.maximum(rebuilt, loss) if isinstance(rebuilt, np.ndarray) else max(rebuilt, loss))
 
     def activation_message(self, microbatch_size: int, sequence_shards: int = 1) -> float:
         """Bytes one tp rank sends the next stage per micro-batch (sequence_shards: tp under SP)."""
