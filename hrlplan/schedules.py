@@ -4,7 +4,7 @@ Every fact the rest of the code asks about a schedule is here: the torch class t
 with torch.distributed.pipelining's get_schedule_class), which stages per rank it takes, where each
 virtual stage lives (looped or V-shaped), whether it splits the backward into input-gradient (B) and
 weight-gradient (W) passes, whether hrlplan's own heterogeneous executor runs it, the order family the
-simulator's timeline generates (hrlplan.cost.timeline.ORDER_GENERATORS), and its textbook bubble.
+simulator's timeline generates (hrlplan.cost.schedule_orders.ORDER_GENERATORS), and its textbook bubble.
 
 A leaf: stdlib only at import; torch is imported inside torch_class (tab completion, `--help`).
 Adding a schedule: docs/schedules.md.
@@ -20,7 +20,7 @@ from hrlplan.errors import ConfigError
 
 class Order(Enum):
     """The per-position operation order a schedule's timeline follows (one generator each in
-    hrlplan.cost.timeline). Schedules that differ only in their facts share one."""
+    hrlplan.cost.schedule_orders). Schedules that differ only in their facts share one."""
     FILL_DRAIN = "fill_drain"            # every forward, then every backward (GPipe)
     ONE_F_ONE_B = "one_f_one_b"          # warm-up forwards, then one forward one backward (Megatron's, looped)
     ZERO_BUBBLE_H1 = "zero_bubble_h1"    # 1F1B with W split off and deferred into the cool-down (ZB-H1)
@@ -115,11 +115,12 @@ class ScheduleSpec:
 
     # -- analytic bubble -------------------------------------------------------------------------
     def bubble(self, pp: int, m: int, stages_per_rank: int = 1) -> float:
-        """Textbook idle fraction of a position with equal stages, free communication and F = B = W
-        (one pass each; a whole backward is B + W): GPipe and 1F1B (p-1)/(m+p-1); interleaved
-        (p-1)/(v m+p-1); ZB-H1 a third of that; ZB-V and DualPipeV as their papers' bubble times,
-        (p-1)(F+B-2W) = 0 and (p-1)(F&B+B-3W) with torch's sequential F&B = F+B+W, i.e. (p-1) passes,
-        over 6 m passes of work per position. Requires what microbatch_refusal allows."""
+        """Idle fraction of a position with equal stages, free communication and one pass per F, B
+        and W (a whole backward is B + W), counted in passes of one virtual stage: GPipe and 1F1B
+        (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); ZB-H1 a third of that; torch's ZB-V and DualPipeV
+        orders leave p-1 passes over 6 m of work ((p-1)(F&B+B-3W) of the DualPipe paper, torch 2.13
+        running F&B as F then B+W), ZB-V 2(2p-1-m) with fewer than 2p-1 micro-batches. The simulator's
+        timeline on such a plan reproduces each (tests/test_schedule_registry.py)."""
         p, v = pp, stages_per_rank
         if p <= 1 or m <= 0:
             return 0.0
@@ -128,17 +129,11 @@ class ScheduleSpec:
         return idle / (work + idle)
 
 
-def _zbv_idle(p: int, m: int, v: int) -> float:
-    # ZB-V fills its warm-up with the other leg's forwards; with fewer than 2p-1 micro-batches its
-    # steady state never fills (Qi et al. 2024, fig. 7): the missing ones leave their slots idle.
-    return 3.0 * max(0, 2 * p - 1 - m)
-
-
-_BUBBLE_PASSES = {   # idle passes (one pass = one F) of a position, per order family
+_BUBBLE_PASSES = {   # idle passes of a position, per order family
     Order.FILL_DRAIN: lambda p, m, v: 3.0 * (p - 1),
     Order.ONE_F_ONE_B: lambda p, m, v: 3.0 * (p - 1),
     Order.ZERO_BUBBLE_H1: lambda p, m, v: 1.0 * (p - 1),
-    Order.ZBV: _zbv_idle,
+    Order.ZBV: lambda p, m, v: float(max(p - 1, 2 * (2 * p - 1 - m))),
     Order.DUALPIPEV: lambda p, m, v: 1.0 * (p - 1),
 }
 _MULTI_CLASS_NAMES = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble", "DualPipeV")
