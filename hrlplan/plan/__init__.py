@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from hrlplan.errors import one_line
+from hrlplan import schedules
+from hrlplan.errors import ConfigError, one_line
 from hrlplan.plan.checks import (  # noqa: F401 (re-exported: hrlplan.plan names every plan fact)
     HETERO_SCHEDULES, MULTI_STAGE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, PlanError, check_fits, validate)
 from hrlplan.validate import YamlBudgetError, parse_yaml_limited
@@ -31,12 +32,16 @@ HEADER = """\
 
 
 def stage_to_group(stage_index: int, pp: int, stages_per_rank: int, schedule: str) -> int:
-    """The device group that runs a (virtual) stage: looped for interleaved, V-shaped for ZBV."""
+    """The device group that runs a (virtual) stage, as the schedule's registry entry places it
+    (looped for interleaved, V-shaped for ZBV)."""
     if stages_per_rank == 1:
         return stage_index
-    if schedule == "zero_bubble" and stages_per_rank == 2:
-        return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
-    return stage_index % pp
+    try:
+        spec = schedules.get(schedule, stages_per_rank)
+    except ConfigError:
+        raise PlanError("schedule", f"unknown schedule '{schedule}'; choose one of {', '.join(schedules.names())}") \
+            from None
+    return spec.stage_rank(stage_index, pp, stages_per_rank)
 
 
 @dataclass
