@@ -11,6 +11,8 @@ import torch
 
 from hrlplan.config import DataConfig, section
 from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
+from hrlplan.data.packed_stream import StepLayout, build_packed_stream, packing_refusal
+from hrlplan.errors import UserError
 
 
 class SyntheticTokens:
@@ -55,10 +57,17 @@ class TokenWindows:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def build_lm_data(data: DataConfig, vocab_size: int, seed: int):
-    """The language-model stream `data` (a DataConfig, or its plain mapping) names."""
+def build_lm_data(data: DataConfig, vocab_size: int, seed: int, plan=None, train=None):
+    """The language-model stream `data` (a DataConfig, or its plain mapping) names. data.packing=document|
+    balanced gives a PackedLMStream (data/packed_stream.py); `plan` lays a balanced step out over its
+    replicas and micro-batches (without it: one replica, one row a micro-batch), and with `train`
+    refuses what packed documents do not run with."""
     data = section(DataConfig, data)
     name = str(data.name)
+    packing = str(getattr(data.packing, "value", data.packing))
+    refused = packing_refusal(packing, name, plan=plan, train=train)
+    if refused:
+        raise UserError(refused)
     if name == "synthetic":
         return SyntheticTokens(vocab_size, int(data.seq_len), seed, int(data.synthetic_chains))
     if name == "code":
@@ -69,6 +78,13 @@ def build_lm_data(data: DataConfig, vocab_size: int, seed: int):
         if corpus.vocab_size > vocab_size:
             raise ValueError(f"data: the tokenizer at {path} has {corpus.vocab_size} tokens but arch.vocab_size is "
                              f"{vocab_size}; set arch.vocab_size={corpus.vocab_size} (or larger)")
+        if packing != "concat":
+            if corpus.eot_id is None:
+                raise UserError(f"data.packing={packing}: the corpus at {path} has no end-of-text token to cut "
+                                "documents at; rebuild it with a tokenizer that has one, or use data.packing=concat")
+            layout = StepLayout.of_plan(plan) if plan is not None else None
+            return build_packed_stream(packing, corpus.train_tokens, corpus.val_tokens, int(corpus.eot_id),
+                                       int(data.seq_len), seed, layout)
         return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data.seq_len), seed)
     raise ValueError(f"data.name={name!r} is not a language-model data set; choose synthetic or code "
                      "(sudoku is for arch=hrm)")

@@ -210,9 +210,12 @@ class PackedDocuments:
         assignment, taken = next_fit([predictions(p) for p in candidates], micro_batches, self.token_budget)
         return candidates[:taken], assignment
 
+    def pack(self, pieces: Sequence[torch.Tensor], assignment: Sequence[Sequence[int]]) -> PackedBatch:
+        return pack_micro_batches(pieces, assignment, self.token_budget, self.pad_id)
+
     def batch(self, step: int, micro_batches: int, split: str = "train") -> PackedBatch:
         pieces, assignment = self.step_pieces(step, micro_batches, split)
         if self.packing == "balanced":
             assignment = self.dispatcher([predictions(p) for p in pieces], micro_batches=micro_batches,
                                          capacity=self.token_budget, fallback=assignment)
-        return pack_micro_batches(pieces, assignment, self.token_budget, self.pad_id)
+        return self.pack(pieces, assignment)

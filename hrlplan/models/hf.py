@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hrlplan.errors import UserError
 from hrlplan.model_meta import ModelResolutionError
+from hrlplan.models.documents import (document_attention_kwargs, is_packed_inputs, is_packed_targets,
+                                      packed_micro_batch_loss, split_packed_inputs, use_document_attention)
 
 _NOT_HF_KEYS = {"name", "family", "model_type", "model_id", "pretrained"}
 
@@ -314,6 +317,8 @@ def _pin_outside_blocks(model, prefix: str, blocks_attr: str, head_name: str, ca
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if is_packed_targets(logits, targets):   # data.packing=document|balanced: token-weighted over the step
+        return packed_micro_batch_loss(logits, targets)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
@@ -325,6 +330,9 @@ def sharded_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) ->
     gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`; not a
     view of the DTensor's local tensor (to_local's output is one), because zero-bubble schedules
     detach the loss in place after its input-gradient pass, which a view refuses."""
+    if is_packed_targets(logits, targets):
+        raise UserError("data.packing: packed documents do not run with a vocabulary-parallel head yet; "
+                        "set train.vocab_parallel=false or data.packing=concat")
     local = logits.reshape(-1, logits.size(-1)).float()
     sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
     return F.cross_entropy(sharded, targets.reshape(-1)).to_local().clone()
@@ -351,6 +359,7 @@ class HFStage(nn.Module):
         # Sequence parallelism (runtime/tensor_parallel.py) hands a later stage 1/sequence_shards of
         # the positions; its rotary positions still span the whole sequence.
         self.sequence_shards = 1
+        self.attention_kind: Optional[str] = None   # packed documents: "sdpa" (per document) or "eager" (mask)
         base = nn.Module()
         if first:
             for name in layout.embed_names:
@@ -371,11 +380,46 @@ class HFStage(nn.Module):
     def base(self) -> nn.Module:
         return getattr(self, self.prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, side: Optional[torch.Tensor] = None):
+        """x: token ids (first stage) or activations; side: the packed documents' positions and ids
+        (data.packing=document|balanced), which the first stage finds inside its packed input."""
+        packed = side is not None or (self.first and is_packed_inputs(x))
+        run, args = (self._forward_packed, (x, side)) if packed else (self._forward, (x,))
         if self.autocast_dtype is None:
-            return self._forward(x)
+            return run(*args)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-            return self._forward(x)
+            return run(*args)
+
+    def _forward_packed(self, x: torch.Tensor, side: Optional[torch.Tensor]):
+        """Packed documents (models/documents.py): positions restart per document, attention stays inside
+        each; returns (activations, side) for the next stage, the logits on the last."""
+        if self.sequence_shards > 1:
+            raise UserError("data.packing: packed documents do not run with sequence parallelism yet; "
+                            "use data.packing=concat or a plan without sequence_parallel")
+        base = self.base
+        blocks = getattr(base, self.blocks_attr).values()
+        if self.attention_kind is None:
+            self.attention_kind = use_document_attention(blocks)
+        if self.first:
+            x, side = split_packed_inputs(x)
+        positions, doc_ids = side[:, 0], side[:, 1]
+        if self.first:
+            h = base.drop(base.wte(x) + base.wpe(positions)) if self.model_type == "gpt2" else base.embed_tokens(x)
+        else:
+            h = x
+        rotary = base.rotary_emb(h, positions) if hasattr(base, "rotary_emb") else None
+        extra = document_attention_kwargs(doc_ids, self.attention_kind, h.dtype)
+        for block in blocks:
+            if rotary is not None:
+                out = block(h, position_ids=positions, position_embeddings=rotary, **extra)
+            else:
+                out = block(h, **extra)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.last:
+            norm = base.ln_f if hasattr(base, "ln_f") else base.norm
+            return self.lm_head(norm(h))
+        # a copy: the side received here sits in the schedule's receive buffer
+        return h, side.clone()
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base

@@ -1,0 +1,175 @@
+"""data.packing=document|balanced at run time: the packed step as the trainer and the pipeline carry it.
+
+The trainer hands a step's `(inputs, targets)` to the engine, the engine to torch's schedule, which
+splits both along the rows into micro-batches. A packed step travels in that same pair (so nothing
+between the data and the stage module needs to know about documents):
+
+    inputs   long [rows, 3, budget]    channel 0 the token ids, 1 the position inside its document,
+                                       2 the document id (PAD_DOCUMENT on padding)
+    targets  long [rows, budget + 2]   the next tokens (IGNORE_INDEX on padding), then two columns:
+                                       the step's useful tokens (all rows, all replicas) and its rows
+
+The first stage (models/documents.py) takes channels 1-2 apart as the `side` tensor and returns it
+beside its activations; every later stage receives and returns it the same way, so the document
+boundaries travel with the activations through the pipeline. The loss reads the two columns to weigh
+each micro-batch's summed token loss so that the step's loss is the sum over all its tokens divided by
+their number (see packed_micro_batch_loss in models/documents.py).
+
+Who decides a balanced step: global rank 0 computes the dispatch one or more steps ahead in a
+background thread (the step in flight never waits on the solver) and broadcasts each step's
+assignment when the step starts; the documents themselves are a pure function of (seed, step) on
+every rank. The dispatch stops at its wall-clock budget, so two ranks computing it could disagree;
+one decides. The assignment changes only where a document runs, never which documents a step holds:
+`document` and `balanced` train on the same tokens each step, and the step's loss is the same.
+"""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hrlplan.data import dispatch as D
+from hrlplan.data.packing import PackedBatch, PackedDocuments, predictions
+
+INPUT_CHANNELS = 3            # tokens, positions, document ids
+TARGET_EXTRA_COLUMNS = 2      # the step's useful tokens, the step's rows
+DEFAULT_DISPATCH_BUDGET_S = 0.25
+DEFAULT_PREFETCH_STEPS = 2
+
+
+def to_wire(batch: PackedBatch, step_tokens: int, step_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A packed step (or a replica's share of one) as the trainer's (inputs, targets) pair."""
+    inputs = torch.stack([batch.inputs, batch.positions, batch.doc_ids], dim=1)
+    extra = torch.tensor([step_tokens, step_rows], dtype=torch.long).expand(batch.targets.shape[0], 2)
+    return inputs.contiguous(), torch.cat([batch.targets, extra], dim=1)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How a step's rows run: `replicas` data-parallel replicas, each `micro_batches` micro-batches of
+    `rows_per_micro_batch` rows, a pipeline of `stages` (None: only the slowest micro-batch counts).
+    Rows are laid out replica-major, micro-batch next, as the engines slice them."""
+    replicas: int = 1
+    micro_batches: int = 1
+    rows_per_micro_batch: int = 1
+    stages: Optional[int] = None
+
+    @property
+    def rows(self) -> int:
+        return self.replicas * self.micro_batches * self.rows_per_micro_batch
+
+    def bins(self, token_budget: int) -> List[D.Bin]:
+        """One bin per row: a micro-batch of several rows is approximated by its rows, each its own bin."""
+        per_replica = self.micro_batches * self.rows_per_micro_batch
+        return [D.Bin(token_budget, 1.0, r) for r in range(self.replicas) for _ in range(per_replica)]
+
+    @classmethod
+    def of_plan(cls, plan) -> "StepLayout":
+        return cls(int(plan.dp), int(plan.num_microbatches), int(plan.microbatch_size), int(plan.pp))
+
+
+class PackedLMStream:
+    """The trainer's LM stream (`batch(step, rows, split) -> (inputs, targets)`) over packed documents.
+
+    `balanced` dispatches each training step's pieces by `coefficients` (linear, quadratic: a document
+    of L tokens costs linear * L + quadratic * L**2, models/cost: cost/lengths.py) with fixed shapes:
+    every row pays its whole budget's linear work, so with bins of one speed the linear coefficient and
+    the scale drop out of the optimum, and (0, 1) is the default. Validation batches are packed in
+    arrival order: the token-weighted loss does not depend on where a document runs."""
+
+    def __init__(self, documents: PackedDocuments, layout: Optional[StepLayout] = None,
+                 coefficients: Tuple[float, float] = (0.0, 1.0), time_budget_s: float = DEFAULT_DISPATCH_BUDGET_S,
+                 prefetch: int = DEFAULT_PREFETCH_STEPS):
+        self.documents, self.layout = documents, layout
+        self.coefficients, self.time_budget_s, self.prefetch = coefficients, time_budget_s, prefetch
+        self.balanced = documents.packing == "balanced"
+        self.decides = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        self._ahead: Dict[int, Future] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.dispatches: List[Dict[str, Any]] = []   # per training step decided here: method, seconds, times
+
+    def _layout(self, rows: int) -> StepLayout:
+        if self.layout is None:   # no plan given: each row its own micro-batch of one replica
+            return StepLayout(1, rows, 1, None)
+        if self.layout.rows != rows:
+            raise ValueError(f"the step asks for {rows} rows, the plan's layout holds {self.layout.rows}")
+        return self.layout
+
+    def _decide(self, step: int, rows: int) -> List[List[int]]:
+        """The balanced assignment of a training step's pieces (arrival order as the fallback)."""
+        pieces, arrival = self.documents.step_pieces(step, rows)
+        layout = self._layout(rows)
+        linear, quadratic = self.coefficients
+        result = D.dispatch_bins([predictions(p) for p in pieces], layout.bins(self.documents.token_budget), linear,
+                                 quadratic, time_budget_s=self.time_budget_s, fallback=arrival,
+                                 stages=layout.stages, fixed_shapes=True)
+        self.dispatches.append({"step": step, "method": result.method, "seconds": result.seconds,
+                                "step_time": result.step_time, "lower_bound": result.lower_bound})
+        return result.assignment
+
+    def _submit(self, step: int, rows: int) -> None:
+        if step not in self._ahead:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hrlplan-dispatch")
+            self._ahead[step] = self._pool.submit(self._decide, step, rows)
+
+    def assignment(self, step: int, rows: int) -> List[List[int]]:
+        """This step's balanced assignment on every rank: decided ahead on rank 0, broadcast from it."""
+        decided: List[Any] = [None]
+        if self.decides:
+            self._submit(step, rows)
+            decided[0] = self._ahead.pop(step).result()
+            for ahead in range(step + 1, step + 1 + self.prefetch):   # the next steps' while this one trains
+                self._submit(ahead, rows)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decided, src=0)
+        return decided[0]
+
+    def batch(self, step: int, rows: int, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
+        pieces, assignment = self.documents.step_pieces(step, rows, split)
+        if self.balanced and split == "train":
+            assignment = self.assignment(step, rows)
+        packed = self.documents.pack(pieces, assignment)
+        return to_wire(packed, packed.useful_tokens, rows)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def packing_refusal(packing: str, data_name: str, arch_family: str = "hf", plan=None,
+                    train=None) -> Optional[str]:
+    """One line saying why data.packing=document|balanced cannot run with these settings, or None."""
+    if packing == "concat":
+        return None
+    if arch_family == "hrm":
+        return f"data.packing={packing}: HRM's puzzles are fixed-size examples; arch=hrm takes data.packing=concat"
+    if data_name != "code":
+        return (f"data.packing={packing}: data={data_name} has no documents (packing keeps whole documents ending "
+                f"in an end-of-text token apart); use data=code or data.packing=concat")
+    if plan is not None and (plan.heterogeneous or not plan.uniform_tp):
+        return (f"data.packing={packing}: heterogeneous plans run on hrlplan's own executor, which carries one "
+                "activation tensor between stages, not the document ids; use a homogeneous plan or data.packing=concat")
+    if plan is not None and any(s.tp > 1 for s in plan.stages):
+        return (f"data.packing={packing}: tensor-parallel stages (tp > 1) do not take packed documents yet; "
+                "use a plan with tp=1 or data.packing=concat")
+    if train is not None:
+        if int(getattr(train, "context_parallel", 1) or 1) > 1:
+            return f"data.packing={packing}: context parallelism shards one sequence; set train.context_parallel=1"
+        if getattr(train, "compile", False):
+            return (f"data.packing={packing}: the per-document attention has a shape per document, which "
+                    "torch.compile would recompile for; set train.compile=false")
+    return None
+
+
+def build_packed_stream(packing: str, train_tokens: torch.Tensor, val_tokens: torch.Tensor, eot_id: int,
+                        token_budget: int, seed: int, layout: Optional[StepLayout] = None,
+                        coefficients: Tuple[float, float] = (0.0, 1.0)) -> PackedLMStream:
+    dispatcher = functools.partial(D.dispatch, fixed_shapes=True) if packing == "balanced" else None
+    documents = PackedDocuments(train_tokens, val_tokens, eot_id, token_budget, seed, packing, dispatcher)
+    return PackedLMStream(documents, layout, coefficients)
