@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hrlplan import schedules
 from hrlplan.cost import memory as mem
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
-ZB_INPUT_GRAD_SHARE = 0.5   # zero-bubble splits backward into input-gradient (B) and weight-gradient (W)
+ZB_INPUT_GRAD_SHARE = 0.5   # a split-backward schedule's input-gradient (B) share; the rest is weight-gradient (W)
 
 
 def zb_input_shares(n_stages: int, calibrated: Optional[float]) -> List[float]:
@@ -156,7 +157,7 @@ class _StepRun:
     def durations(self, costs):
         """(forward, backward, weight-gradient) per stage as the schedule runs them."""
         fwd, n = [c.fwd for c in costs], self.n
-        if self.layout.schedule != "zero_bubble":
+        if not schedules.get(self.layout.schedule, self.layout.stages_per_rank).split_backward:
             return fwd, [c.bwd for c in costs], [0.0] * n
         factors = self.ov.zb_backward_factors(self.layout.microbatch_size * self.sim.meta.seq_len)
         if factors is not None:
@@ -210,7 +211,7 @@ class _StepRun:
     def position_totals(self) -> _PositionTotals:
         lay = self.layout
         t = _PositionTotals(*([0.0] * lay.pp for _ in range(7)))
-        meta, zb = self.sim.meta, lay.schedule == "zero_bubble"
+        meta, zb = self.sim.meta, schedules.get(lay.schedule, lay.stages_per_rank).split_backward
         reserved = [0.0] * lay.pp
         for k, c in enumerate(self.stage_costs):
             pos = lay.stage_group(k)

@@ -7,20 +7,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List
 
+from hrlplan import schedules
 from hrlplan.errors import UserError
 
 if TYPE_CHECKING:   # annotations only: hrlplan.plan imports this module
     from hrlplan.plan import Plan, StagePlan
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+# The schedule names a plan takes, from the registry (hrlplan.schedules), aliases included.
+SCHEDULES = schedules.names()
+MULTI_STAGE_SCHEDULES = schedules.multi_stage_names()
 # Activation recomputation per stage: none keeps every activation for backward; selective is
 # op-level selective activation checkpointing (torchtitan's `op` policy: the outputs of every other
 # matmul and of the attention kernel are kept, the cheap ops recomputed); full keeps each block's
 # input only and reruns the block's forward in backward (torch.utils.checkpoint per block).
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Heterogeneous pipelines (and stages of unequal tp) run on hrlplan's own executor, which offers these.
-HETERO_SCHEDULES = ("gpipe", "1f1b")
+HETERO_SCHEDULES = schedules.heterogeneous_names()
 
 
 class PlanError(UserError, ValueError):
@@ -154,9 +156,11 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
         raise err("reshard_after_forward", f"must be true, false or null, got {plan.reshard_after_forward!r}")
     if plan.stages_per_rank < 1:
         raise err("stages_per_rank", "must be >= 1")
-    if plan.stages_per_rank > 1 and plan.schedule not in MULTI_STAGE_SCHEDULES:
-        raise err("stages_per_rank", f"{plan.stages_per_rank} stages per rank need schedule "
-                  f"{' or '.join(MULTI_STAGE_SCHEDULES)}, not {plan.schedule}")
+    spec = schedules.get(plan.schedule, plan.stages_per_rank)
+    if not spec.takes(plan.stages_per_rank):
+        takers = [n for n, s in schedules.SCHEDULES.items() if s.takes(plan.stages_per_rank)]
+        raise err("stages_per_rank", f"schedule {plan.schedule} takes {spec.allowed_stages_per_rank()} stage(s) per "
+                  f"rank, not {plan.stages_per_rank}; change it, or use schedule {' or '.join(takers) or 'none'}")
     if plan.pp < 1 or len(plan.device_groups) != plan.pp:
         raise err("device_groups", f"{len(plan.device_groups)} groups listed but pp is {plan.pp}; list one group per pipeline position")
     if len(plan.stages) != plan.pp * plan.stages_per_rank:
@@ -180,7 +184,7 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
         raise err("stages", f"stages have different dp degrees {sorted(dps)}; use per-stage tp so tp*dp is equal")
     if not plan.uniform_tp and plan.stages_per_rank > 1:
         raise err("stages", "stages of unequal tp need one stage per rank (stages_per_rank: 1)")
-    if not plan.uniform_tp and plan.schedule not in HETERO_SCHEDULES:
+    if not plan.uniform_tp and not spec.heterogeneous:
         raise err("schedule", f"stages of unequal tp run on hrlplan's own executor, which offers "
                   f"{' and '.join(HETERO_SCHEDULES)}, not {plan.schedule}")
 
@@ -195,13 +199,16 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
     if plan.pp > 1 and plan.num_microbatches < plan.pp:
         raise err("num_microbatches", f"{plan.num_microbatches} micro-batches are fewer than the {plan.pp} pipeline "
                   "stages; torch pipelining needs at least one micro-batch per stage")
+    refusal = spec.microbatch_refusal(plan.pp, plan.num_microbatches, plan.stages_per_rank)
+    if refusal:
+        raise err("num_microbatches", f"{refusal}; change num_microbatches (and microbatch_size with it)")
     _check_launch(plan, err)
 
 
 def _validate_heterogeneous(plan: Plan, err) -> None:
     if plan.reshard_after_forward is not None:
         raise err("reshard_after_forward", "heterogeneous pipelines hold whole replicas (no FSDP sharding); remove the key")
-    if plan.schedule not in HETERO_SCHEDULES:
+    if not schedules.get(plan.schedule).heterogeneous:
         raise err("schedule", f"heterogeneous pipelines run on hrlplan's own executor, which offers "
                   f"{' and '.join(HETERO_SCHEDULES)}, not {plan.schedule}")
     used: List[int] = []

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan import schedules
 from hrlplan.search.splits import in_flight
 
 INF = float("inf")
@@ -36,13 +37,6 @@ class Estimate:
     counts: Tuple[int, ...]  # blocks per pipeline position
 
 
-def _bubble_factor(schedule: str, v: int) -> float:
-    """The share of the fill/drain a schedule leaves idle, relative to 1F1B."""
-    if schedule == "zero_bubble":
-        return 0.15 if v == 2 else 0.35
-    if schedule == "interleaved_1f1b":
-        return 1.0 / max(v, 1)
-    return 1.0
 
 
 class ConfigEstimator:
@@ -125,7 +119,8 @@ class ConfigEstimator:
         send = 0.0
         for g in range(pp - 1):
             send = max(send, sim.costs.p2p(groups[g], groups[g + 1], msg, c.schedule))
-        bubble = _bubble_factor(c.schedule, v) * max(fill - bottleneck, 0.0)
+        share = schedules.get(c.schedule, v).idle_share_of_1f1b(pp, m, v)   # of the fill/drain, as 1F1B's
+        bubble = share * max(fill - bottleneck, 0.0)
         step = m * bottleneck + bubble + 2 * (n - 1) * send
         syncs = counts * sync + fixed_sync
         last_b = (2.0 / 3.0) * busy / v

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
+from hrlplan import schedules
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.search.splits import SplitTables
@@ -24,8 +25,8 @@ DEFAULTS = ExactPlannerConfig()
 
 
 def zb_floor(sim, config) -> float:
-    """Zero bubble's calibrated B + W may cost less than one plain backward: bounds shrink with it."""
-    if config.schedule != "zero_bubble":
+    """A split backward's calibrated B + W may cost less than one plain backward: bounds shrink with it."""
+    if not schedules.get(config.schedule, config.stages_per_rank).split_backward:
         return 1.0
     factors = sim.devices.overheads.zb_backward_factors(config.microbatch_size * sim.meta.seq_len)
     return 1.0 if factors is None else min(1.0, factors[0] + factors[1])

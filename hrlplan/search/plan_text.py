@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from hrlplan import schedules
 from hrlplan.plan import Plan
 
 # The older summaries' `mb=<size>x<count>` (search/common.describe before this notation).
@@ -98,7 +99,7 @@ def plan_dict_summary(plan: Dict[str, Any]) -> str:
     else:
         count, size, dp = plan.get("num_microbatches", 1), plan.get("microbatch_size", "?"), stages[0].get("dp", 1)
     pp = plan.get("pp") or len(stages)
-    return layout_text(pp, [s.get("tp", 1) for s in stages], dp, count, size, plan.get("schedule", "1f1b"))
+    return layout_text(pp, [s.get("tp", 1) for s in stages], dp, count, size, plan.get("schedule", schedules.DEFAULT))
 
 
 def rewrite_old_notation(text: str) -> str:

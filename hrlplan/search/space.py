@@ -11,10 +11,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.model import Layout
 from hrlplan.errors import UserError
-from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan, stage_to_group
+from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan
 from hrlplan.search.placement import place_on_ranks
 from hrlplan.cluster import node_bandwidth, node_orders
 from hrlplan.search.splits import in_flight
@@ -65,8 +66,10 @@ class SearchSpace:
         for d in sorted(cluster.devices, key=lambda d: (d.node, d.local_rank)):
             self.node_devices.setdefault(d.node, []).append(d.rank)
         self.node_type = {n: cluster.devices[ds[0]].name for n, ds in self.node_devices.items()}
-        self.schedules = list(planner_cfg.get("schedules") or []) or [str(train_cfg.schedule)]
         self.stages_per_rank = int(train_cfg.stages_per_rank or 1)
+        # registry names (an alias resolved by the configured stages per rank), in the order given
+        named = list(planner_cfg.get("schedules") or []) or [str(train_cfg.schedule)]
+        self.schedules = list(dict.fromkeys(schedules.get(s, self.stages_per_rank).name for s in named))
         self.global_batch = int(train_cfg.global_batch_size)
         mbs = train_cfg.microbatches
         self.fixed_microbatches = None if mbs in (None, "auto") else int(mbs)
@@ -163,7 +166,7 @@ class SearchSpace:
                     continue
                 yield pp, tp, group // tp
 
-    def microbatchings(self, pp: int, dp: int, schedule: str) -> List[Tuple[int, int]]:
+    def microbatchings(self, pp: int, dp: int, schedule: str, stages_per_rank: int = 1) -> List[Tuple[int, int]]:
         if self.global_batch % dp:
             return []
         per_replica = self.global_batch // dp
@@ -175,24 +178,27 @@ class SearchSpace:
             wanted = [int(x) for x in self.cfg.get("microbatch_sizes") or []]
             sizes = [d for d in divisors if d in wanted] or divisors
             options = [(mb, per_replica // mb) for mb in sizes]
-        out = []
-        for mb, m in options:
-            if pp > 1 and m < pp:
-                continue
-            if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
-                continue
-            out.append((mb, m))
-        return out
+        spec = schedules.SCHEDULES[schedule]
+        return [(mb, m) for mb, m in options
+                if not (pp > 1 and m < pp) and spec.microbatch_refusal(pp, m, stages_per_rank) is None]
+
+    def stages_per_rank_of(self, schedule: str, pp: int) -> int:
+        """A looped multi-stage schedule's configured stages per rank, a V schedule's 2, else 1;
+        without a pipeline, 1 wherever the schedule takes it."""
+        spec = schedules.SCHEDULES[schedule]
+        if pp == 1 and spec.takes(1):
+            return 1
+        return spec.stages_per_rank_for(self.stages_per_rank)
 
     def configs(self) -> Iterator[Config]:
         for pool in self.pools:
             for order, node_order in self.orders(pool):
                 for pp, tp, dp in self.parallel_degrees(pool):
                     for schedule in self.schedules:
-                        v = self.stages_per_rank if schedule in ("interleaved_1f1b", "zero_bubble") else 1
-                        if pp == 1:
-                            v = 1
-                        for mb, m in self.microbatchings(pp, dp, schedule):
+                        v = self.stages_per_rank_of(schedule, pp)
+                        if v * pp > self.meta.n_layer:
+                            continue
+                        for mb, m in self.microbatchings(pp, dp, schedule, v):
                             for reshard in self.reshard_options(pp, dp):
                                 yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order, reshard)
 
@@ -239,7 +245,7 @@ class SearchSpace:
         flight = in_flight(c.schedule, c.pp, c.stages_per_rank, c.num_microbatches)
         out = []
         for k, (a, b) in enumerate(spans):
-            g = groups[stage_to_group(k, c.pp, c.stages_per_rank, c.schedule)]
+            g = groups[schedules.SCHEDULES[c.schedule].stage_rank(k, c.pp, c.stages_per_rank)]
             limit = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in g)
             chosen = modes[-1]
             for mode in modes:

@@ -14,7 +14,9 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from hrlplan import schedules
 from hrlplan.cost.timeline import simulate_timeline
+from hrlplan.schedules import Order
 
 INF = float("inf")
 
@@ -23,11 +25,12 @@ INF = float("inf")
 def in_flight(schedule: str, pp: int, stages_per_rank: int, m: int) -> Tuple[float, ...]:
     """Peak micro-batches whose activations a virtual stage holds (unit-time run of the schedule)."""
     n = pp * stages_per_rank
-    if schedule == "gpipe":
+    spec = schedules.get(schedule, stages_per_rank)
+    if spec.order is Order.FILL_DRAIN:
         return tuple(float(m) for _ in range(n))
-    if schedule == "1f1b" and stages_per_rank == 1:
+    if spec.order is Order.ONE_F_ONE_B and not spec.uses_multi_stage_class(stages_per_rank):
         return tuple(float(min(m, pp - k)) for k in range(n))
-    zb = schedule == "zero_bubble"
+    zb = spec.split_backward
     counts = []
     for k in range(n):
         onehot = [1.0 if i == k else 0.0 for i in range(n)]
@@ -53,8 +56,8 @@ class SplitTables:
         self.stage_group = [layout_probe.stage_group(k) for k in range(n)]
         self.time = np.full((n, L + 1, L + 1), INF)
         # What a stage adds to the path of the first micro-batch down the pipeline and of the last
-        # one back up: forward + backward, or (zero bubble, whose weight gradients may come later)
-        # the forward alone.
+        # one back up: forward + backward, or (a split backward, whose weight gradients may come
+        # later) the forward alone.
         self.chain = np.full((n, L + 1, L + 1), INF)
         self.static = np.zeros(n)
         self.memory_need = np.full((n, L + 1, L + 1), INF)   # need / limit, for "no plan fits"
@@ -62,8 +65,9 @@ class SplitTables:
         # the simulator's base durations: alone where ranks share cores (its timeline only slows
         # them), else at the calibrated contention
         base = {"contention": 1.0, "shared_cores": True} if ov.contention > 1.0 else {}
+        split = schedules.get(config.schedule, config.stages_per_rank).split_backward
         bwd_floor = 1.0
-        if config.schedule == "zero_bubble":
+        if split:
             factors = ov.zb_backward_factors(config.microbatch_size * sim.meta.seq_len)
             if factors is not None:
                 bwd_floor = min(1.0, factors[0] + factors[1])
@@ -87,7 +91,7 @@ class SplitTables:
                 if i == len(modes) - 1:   # the most frugal mode tells how far off a stage is
                     self.memory_need[k] = np.where(valid, need / limit, INF)
                 self.time[k] = np.where(fits, busy, self.time[k])
-                self.chain[k] = np.where(fits, c.fwd if config.schedule == "zero_bubble" else busy, self.chain[k])
+                self.chain[k] = np.where(fits, c.fwd if split else busy, self.chain[k])
                 self.mode[k] = np.where(fits, i, self.mode[k])
         for table in (self.time, self.chain, self.memory_need):
             for k in range(n):
