@@ -123,10 +123,15 @@ def check_unique_devices(records: Sequence[Mapping[str, Any]]) -> None:
 
 # ---------------------------------------------------------------- datasheet peaks
 T = 1e12
-# dense tensor-core FLOP/s by dtype key: bf16, fp16, tf32 (fp32 matmuls with TF32 on), fp32 (TF32 off).
-# None: the device has no such path (V100 has no bf16 or TF32).
-_H100_SXM = {"bf16": 989.4 * T, "fp16": 989.4 * T, "tf32": 494.7 * T, "fp32": 66.9 * T}
-_H100_NVL = {"bf16": 835.5 * T, "fp16": 835.5 * T, "tf32": 417.5 * T, "fp32": 60.0 * T}
+# dense tensor-core FLOP/s by dtype key: bf16, fp16, tf32 (fp32 matmuls with TF32 on), fp32 (TF32 off),
+# fp8 (e4m3/e5m2 matmuls with fp32 accumulation, torch._scaled_mm's: train.float8). None or absent:
+# the device has no such path (V100 has no bf16 or TF32; only Ada, Hopper and newer have fp8).
+# fp8 figures are the datasheets' sparse ones halved: H100 SXM / H200 / H800 3958 TF, H100 NVL / H200 NVL
+# 3341 TF, H100 PCIe 3026 TF (NVIDIA H100 and H200 datasheets); L40S 1466 TF, L4 485 TF (their datasheets);
+# RTX 4090 660.6 TF with FP32 accumulate (NVIDIA Ada Lovelace architecture whitepaper, appendix table);
+# H20 296 TF dense (its spec sheet as reported).
+_H100_SXM = {"bf16": 989.4 * T, "fp16": 989.4 * T, "tf32": 494.7 * T, "fp32": 66.9 * T, "fp8": 1978.9 * T}
+_H100_NVL = {"bf16": 835.5 * T, "fp16": 835.5 * T, "tf32": 417.5 * T, "fp32": 60.0 * T, "fp8": 1670.5 * T}
 _A100 = {"bf16": 312.0 * T, "fp16": 312.0 * T, "tf32": 156.0 * T, "fp32": 19.5 * T}
 # (name, tokens every one of which the device name must hold, peaks); first match wins, so the
 # more specific entry comes first. Tokens are the upper-cased name split on space, '-', '_', '/'.
@@ -135,16 +140,22 @@ PEAKS: List[Tuple[str, Tuple[str, ...], Dict[str, Optional[float]]]] = [
     ("H200", ("H200",), _H100_SXM),
     ("GH200", ("GH200",), _H100_SXM),
     ("H100 NVL", ("H100", "NVL"), _H100_NVL),
-    ("H100 PCIe", ("H100", "PCIE"), {"bf16": 756.0 * T, "fp16": 756.0 * T, "tf32": 378.0 * T, "fp32": 51.2 * T}),
+    ("H100 PCIe", ("H100", "PCIE"), {"bf16": 756.0 * T, "fp16": 756.0 * T, "tf32": 378.0 * T, "fp32": 51.2 * T,
+                                   "fp8": 1513.0 * T}),
     ("H100 SXM", ("H100",), _H100_SXM),
     # H800: the H100 SXM's compute with a narrower NVLink; H20: NVIDIA's spec sheet as reported (no
     # public datasheet page): 148 TF bf16, 74 TF TF32, 44 TF fp32 dense
     ("H800", ("H800",), _H100_SXM),
-    ("H20", ("H20",), {"bf16": 148.0 * T, "fp16": 148.0 * T, "tf32": 74.0 * T, "fp32": 44.0 * T}),
+    ("H20", ("H20",), {"bf16": 148.0 * T, "fp16": 148.0 * T, "tf32": 74.0 * T, "fp32": 44.0 * T,
+                        "fp8": 296.0 * T}),
     ("A100", ("A100",), _A100),
     ("A800", ("A800",), _A100),
-    ("L40S", ("L40S",), {"bf16": 362.05 * T, "fp16": 362.05 * T, "tf32": 183.0 * T, "fp32": 91.6 * T}),
-    ("L4", ("L4",), {"bf16": 121.0 * T, "fp16": 121.0 * T, "tf32": 60.0 * T, "fp32": 30.3 * T}),
+    ("L40S", ("L40S",), {"bf16": 362.05 * T, "fp16": 362.05 * T, "tf32": 183.0 * T, "fp32": 91.6 * T,
+                          "fp8": 733.0 * T}),
+    ("L4", ("L4",), {"bf16": 121.0 * T, "fp16": 121.0 * T, "tf32": 60.0 * T, "fp32": 30.3 * T, "fp8": 242.5 * T}),
+    # GeForce: fp32 accumulation at half the fp16-accumulate rate (Ada whitepaper: 165.2 TF bf16/fp16)
+    ("RTX 4090", ("4090",), {"bf16": 165.2 * T, "fp16": 165.2 * T, "tf32": 82.6 * T, "fp32": 82.6 * T,
+                             "fp8": 330.3 * T}),
     ("A10", ("A10",), {"bf16": 125.0 * T, "fp16": 125.0 * T, "tf32": 62.5 * T, "fp32": 31.2 * T}),
     # Turing and Volta: no bf16, no TF32 (float32 matmuls run at the fp32 peak)
     ("T4", ("T4",), {"bf16": None, "fp16": 65.0 * T, "tf32": None, "fp32": 8.1 * T}),
@@ -157,11 +168,12 @@ PEAKS: List[Tuple[str, Tuple[str, ...], Dict[str, Optional[float]]]] = [
     ("MI250 GCD", ("MI250",), {"bf16": 181.0 * T, "fp16": 181.0 * T, "tf32": None, "fp32": 45.3 * T}),
 ]
 _DTYPE_KEYS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-               "tf32": "tf32", "float32": "fp32", "fp32": "fp32", "float": "fp32"}
+               "tf32": "tf32", "float32": "fp32", "fp32": "fp32", "float": "fp32",
+               "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 
 
 def dtype_key(dtype: Any) -> str:
-    """bf16 | fp16 | tf32 | fp32 from a torch dtype or its name ('tf32': fp32 matmuls on TF32)."""
+    """bf16 | fp16 | tf32 | fp32 | fp8 from a torch dtype or its name ('tf32': fp32 matmuls on TF32)."""
     name = str(dtype).replace("torch.", "").lower()
     if name not in _DTYPE_KEYS:
         raise UserError(f"dtype {dtype!r} has no datasheet peak; use bfloat16, float16 or float32")

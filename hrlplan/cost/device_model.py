@@ -81,6 +81,7 @@ class Overheads:
     tp_block: Tuple[Tuple[float, ...], ...] = ()         # (tokens, fwd, bwd): see tp_block_overhead_s
     contention: float = 1.0            # multiplies compute (the fields above already include theirs)
     pipeline_compute: float = 1.0      # multiplies the compute of pipelined stages (pipeline_compute_factor)
+    compile_speedup: float = 1.0       # eager / regionally compiled block time (train.compile's, measured)
 
     @classmethod
     def from_calibration(cls, cal: Dict) -> "Overheads":
@@ -113,6 +114,7 @@ class Overheads:
                    zb_factors=_points(cal.get("zb_backward_factors"), ("input", "weight")),
                    bwd_ratio=_points(cal.get("backward_forward_ratio"), ("ratio",)), contention=cc,
                    pipeline_compute=max(float(cal.get("pipeline_compute_factor", 1.0)), 1.0),
+                   compile_speedup=float(cal.get("compile_speedup") or 1.0),
                    tp_block=tuple((t, f * cp, b * cp) for t, f, b in _points(cal.get("tp_block_overhead_s"), ("fwd", "bwd"))),
                    allreduce_fits=tuple(sorted((float(f["ranks"]), float(f["latency_s"]), float(f["s_per_byte"]))
                                                for f in cal.get("allreduce_by_ranks") or ())))

@@ -197,6 +197,15 @@ def rebuilt_beyond_held(transient, activation, block_input):
     return max(transient - freed, 0.0)
 
 
+def float8_cast_bytes(meta, tp: int, tokens: float) -> float:
+    """train.float8's casts beside a block's backward: torchao's Float8Linear (dynamic tensorwise)
+    keeps its high-precision input and weight for backward and casts them to fp8 (1 byte) at each
+    matmul, the output's gradient too: the widest linear's weight (h x ffn), its input and its output's
+    gradient (tokens x ffn), one byte each, sharded over tp."""
+    ffn = ffn_width(meta)
+    return (ffn * meta.hidden_size + 2.0 * tokens * ffn) / tp
+
+
 def weight_input_grads_per_token(meta, tp: int) -> float:
     """Bytes per token (16-bit values) of the gradients at every weight's input of one block: what
     zero-bubble's input-gradient pass (torch's stage_backward_input) keeps for the weight-gradient

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hrlplan.cost import kernels, memory as mem
+from hrlplan.cost import context_parallel as cpc, kernels, memory as mem
 from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
 from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners and tests import them here)
     GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, interpolate_by_tokens, matmul_peak,
@@ -51,6 +51,8 @@ class Layout:
     # reshard_after_forward as the plan resolves it (Plan.resolved_reshard_after_forward)
     sequence_parallel: bool = False
     reshard_after_forward: bool = False
+    # context parallelism: each group holds tp * dp * cp devices (hrlplan.cost.context_parallel)
+    cp: int = 1
 
     @property
     def pp(self) -> int:
@@ -85,6 +87,12 @@ class CostOptions:
     runtime: str = "torch"
     # float32 matmuls on TF32 tensor cores (train.tf32) where the device has them; else at the fp32 peak
     tf32: bool = True
+    # train.compile: the blocks' compute divided by compile_speedup (planner.cost.compile_speedup; None:
+    # the calibration's measured `compile_speedup`, else 1.0)
+    compile: bool = False
+    compile_speedup: Optional[float] = None
+    # train.float8: the blocks' linears at the device's fp8 peak (devices.PEAKS), their casts in memory
+    float8: bool = False
 
 
 @dataclass
@@ -233,7 +241,8 @@ class StageCostModel:
     def stage(self, start, end, first: bool, last: bool, group: Sequence[int], tp: int, dp: int,
               microbatch_size: int, pp: int, links=None, contention: Optional[float] = None,
               shared_cores: bool = False, recompute: str = "none", microbatches: int = 2,
-              sequence_parallel: bool = False, reshard_after_forward: bool = False) -> StageCost:
+              sequence_parallel: bool = False, reshard_after_forward: bool = False,
+              cp: Optional[int] = None) -> StageCost:
         """`contention` (default: the calibrated factor for every rank busy) multiplies compute; the
         per-op overhead, calibrated as every rank busy pays it, shrinks in the same proportion when
         it is below that factor. FSDP's hooks and collectives and tensor parallel's overhead do not:
@@ -247,19 +256,26 @@ class StageCostModel:
         unsharded gradients between them (see memory.static_state_bytes). `sequence_parallel`
         (tp > 1): the same communication volume (all-gather + reduce-scatter for each all-reduce),
         less activation memory. `reshard_after_forward` (FSDP, dp > 1): fewer unsharded weights, one
-        all-gather of the blocks more per micro-batch's backward (and forward after the first)."""
+        all-gather of the blocks more per micro-batch's backward (and forward after the first).
+        `cp` (default: what the group's size implies, tp * dp * cp devices): each rank computes and
+        keeps tokens / cp, pays the ring attention's exposed K/V passes (cost.context_parallel), and
+        FSDP shards over dp * cp. train.compile and train.float8 scale the blocks' compute
+        (_option_scaled)."""
         meta, o = self.meta, self.opts
+        cp = cp or cpc.cp_of_group(len(group), tp, dp)
+        shards = dp * cp   # FSDP's and the gradient reduce's ranks (torchtitan's dp_shard_cp)
         if recompute not in mem.RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(mem.RECOMPUTE_MODES)}")
         derate = self.dev.overheads.busy_derate(contention)
         lockstep = derate if shared_cores else 1.0   # FSDP's and tp's figures, measured every rank busy
-        tokens = microbatch_size * meta.seq_len
+        tokens = microbatch_size * meta.seq_len / cp
         factor = self.dev.overheads.contention if contention is None else contention
         if pp > 1:
             factor *= self.dev.overheads.pipeline_compute
         blocks_c, head_c, core_c = (x * factor for x in self.compute_parts(start, end, last, group, tp, tokens))
+        blocks_c = blocks_c * self._option_scale(group)
         compute_fwd = blocks_c + head_c
-        (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, dp)
+        (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, shards)
         act_msg = tokens * meta.hidden_size * o.bytes_per_value
         n_blocks = (end - start) * meta.block_repeats
         ov = self.dev.overheads
@@ -267,32 +283,34 @@ class StageCostModel:
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd_share = 3.0 / (1.0 + ratio)
-        fwd = fwd_share * compute_fwd + tp_comm + ov.op_fwd * derate
-        bwd = fwd_share * ratio * compute_fwd + tp_comm_bwd + ov.op_bwd * derate
+        ring_f, ring_b = self._ring(group, tp, cp, tokens, n_blocks, fwd_share * core_c, fwd_share * ratio * core_c)
+        fwd = fwd_share * compute_fwd + tp_comm + ring_f + ov.op_fwd * derate
+        bwd = fwd_share * ratio * compute_fwd + tp_comm_bwd + ring_b + ov.op_bwd * derate
         sp = sequence_parallel and tp > 1
         if recompute == "full":
-            bwd = bwd + fwd_share * blocks_c + tp_comm
+            bwd = bwd + fwd_share * blocks_c + tp_comm + ring_f
         elif recompute == "selective":
             # kept reduce-scatters under SP: only the all-gathers (half the volume) run again
             bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
         activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks, sp)
+        transient = transient + self._option_transient(tp, cp, tokens, n_blocks)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
-        reshard = reshard_after_forward and dp > 1 and o.dp_mode == "fsdp"
-        memory = self._static_memory(start, first, last, group, tp, dp, pp, per_rank, n_blocks, microbatches,
+        reshard = reshard_after_forward and shards > 1 and o.dp_mode == "fsdp"
+        memory = self._static_memory(start, first, last, group, tp, shards, pp, per_rank, n_blocks, microbatches,
                                      reshard, act_msg / tp if sp else act_msg, transient)
         static = sum(memory.values())
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
-        dp_sync = all_reduce_time(sync_bytes, dp, dp_bw, dp_lat) if dp > 1 else 0.0
+        dp_sync = all_reduce_time(sync_bytes, shards, dp_bw, dp_lat) if shards > 1 else 0.0
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
         first_extra = last_extra = 0.0
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
         opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
         # DTensor parameters (FSDP's shards, tp's sharded linears) step as the sharded figure measured
-        optimizer = opt_units * ov.optimizer_per_block(dp, tp)
-        if dp > 1:
+        optimizer = opt_units * ov.optimizer_per_block(shards, tp)
+        if shards > 1:
             # FSDP2: one collective per block and one for the stage root when it holds parameters of its
             # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
             units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
@@ -302,13 +320,45 @@ class StageCostModel:
                 first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * lockstep
             last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * lockstep
             if reshard:
-                regather = self._regather_time(per_rank, n_blocks, dp, dp_bw, dp_lat) * lockstep
+                regather = self._regather_time(per_rank, n_blocks, shards, dp_bw, dp_lat) * lockstep
                 bwd += regather
                 fwd += regather * (microbatches - 1) / microbatches
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
                          tp_comm_bwd=tp_comm_bwd, memory=memory)
+
+    def _option_scale(self, group: Sequence[int]):
+        """What train.compile and train.float8 make of the blocks' compute on the group's devices:
+        compile divides it by its speed-up (configured, else calibrated, else 1); float8 runs the
+        linears' share of it (2 x matmul weights per token of the block's FLOPs) at the fp8 peak."""
+        o, meta = self.opts, self.meta
+        scale = 1.0
+        if o.compile:
+            speedup = o.compile_speedup if o.compile_speedup is not None else self.dev.overheads.compile_speedup
+            scale /= max(float(speedup), 1e-6)
+        if o.float8 and meta.block_matmul_params and meta.block_flops_fwd_per_token:
+            linear = min(2.0 * float(meta.block_matmul_params[0]) / float(meta.block_flops_fwd_per_token[0]), 1.0)
+            gain = min(fp8_speedup(self.dev.cluster.devices[d], o.bytes_per_value, o.tf32) for d in group)
+            scale *= 1.0 - linear + linear / gain
+        return scale
+
+    def _ring(self, group, tp: int, cp: int, tokens, n_blocks, core_fwd, core_bwd):
+        """(forward, backward) exposed ring-attention passes of a stage's blocks (cost.context_parallel):
+        each block's K/V ring beyond the attention core it overlaps with."""
+        if cp <= 1:
+            return 0.0, 0.0
+        bw, lat = self.dev.ring_bw_lat(cpc.cp_ring_group(group, tp, cp))
+        ring_f, ring_b = cpc.ring_exchange_s(self.meta, tokens, tp, cp, self.opts.bytes_per_value, bw, lat)
+        return n_blocks * cpc.exposed(ring_f, core_fwd), n_blocks * cpc.exposed(ring_b, core_bwd)
+
+    def _option_transient(self, tp: int, cp: int, tokens, n_blocks):
+        """What the options add to a block's backward working set: the ring's in-flight K/V shards
+        (cp) and the fp8 casts of the widest linear's weight and operands (float8)."""
+        extra = cpc.ring_buffer_bytes(self.meta, tokens, tp, cp, self.opts.bytes_per_value)
+        if self.opts.float8:
+            extra += mem.float8_cast_bytes(self.meta, tp, tokens)
+        return np.where(n_blocks > 0, extra, 0.0) if isinstance(n_blocks, np.ndarray) else (extra if n_blocks else 0.0)
 
     def _tp_comm(self, n_blocks, tp: int, act_msg, tokens, tp_bw: float, tp_lat: float, lockstep: float):
         """(forward, backward) tensor-parallel communication of a stage's blocks. Megatron TP: two
@@ -385,6 +435,14 @@ _GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
     "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
     "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
 }
+
+
+def fp8_speedup(device, bytes_per_value: int, tf32: bool) -> float:
+    """The device's fp8 matmul peak over its peak in the run's dtype (1 without an fp8 path: such
+    a device is refused train.float8 before any worker starts)."""
+    fp8 = peak_flops(device.name, "fp8") if device.kind == "cuda" else None
+    base = matmul_peak(device, bytes_per_value, tf32)
+    return fp8 / base if fp8 and base else 1.0
 
 
 def guessed_device_facts(cluster, shape_aware: bool, float32: bool) -> Dict[str, list]:
