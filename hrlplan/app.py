@@ -24,7 +24,7 @@ from hrlplan.config import typed
 from hrlplan.errors import ConfigError, UserError
 from hrlplan.launch.resume_run import resumed_overrides, say_once, write_record
 from hrlplan.launch.rundir import RunDirLock, check_output_dir, note, takes_lock
-from hrlplan.model_meta import conf_dir
+from hrlplan.conf_tree import conf_dir
 from hrlplan.validate import check_environment, precheck_overrides
 from hrlplan.validate.environ import reports_errors
 

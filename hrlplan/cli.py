@@ -137,7 +137,7 @@ def _model_arg(flag: str, value: str) -> None:
 
 
 def _planner_cfg_arg(flag: str, value: str) -> None:
-    from hrlplan.validate import parse_yaml_limited
+    from hrlplan.yaml_budget import parse_yaml_limited
 
     label = f"{flag} {value}"
     text = _text(label, _existing(flag, value, PLANNER_CFG_HINT), PLANNER_CFG_HINT)

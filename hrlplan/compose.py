@@ -1,8 +1,9 @@
 """Composing the run's config with Hydra: the schemas registered in Hydra's ConfigStore (hidden from
 listings and completion), conf/ composed with overrides outside @hydra.main, and the composed config
-made plain for the library -- HRM's top-level keys copied into their groups, HRM's recipe defaults,
-the range checks of hrlplan/validate.py. The schemas themselves are in hrlplan/config.py (a leaf);
-this module sits with the facts because it reads conf/ and validates."""
+made plain for the library -- HRM's top-level keys copied into their groups, a family's recipe defaults
+(hrlplan/families.py), the range checks of hrlplan/validate/. The schemas themselves are in
+hrlplan/config.py and the families' in families.py (leaves), the tree on disk in conf_tree.py; this
+module sits with the facts because it validates."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -12,14 +13,13 @@ from typing import Any, Dict, Iterable, List, Sequence
 from hydra import compose as hydra_compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from omegaconf import OmegaConf
 
-from hrlplan.config import (HRM_RECIPE, TOP_LEVEL_ALIASES, Config, DataConfig, ExactPlannerSchema, GPT2ArchConfig,
-                            HRLPlannerSchema, HRMArchConfig, HRMLossConfig, LlamaArchConfig, LoggerConfig,
-                            ManualPlannerSchema, RandomPlannerSchema, TrainConfig, ClusterConfig)
-from hrlplan.model_meta import conf_dir
+from hrlplan.conf_tree import conf_dir, config_groups_help, is_internal_config
+from hrlplan.config import (TOP_LEVEL_ALIASES, ClusterConfig, Config, DataConfig, ExactPlannerSchema, HRLPlannerSchema,
+                            HRMLossConfig, LoggerConfig, ManualPlannerSchema, RandomPlannerSchema, TrainConfig)
+from hrlplan.families import BY_SCHEMA_OPTION, family_of
 from hrlplan.validate import check_values, explain_compose_error, is_compose_error, override_keys
 
 
@@ -41,18 +41,20 @@ def _train_defaults() -> Dict[str, Any]:
     return {f.name: f.default for f in fields(TrainConfig) if not callable(f.default_factory)}
 
 
-def apply_hrm_recipe(cfg: Dict[str, Any], explicit: Iterable[str]) -> Dict[str, Any]:
-    """HRM's own defaults (no clipping, 2000 warm-up steps, constant lr, seed 0) for an HRM arch.
+def apply_family_recipe(cfg: Dict[str, Any], explicit: Iterable[str]) -> Dict[str, Any]:
+    """The arch family's own train defaults (families.py's recipe; HRM's: no clipping, 2000 warm-up
+    steps, constant lr, seed 0).
 
     A key keeps its value when the user set it on the command line (either spelling) or a config
     file (an experiment) changed it from the language-model default."""
-    if (cfg.get("arch") or {}).get("family") != "hrm":
+    recipe = family_of(cfg.get("arch")).recipe
+    if not recipe:
         return cfg
     explicit = set(explicit)
     aliases = {sub: top for top, (group, sub) in TOP_LEVEL_ALIASES.items() if group == "train"}
     defaults = _train_defaults()
     train = cfg["train"]
-    for key, value in HRM_RECIPE.items():
+    for key, value in recipe.items():
         if f"train.{key}" in explicit or aliases.get(key) in explicit:
             continue
         if train.get(key) == _plain(defaults[key]):
@@ -60,10 +62,14 @@ def apply_hrm_recipe(cfg: Dict[str, Any], explicit: Iterable[str]) -> Dict[str, 
     return cfg
 
 
+apply_hrm_recipe = apply_family_recipe   # the name tests/test_config.py knows
+
+
 def _sync_hrm_loss(arch: Dict[str, Any]) -> None:
     """arch.loss.loss_type (HRM's spelling) and the flat arch.loss_type always agree: the one that
-    moved away from the default wins, the nested one when both did."""
-    if arch.get("family") != "hrm" or not isinstance(arch.get("loss"), dict):
+    moved away from the default wins, the nested one when both did. An arch whose schema has no
+    nested loss node (every family but HRM's) is left as it is."""
+    if not isinstance(arch.get("loss"), dict) or "loss_type" not in arch:
         return
     default = str(HRMLossConfig.loss_type)
     nested, flat = arch["loss"].get("loss_type", default), arch.get("loss_type", default)
@@ -80,7 +86,7 @@ def to_plain(cfg: Any, overrides: Sequence[str] = (), check: bool = True) -> Dic
     keys copied into their groups, HRM's recipe defaults applied, values range-checked."""
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     apply_top_level_aliases(config)
-    apply_hrm_recipe(config, override_keys(overrides))
+    apply_family_recipe(config, override_keys(overrides))
     if isinstance(config.get("arch"), dict):
         _sync_hrm_loss(config["arch"])
     if check:
@@ -92,9 +98,8 @@ def register_configs() -> None:
     """Register every schema in Hydra's ConfigStore (called by pretrain.py before composing)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    cs.store(group="arch", name="gpt2_schema", node=GPT2ArchConfig)
-    cs.store(group="arch", name="llama_schema", node=LlamaArchConfig)
-    cs.store(group="arch", name="hrm_schema", node=HRMArchConfig)
+    for option, family in BY_SCHEMA_OPTION.items():
+        cs.store(group="arch", name=option, node=family.schema)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="planner", name="exact_schema", node=ExactPlannerSchema)
     cs.store(group="planner", name="hrl_schema", node=HRLPlannerSchema)
@@ -107,14 +112,6 @@ def register_configs() -> None:
         # conf/config.yaml's --help lists the groups through this: the *_schema entries stay hidden
         OmegaConf.register_new_resolver("hrlplan_groups", config_groups_help)
     _hide_schemas_from_listings()
-
-
-SCHEMA_SUFFIX = "_schema"
-
-
-def is_internal_config(name: str) -> bool:
-    """A schema the yaml files extend (`- gpt2_schema`), not an option a user picks."""
-    return name.endswith(SCHEMA_SUFFIX) or name == "base_config"
 
 
 def _hide_schemas_from_listings() -> None:
@@ -135,24 +132,6 @@ def _hide_schemas_from_listings() -> None:
     get_group_options.hides_schemas = True
     get_group_options.__doc__ = listed.__doc__
     ConfigLoaderImpl.get_group_options = get_group_options
-
-
-def group_options(group: str) -> List[str]:
-    """The options a user can pick for a config group (schemas left out)."""
-    if GlobalHydra.instance().is_initialized():
-        options = GlobalHydra.instance().config_loader().get_group_options(group)
-    else:
-        options = [p.stem for p in (conf_dir() / group).glob("*.yaml")]
-    return sorted(o for o in options if not is_internal_config(o))
-
-
-def config_groups_help() -> str:
-    if GlobalHydra.instance().is_initialized():
-        groups = GlobalHydra.instance().config_loader().list_groups("")
-    else:
-        groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
-    groups = sorted(g for g in groups if g != "hydra")
-    return "\n".join(f"{g}: {', '.join(group_options(g))}" for g in groups)
 
 
 def compose(overrides: Sequence[str] = (), resolve: bool = True) -> Any:

@@ -24,6 +24,7 @@ from hrlplan.config import Config, typed
 from hrlplan.cost.memory import RECOMPUTE_MODES
 from hrlplan.cost.plans import options_for_train, predict_any_plan
 from hrlplan.errors import UserError
+from hrlplan.families import LM_DATA, family_of
 from hrlplan.model_meta import introspect
 from hrlplan.models.hrm import estimate_hrm_memory
 from hrlplan.plan import Plan
@@ -182,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--cluster", default=None, help="language models: a cluster.json instead of cluster=<preset>")
     args = p.parse_args(argv)
     cfg = typed(compose(args.overrides))
-    if (cfg.arch or {}).get("family") != "hrm":
+    if family_of(cfg.arch).data_kind == LM_DATA:   # a language model's plan; HRM's guide below
         print(_lm_guide(cfg, args.cluster))
         return
     budgets = list(args.memory_gib or BUDGETS_GIB)

@@ -5,120 +5,21 @@ arch YAML, a local directory with config.json, a config file, or an id already i
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import yaml
 
-from hrlplan.config import GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
-from hrlplan.errors import UserError, one_line
+from hrlplan.conf_tree import conf_dir, load_shipped_arch, shipped_archs  # noqa: F401 (conf_dir: tests' old home)
+from hrlplan.errors import one_line
+from hrlplan.families import arch_family_for_model_type, family_of
+from hrlplan.model_record import SCHEMA_VERSION, ModelMeta, ModelResolutionError  # noqa: F401 (re-exported)
 
-SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
 
 
-class ModelResolutionError(UserError, ValueError):
-    """A model id, arch or config file that cannot be resolved or introspected: the message names it."""
-
-
-@dataclass
-class ModelMeta:
-    name: str
-    family: str                      # hf | hrm
-    model_type: str
-    n_layer: int                     # pipeline-splittable blocks
-    hidden_size: int
-    num_heads: int
-    seq_len: int
-    vocab_size: int
-    total_params: int                # sum of numel, tied weights once
-    embedding_params: int            # pinned to the first stage
-    head_params: int                 # final norm + output head (0 for a tied head's weight)
-    block_params: List[int]
-    block_matmul_params: List[int]   # weights that take part in matmuls
-    head_matmul_params: int          # the output projection (counted even when tied)
-    block_flops_fwd_per_token: List[float]
-    head_flops_fwd_per_token: float
-    block_activation_bytes_per_token: List[float]   # 16-bit activations kept for backward (+ 5*a*s scores, hf)
-    head_activation_bytes_per_token: float
-    tied_embeddings: bool
-    first_stage_modules: List[str]
-    last_stage_modules: List[str]
-    block_modules: List[str]
-    # How many times each block runs per forward pass (HRM's recurrent cycles); 1 for LMs.
-    block_repeats: int = 1
-    schema_version: int = SCHEMA_VERSION
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def matmul_params(self) -> int:
-        return sum(self.block_matmul_params) + self.head_matmul_params
-
-    def training_flops_per_token(self) -> float:
-        """Forward + backward (3x forward): 6*N_matmul + 12*n_layer*seq_len*d_model for LMs."""
-        return 3.0 * (self.block_repeats * sum(self.block_flops_fwd_per_token) + self.head_flops_fwd_per_token)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "ModelMeta":
-        version = d.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"model_meta schema_version {version} is not supported (expected {SCHEMA_VERSION}); "
-                             "re-run `hrlplan introspect-model`")
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "ModelMeta":
-        """A model_meta.json; anything wrong with it is a ModelResolutionError naming the file."""
-        try:
-            data = json.loads(Path(path).read_text())
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            return cls.from_dict(data)
-        except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
-            raise ModelResolutionError(f"{path}: not a usable model_meta.json ({one_line(e, 200)}); write one with "
-                                       "`hrlplan introspect-model`") from None
-
-
 # ---------------------------------------------------------------- resolving a model id
-def conf_dir() -> Path:
-    """The shipped Hydra config tree: $HRLPLAN_CONF, else the package's conf/ (a link to the
-    checkout's conf/, copied into a wheel), else conf/ beside the package (a checkout whose
-    filesystem kept the link as a plain file)."""
-    env = os.environ.get("HRLPLAN_CONF")
-    here = Path(__file__).resolve().parent
-    candidates = [Path(env)] if env else [here / "conf", here.parent / "conf"]
-    for path in candidates:
-        if (path / "config.yaml").is_file():
-            return path
-    raise UserError(f"hrlplan's config tree is not at {candidates[-1]}" + (" ($HRLPLAN_CONF)" if env else "") +
-                    ": reinstall hrlplan (`pip install -e .` from a checkout), or set HRLPLAN_CONF=<checkout>/conf")
-
-
-def shipped_archs() -> List[str]:
-    return sorted(p.stem for p in (conf_dir() / "arch").glob("*.yaml"))
-
-
-def load_shipped_arch(name: str) -> Dict[str, Any]:
-    """A conf/arch/<name>.yaml merged over its schema defaults (without Hydra)."""
-    raw = yaml.safe_load((conf_dir() / "arch" / f"{name}.yaml").read_text()) or {}
-    schemas = {"gpt2_schema": GPT2ArchConfig, "llama_schema": LlamaArchConfig, "hrm_schema": HRMArchConfig}
-    defaults = [d for d in raw.pop("defaults", []) if isinstance(d, str) and d in schemas]
-    base = asdict(schemas[defaults[0]]()) if defaults else {}
-    base.update(raw)
-    return base
-
-
 def resolve_arch(model_id: str) -> Dict[str, Any]:
     """Turn a user's --model-id into an arch dict (the same shape as cfg.arch)."""
     if model_id in shipped_archs():
@@ -135,7 +36,7 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
             raise ModelResolutionError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
         if "model_type" not in data:
             raise ModelResolutionError(f"{path}: no 'model_type' key (e.g. model_type: gpt2)")
-        data.setdefault("family", "hrm" if data["model_type"].startswith("hrm") else "hf")
+        data.setdefault("family", arch_family_for_model_type(data["model_type"]))
         data.setdefault("name", path.stem)
         return data
     try:  # an id already in the local HF cache; never downloads
@@ -152,13 +53,15 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------- introspection
 def introspect(arch: Dict[str, Any], seq_len: int | None = None) -> ModelMeta:
-    """Model meta for an arch dict (cfg.arch, or resolve_arch(model_id))."""
+    """Model meta for an arch dict (cfg.arch, or resolve_arch(model_id)), by its family's introspection."""
     arch = dict(arch)
-    if arch.get("family") == "hrm":
-        from hrlplan.models.hrm import introspect_hrm   # why: a cycle (it imports ModelMeta), and torch
+    return INTROSPECTION[family_of(arch).arch_family](arch, seq_len)
 
-        return introspect_hrm(arch, seq_len)
-    return _introspect_hf(arch, seq_len)
+
+def _introspect_hrm(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
+    from hrlplan.models.hrm import introspect_hrm   # why: torch; `import hrlplan.model_meta` stays torch-free
+
+    return introspect_hrm(arch, seq_len)
 
 
 def _config_int(config, name: str, required: bool = True) -> int | None:
@@ -265,8 +168,7 @@ def _block_activation(config, layout, seq: int, block_matmul: int, formula_args,
 
 
 def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
-    # why here: a cycle (models.hf imports ModelResolutionError), and torch
-    from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
+    from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout   # why: torch, as in _introspect_hrm
 
     try:
         config = hf_config_from_arch(arch)
@@ -338,3 +240,7 @@ def _introspect_hf(arch: Dict[str, Any], seq_len: int | None) -> ModelMeta:
                "first_stage_matmul_params": sum(_matmul_numel(m) for m in first),   # OPT's project_in
                "block_activations": "measured" if measured else "formula", **measured},
     )
+
+
+# arch.family -> how its models are introspected
+INTROSPECTION = {"hf": _introspect_hf, "hrm": _introspect_hrm}

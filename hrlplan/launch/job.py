@@ -3,7 +3,7 @@
 pretrain.py hands the composed config here. It detects its situation:
 - a plain process: start the workers on this machine with the elastic launcher (hrlplan/launch/local.py);
 - under torchrun (or any launcher that set RANK/WORLD_SIZE/...): this process is a worker;
-- a SLURM task started by submitit (hydra/launcher=submitit_slurm, or launch.slurm.submit), or
+- a SLURM task started by submitit (hydra/launcher=submitit_slurm, or launch.submitit_job.submit), or
   a task of a plain `srun python pretrain.py` (launch/sbatch/): hrlplan/launch/slurm.py sets up the same
   environment from SLURM's, then as above. No torchrun inside a SLURM task.
 In a worker (_worker), every rank takes part in the probe, rank 0 introspects and plans (or reuses a
@@ -35,6 +35,7 @@ from hydra.types import RunMode
 from hrlplan.cluster import ClusterSpec, default_nproc_per_node, load_or_probe_in_job
 from hrlplan.config import Config, as_config
 from hrlplan.errors import UserError
+from hrlplan.families import family_of
 from hrlplan.launch import slurm
 from hrlplan.launch.local import Interrupted, in_distributed_job, is_peer_loss, launch_workers
 from hrlplan.launch.planning import (announce_workers, calibrated, check_calibration_settings, check_world,
@@ -50,9 +51,9 @@ from hrlplan.runtime.checkpoint import checkpoint_problem, latest_checkpoint, li
 from hrlplan.runtime.distributed import cpu_group, shutdown
 from hrlplan.runtime.metrics import duration_text
 from hrlplan.runtime.mfu import job_peak_flops
-from hrlplan.runtime.hrm_trainer import train_hrm
+from hrlplan.runtime.family_trainers import train_family
 from hrlplan.runtime.train_core import nonfinite_line
-from hrlplan.runtime.trainer import MFUBasis, PipelineTrainer
+from hrlplan.runtime.trainer import MFUBasis
 from hrlplan.validate import check_environment
 
 ERROR_FILE = ".worker_error"
@@ -235,9 +236,9 @@ def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
     if rank == 0:
         logger.note(f"cluster: {spec.summary()} (probed in {probe_s:.1f} s)")
         logger.note(f"plan: {plan.layout()}  {plan_summary(plan)}" + (" (cached plan)" if facts.get("cached") else ""))
-    summary = _train(config, plan, logger, device, facts["family"], mfu_basis)
+    summary = _train(config, plan, logger, device, mfu_basis)
     if summary.get("nonfinite"):
-        _stop_nonfinite(config, logger, summary, facts["family"])
+        _stop_nonfinite(config, logger, summary)
     if rank == 0:
         report(config, plan, logger, summary, job)
     logger.finish()
@@ -249,11 +250,11 @@ def _worker(config: Config, job: JobInfo) -> Optional[Dict[str, Any]]:
     return dict(summary) if rank == 0 else None
 
 
-def _stop_nonfinite(config: Config, logger, summary: Dict[str, Any], family: str) -> None:
+def _stop_nonfinite(config: Config, logger, summary: Dict[str, Any]) -> None:
     """Every rank, after a NaN/inf step stopped training (train_core): the run's record, then the one
     line as the job's error (exit 2)."""
     info = summary["nonfinite"]
-    line = nonfinite_line(info, config.train, hrm=family == "hrm")
+    line = nonfinite_line(info, config.train, hrm=family_of(config.arch).puzzle_embeddings)
     logger.summary({"final_step": summary.get("final_step"), "stopped_at_nonfinite_step": info["step"],
                     "nonfinite": f"{info['what']} {info['value']}", "nonfinite_checkpoint": info.get("checkpoint")})
     if logger.enabled and logger.text_log is not None:
@@ -289,7 +290,7 @@ def _agree_on_plan(config: Config, spec) -> Tuple[Plan, Dict[str, Any]]:
             check_fits(plan, spec)
             warn_hrm_memory(config, min(d.memory_bytes for d in spec.devices), world)
             result = {"plan": plan.to_yaml(), "flops_per_token": meta.training_flops_per_token(),
-                      "family": meta.family, "cached": bool(info.get("planner", {}).get("reused_from_cache"))}
+                      "cached": bool(info.get("planner", {}).get("reused_from_cache"))}
         except (UserError, PlanError, ValueError) as e:
             result = {"error": str(e)}
         except Exception:  # a bug: still tell every rank, or they would wait in the broadcast forever
@@ -336,16 +337,13 @@ def _join_training_ranks(config: Config, spec, plan: Plan,
     return None if trained is None else (trained, MFUBasis(facts["flops_per_token"], peak))
 
 
-def _train(config: Config, plan, logger, device, family: str, mfu_basis: MFUBasis) -> Dict[str, Any]:
+def _train(config: Config, plan, logger, device, mfu_basis: MFUBasis) -> Dict[str, Any]:
     """Train; a trainer follows hrlplan.runtime.preempt's contract: it checks the stop flag at
     every step boundary, checkpoints on all ranks and returns `preempted: True` (or raises
     preempt.Preempted)."""
     run_dir = str(config.run_dir)
     try:
-        if family == "hrm":
-            summary = train_hrm(config, run_dir, plan, logger)
-        else:
-            summary = PipelineTrainer(plan, config, run_dir, logger=logger, device=device, mfu_basis=mfu_basis).fit()
+        summary = train_family(config, run_dir, plan, logger, device, mfu_basis)
     except preempt.Preempted as p:
         summary = {"final_step": p.step, "history": [], "preempted": True, "checkpoint": p.checkpoint}
     total = int(summary.get("total_steps") or config.train.steps)

@@ -16,21 +16,19 @@ import torch.distributed as dist
 from hrlplan.cluster import ClusterSpec, spec_from_preset
 from hrlplan.config import ClusterConfig, Config, calibration_mode
 from hrlplan.errors import UserError
+from hrlplan.families import LM_DATA, Family, family_of, family_of_meta
 from hrlplan.launch import plan_cache
 from hrlplan.launch.ranks import broadcast
 from hrlplan.launch.report import log_timeline, make_logger, predicted_step
 from hrlplan.model_meta import introspect
-from hrlplan.models.hrm import check_hrm_fits
 from hrlplan.plan import Plan, PlanError
+from hrlplan.runtime.family_trainers import fit_check
 from hrlplan.runtime.metrics import duration_text
 from hrlplan.runtime.calibrate import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
                                        unsteady_reason, unsteady_threshold)
 from hrlplan.search import make_plan
 from hrlplan.search.plan_text import plan_summary
 
-# Model types whose blocks the runtime can shard with DTensor tensor parallelism (nn.Linear layers).
-# GPT-2 counts too: its Conv1D layers are converted to nn.Linear before sharding.
-TP_MODEL_TYPES = {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
 HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was considered
 
 
@@ -42,9 +40,10 @@ def probes_here(cluster: ClusterConfig) -> bool:
 
 def wants_calibration(config: Config) -> bool:
     """planner.calibrate: auto calibrates where a planner searches over real devices (a manual plan
-    is only predicted, so it keeps peak figures unless asked); HRM plans data parallel only."""
+    is only predicted, so it keeps peak figures unless asked); a family that is never calibrated (HRM,
+    data parallel only) keeps them too."""
     mode = calibration_mode(config.planner)
-    if mode == "false" or config.arch.get("family") == "hrm":
+    if mode == "false" or not family_of(config.arch).calibrates:
         return False
     return mode != "auto" or str(config.planner.get("name")) != "manual"
 
@@ -56,12 +55,12 @@ def local_device_memory(nproc: int) -> float:
 
 
 def warn_hrm_memory(config: Config, device_memory_bytes: float, world_size: int) -> Optional[str]:
-    """HRM's memory guide, before anything starts: a warning (not an error) when it will not fit."""
-    if config.arch.get("family") != "hrm" or os.environ.get(HRM_CHECKED_ENV):
+    """The family's memory guide (HRM's), before anything starts: a warning (not an error) when it will not fit."""
+    check = fit_check(config)
+    if check is None or os.environ.get(HRM_CHECKED_ENV):
         return None
     os.environ[HRM_CHECKED_ENV] = "1"  # the workers inherit it: one warning per job
-    warning = check_hrm_fits(config.arch, int(config.train.global_batch_size), device_memory_bytes,
-                             world_size=world_size)
+    warning = check(config, device_memory_bytes, world_size)
     if warning:
         print(f"[hrlplan] warning: {warning}", file=sys.stderr, flush=True)
     return warning
@@ -82,16 +81,17 @@ def check_world(plan, world: int) -> None:
 
 
 # ---------------------------------------------------------------- planning
-def planner_settings(config: Config, family: str, model_type: str) -> Dict[str, Any]:
-    """The planner's settings (plain, as the search layer takes them) with the model's limits."""
+def planner_settings(config: Config, family: Family) -> Dict[str, Any]:
+    """The planner's settings (plain, as the search layer takes them) with the model family's limits."""
     planner = dict(config.planner)
-    if family == "hrm":
+    if not family.pipeline:
         planner["max_pp"] = 1  # HRM's recurrent H/L core runs every block many times: data parallel only
-        # HRM is planned from peak figures (not calibrated): a job given N ranks (its users'
+    if not family.idle_ranks:
+        # a family planned from peak figures (HRM, not calibrated): a job given N ranks (its users'
         # `torchrun --nproc-per-node 8`) trains on all of them rather than on a rough guess
         planner["allow_idle_ranks"] = False
-    if model_type not in TP_MODEL_TYPES:
-        planner["max_tp"] = 1  # e.g. GPT-2's Conv1D layers are not nn.Linear, which DTensor TP needs
+    if family.tp_plan is None:
+        planner["max_tp"] = 1  # runtime/tensor_parallel.py has no plan for its blocks
     return planner
 
 
@@ -101,7 +101,7 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
     With use_cache, a plan made earlier for the same cluster shape, model, planner and training
     settings is reused (see hrlplan/launch/plan_cache.py): a requeued job trains the plan it started with."""
     run_dir = Path(config.run_dir)
-    seq_len = config.data.seq_len if config.arch.get("family") != "hrm" else None
+    seq_len = config.data.seq_len if family_of(config.arch).data_kind == LM_DATA else None
     meta = introspect(config.arch, seq_len=seq_len)
     meta.save(run_dir / "model_meta.json")
     planner = config.planner
@@ -117,7 +117,7 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
         info.setdefault("planner", {})["reused_from_cache"] = key
     else:
         try:
-            plan, info = make_plan(meta, spec, planner_settings(config, meta.family, meta.model_type), config.train)
+            plan, info = make_plan(meta, spec, planner_settings(config, family_of_meta(meta)), config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
         if key and (is_steady(spec.calibration) or not plan_cache.shared()):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hrlplan.config import Config, as_dict
+from hrlplan.families import family_of
 from hrlplan.runtime.metrics import MetricsLogger, duration_text
 from hrlplan.runtime.timeline_plot import save_timeline
 
@@ -100,7 +101,7 @@ def report(config: Config, plan, logger, summary: Dict[str, Any], job: Optional[
                         f"(x{ratio:.2f})")
             why = off_prediction_line(ratio, calibrated=_calibrated(run_dir), manual=_is_manual(config),
                                       steps_measured=max(0, len(history) - 1), load=_load_per_core(),
-                                      hrm=config.arch.get("family") == "hrm")
+                                      never_calibrated=not family_of(config.arch).calibrates)
             if why:
                 logger.note(why)
     if summary.get("preempted"):
@@ -116,7 +117,7 @@ STEADY_STEPS = 10   # fewer measured steps than this: the warm-up may still domi
 
 
 def off_prediction_line(ratio: float, calibrated: bool, manual: bool, steps_measured: int,
-                        load: Optional[float] = None, hrm: bool = False) -> Optional[str]:
+                        load: Optional[float] = None, never_calibrated: bool = False) -> Optional[str]:
     """One line when measured / predicted step time is over OFF_PREDICTION or under its inverse:
     what may cause it and what to do; None when the prediction held."""
     if 1 / OFF_PREDICTION <= ratio <= OFF_PREDICTION:
@@ -125,8 +126,9 @@ def off_prediction_line(ratio: float, calibrated: bool, manual: bool, steps_meas
     if load is not None and load > BUSY_LOAD:
         causes.append(f"this node is busy (load {load:.1f} per core, this job's workers included)")
         todo.append("run on a quiet node")
-    if hrm:
-        causes.append("HRM is planned from peak FLOP/s (never calibrated: its recurrent steps are not timed)")
+    if never_calibrated:
+        causes.append("the model is planned from peak FLOP/s (its family is never calibrated: HRM's recurrent "
+                      "steps are not timed)")
     elif not calibrated:
         basis = "a planner=manual plan is" if manual else "the plan was"
         causes.append(f"{basis} predicted from peak FLOP/s and probed links, not from measured blocks")

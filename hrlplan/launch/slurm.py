@@ -1,4 +1,5 @@
-"""SLURM through submitit: the task environment, preemption/requeue, and the submitit entry point.
+"""SLURM through submitit: the task environment, preemption/requeue, a node lost mid-step. The submitit
+entry point (SubmititTask, submit), which runs hrlplan.launch.job, is hrlplan/launch/submitit_job.py.
 
 One task per device: submitit starts `tasks_per_node` tasks on every node and each becomes one
 rank; the torch.distributed environment comes from submitit's TorchDistributedEnvironment (no
@@ -17,7 +18,6 @@ leaves a result (or an error) that the requeued job would contradict.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -28,13 +28,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-import submitit
 from submitit.core import utils as submitit_utils
 from submitit.core.job_environment import _checkpoint
-from submitit.helpers import DelayedSubmission, TorchDistributedEnvironment
+from submitit.helpers import TorchDistributedEnvironment
 from submitit.slurm.slurm import _parse_node_list
 
-from hrlplan.config import Config, as_config
 from hrlplan.errors import UserError
 from hrlplan.runtime import preempt
 
@@ -166,48 +164,6 @@ def finish_preempted(broadcast: Callable[[Any], Any], rank: int) -> None:
         handler.__self__.env._requeue(decision["countdown"])
     print(f"[hrlplan] rank {rank}: checkpoint written, job requeued; exiting", file=sys.stderr, flush=True)
     raise SystemExit(0)
-
-
-class SubmititTask:
-    """What submitit runs in every task: `launch.job.run(config)`; checkpointable.
-
-        executor = submitit.AutoExecutor(folder=...); executor.update_parameters(tasks_per_node=2, ...)
-        job = executor.submit(SubmititTask(config))     # config: a Config, or compose()'s plain dict
-        summary = job.results()[0]                       # rank 0's summary (history, final_step, ...)
-    """
-
-    def __init__(self, config: Config):
-        self.config = as_config(config)
-
-    def __call__(self) -> Optional[Dict[str, Any]]:
-        from hrlplan.launch.job import run
-
-        return run(copy.deepcopy(self.config))
-
-    def checkpoint(self, *args: Any, **kwargs: Any):
-        """submitit's hook on preemption/timeout: only the flag; the requeued job resumes."""
-        preempt.request_stop("submitit checkpoint hook")
-        config = copy.deepcopy(self.config)
-        config.train.resume = "auto"
-        return DelayedSubmission(SubmititTask(config))
-
-
-def make_executor(folder: str | os.PathLike, *, cluster: Optional[str] = None, max_num_timeout: int = 3,
-                  **params: Any):
-    """A submitit executor for SubmititTask; params as in conf/hydra/launcher/submitit_slurm.yaml
-    (tasks_per_node, nodes, cpus_per_task, mem_gb, timeout_min, slurm_partition, ...)."""
-    executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster, slurm_max_num_timeout=max_num_timeout)
-    executor.update_parameters(**params)
-    return executor
-
-
-def submit(config: Config, folder: str | os.PathLike, **params: Any):
-    """Submit one training job (config: a Config, or compose()'s plain dict); the run directory
-    defaults to <folder>/run."""
-    config = copy.deepcopy(as_config(config))
-    if not config.run_dir:
-        config.run_dir = str(Path(folder).resolve() / "run")
-    return make_executor(folder, **params).submit(SubmititTask(config))
 
 
 # ---------------------------------------------------------------- a node lost mid-step (launch/sbatch/elastic.sbatch)

@@ -23,7 +23,7 @@ from torch import nn
 
 from hrlplan.config import HRMArchConfig
 from hrlplan.devices import compile_disabled
-from hrlplan.model_meta import ModelMeta
+from hrlplan.model_record import ModelMeta
 from hrlplan.models import hrm_layers, sparse_embedding
 from hrlplan.models.hrm_layers import (CastedEmbedding, CastedLinear, ReasoningModule, RotaryEmbedding,
                                        swiglu_intermediate_size, trunc_normal_init_)

@@ -26,6 +26,7 @@ import yaml
 
 from hrlplan.data.lm import build_lm_data
 from hrlplan.errors import UserError, one_line
+from hrlplan.families import PUZZLE_DATA, family_of
 from hrlplan.models.hf import causal_lm_loss
 from hrlplan.runtime import hrm_io
 from hrlplan.runtime.checkpoint import TIED_NAMES, checkpoint_problem
@@ -56,7 +57,7 @@ def evaluate_cli(args) -> None:
         raise UserError(f"{found}: no run config ({RUN_CONFIG}) in the run directory above it; evaluate a checkpoint "
                         "inside its run directory (<run dir>/checkpoints)")
     config = _read_config(config_file)
-    if (config.get("arch") or {}).get("family") == "hrm":
+    if family_of(config.get("arch")).data_kind == PUZZLE_DATA:   # exact accuracy on the puzzles' test split
         return hrm_io.evaluate_cli(args)
     batches = int(args.batches or RUN_EVAL_BATCHES)
     if batches < 1:

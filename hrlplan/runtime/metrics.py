@@ -36,6 +36,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hrlplan.config import LoggerConfig, section
+from hrlplan.families import family_of
 
 log = logging.getLogger("hrlplan")
 WANDB_INIT_TIMEOUT_S = 90.0   # offline mode starts in seconds; online, a slow network must not stall the job
@@ -334,10 +335,11 @@ def duration_text(seconds: Optional[float]) -> str:
 
 
 def _planned_steps(config: Dict[str, Any]) -> Optional[int]:
-    """train.steps for a language model; None for HRM, whose trainer knows its length (set_total)."""
+    """train.steps for a language model; None for a family trained in epochs (HRM), whose trainer knows
+    its length (set_total)."""
     if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
         return None
-    if (config.get("arch") or {}).get("family") == "hrm":
+    if family_of(config.get("arch")).trains_epochs:
         return None
     steps = config["train"].get("steps")
     stop = config["train"].get("stop_after")

@@ -43,9 +43,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
+from hrlplan.families import FAMILIES, family_for
 from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
 
-LLAMA_STYLE = {"llama", "mistral", "qwen2", "qwen3"}
 log = logging.getLogger(__name__)
 _said_whole: set = set()   # (vocab, tp) already reported as kept whole, so a process says it once
 
@@ -130,26 +130,33 @@ def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool
     if tp == 1:
         return part
     blocks = getattr(part.base, part.blocks_attr).values()
-    if part.model_type in LLAMA_STYLE:
-        config_heads = None
-        for block in blocks:
-            attn = block.self_attn
-            config_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-            if config_heads[0] % tp or config_heads[1] % tp:
-                raise ValueError(f"{part.model_type}: {config_heads[0]} heads / {config_heads[1]} kv heads are not "
-                                 f"divisible by tp={tp}")
-            parallelize_module(block, tp_mesh, _llama_plan(sequence_parallel))
-    elif part.model_type == "gpt2":
-        for block in blocks:
-            _prepare_gpt2_block(block, tp)
-            parallelize_module(block, tp_mesh, _gpt2_plan(sequence_parallel))
-    else:
+    shard_blocks = BLOCK_PLANS.get(family_for("hf", part.model_type).tp_plan)
+    if shard_blocks is None:
+        supported = sorted(t for f in FAMILIES if f.tp_plan in BLOCK_PLANS for t in f.model_types)
         raise NotImplementedError(f"tensor parallel for {part.model_type} is not implemented; "
-                                  f"supported: gpt2, {', '.join(sorted(LLAMA_STYLE))}")
+                                  f"supported: {', '.join(supported)}")
+    shard_blocks(part.model_type, blocks, tp_mesh, sequence_parallel)
     vocab_sharded = vocab_parallel and shard_vocabulary(part, tp_mesh, sequence_parallel)
     if sequence_parallel:
         _shard_stage_ends(part, tp_mesh, vocab_sharded)
     return part
+
+
+def _shard_llama_blocks(model_type: str, blocks, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    tp = tp_mesh.size()
+    for block in blocks:
+        attn = block.self_attn
+        config_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        if config_heads[0] % tp or config_heads[1] % tp:
+            raise ValueError(f"{model_type}: {config_heads[0]} heads / {config_heads[1]} kv heads are not "
+                             f"divisible by tp={tp}")
+        parallelize_module(block, tp_mesh, _llama_plan(sequence_parallel))
+
+
+def _shard_gpt2_blocks(model_type: str, blocks, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    for block in blocks:
+        _prepare_gpt2_block(block, tp_mesh.size())
+        parallelize_module(block, tp_mesh, _gpt2_plan(sequence_parallel))
 
 
 def _shard_stage_ends(part: nn.Module, tp_mesh: DeviceMesh, vocab_sharded: bool) -> None:
@@ -162,7 +169,7 @@ def _shard_stage_ends(part: nn.Module, tp_mesh: DeviceMesh, vocab_sharded: bool)
     embedding = _token_embedding(part)
     if embedding is not None and not vocab_sharded:
         plan[_name_in(part, embedding)] = scatter
-    if part.first and part.model_type == "gpt2":
+    if part.first and hasattr(part.base, "wpe"):   # GPT-2's learned position embedding
         plan[_name_in(part, part.base.wpe)] = scatter
     if part.last:
         norm = part.base.ln_f if hasattr(part.base, "ln_f") else part.base.norm
@@ -180,7 +187,7 @@ def _name_in(part: nn.Module, module: nn.Module) -> str:
 def _token_embedding(part: nn.Module) -> Optional[nn.Module]:
     if not part.first:
         return None
-    return part.base.wte if part.model_type == "gpt2" else part.base.embed_tokens
+    return part.base.wte if hasattr(part.base, "wte") else part.base.embed_tokens
 
 
 def vocabulary_divides(vocab: int, tp: int) -> bool:
@@ -254,3 +261,7 @@ def stage_loss(parts):
     if mesh is None:
         return causal_lm_loss
     return lambda logits, targets: sharded_causal_lm_loss(logits, targets, mesh)
+
+
+# families.py's tp_plan -> how a stage's blocks are sharded
+BLOCK_PLANS = {"llama": _shard_llama_blocks, "gpt2": _shard_gpt2_blocks}

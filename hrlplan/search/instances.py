@@ -11,7 +11,8 @@ import yaml
 from hrlplan.cluster import ClusterSpec, spec_from_preset
 from hrlplan.config import ClusterConfig, TrainConfig
 from hrlplan.errors import UserError
-from hrlplan.model_meta import ModelMeta, conf_dir, introspect, resolve_arch
+from hrlplan.conf_tree import conf_dir
+from hrlplan.model_meta import ModelMeta, introspect, resolve_arch
 from hrlplan.search.config import (ExactPlannerConfig, HRLPlannerConfig, ManualPlannerConfig,
                                    RandomPlannerConfig)
 

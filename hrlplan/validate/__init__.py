@@ -10,7 +10,7 @@ What is refused, and why, is listed in docs/refused.md.
   "+key" hint.
 - precheck_overrides: every point of a sweep composed and checked before the first job starts.
 - check_environment (host.py): what the launcher checks on this host before it starts workers.
-- load_yaml_text / parse_yaml_limited (files.py): YAML parsing with a size and expansion budget.
+- load_yaml_text (files.py): YAML within hrlplan/yaml_budget.py's size and expansion budget, refused as one line.
 """
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from hrlplan import config as c
+from hrlplan.conf_tree import group_options
 from hrlplan.errors import ConfigError, one_line
+from hrlplan.families import FAMILIES, family_of
 from hrlplan.validate.consistency import another_option_hint, check_together, override_keys
-from hrlplan.validate.files import (MAX_YAML_BYTES, MAX_YAML_NODES, YamlBudgetError, load_yaml_text,
-                                    parse_yaml_limited)
+from hrlplan.validate.files import load_yaml_text
+from hrlplan.yaml_budget import MAX_YAML_BYTES, MAX_YAML_NODES, YamlBudgetError, parse_yaml_limited
 from hrlplan.validate.host import check_environment, check_world_size, host_capacity
 
 __all__ = ["check_values", "explain_compose_error", "is_compose_error", "nearest_key", "precheck_overrides",
@@ -100,20 +102,9 @@ RULES = {
 }
 NODE_GROUP_RULES = {"count": POS_INT, "devices_per_node": POS_INT, "memory_gb": POS, "tflops": POS,
                     "intra_node_GBps": POS}
-ARCH_RULES = {
-    "gpt2": {**{k: POS_INT for k in ("n_layer", "n_embd", "n_head", "n_positions")}, "vocab_size": VOCAB,
-             **{k: PROBABILITY for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}},
-    "llama": {**{k: POS_INT for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_key_value_heads", "max_position_embeddings")}, "vocab_size": VOCAB,
-              "rms_norm_eps": POS, "rope_theta": POS},
-    "hrm": {**{k: POS_INT for k in ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "num_heads",
-                                    "halt_max_steps")},
-            "puzzle_emb_ndim": NONNEG_INT, "expansion": POS, "halt_exploration_prob": UNIT, "rms_norm_eps": POS,
-            "rope_theta": POS},
-}
-# (model kind, width key, heads key): the width must split evenly over the heads
-HEAD_SPLITS = [("gpt2", "n_embd", "n_head"), ("llama", "hidden_size", "num_attention_heads"),
-               ("llama", "num_attention_heads", "num_key_value_heads"), ("hrm", "hidden_size", "num_heads")]
+# families.py names each arch size's rule; these are the rules
+RULE_KINDS = {"pos_int": POS_INT, "nonneg_int": NONNEG_INT, "pos": POS, "unit": UNIT, "probability": PROBABILITY,
+              "vocab": VOCAB}
 
 
 def _get(tree: Dict[str, Any], dotted: str) -> Any:
@@ -123,12 +114,6 @@ def _get(tree: Dict[str, Any], dotted: str) -> Any:
             raise KeyError(dotted)
         node = node[part]
     return node
-
-
-def _arch_kind(arch: Dict[str, Any]) -> Optional[str]:
-    if arch.get("family") == "hrm":
-        return "hrm"
-    return arch.get("model_type") if arch.get("model_type") in ("gpt2", "llama") else None
 
 
 def check_values(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None:
@@ -145,17 +130,22 @@ def check_values(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None:
         for key, (desc, ok) in NODE_GROUP_RULES.items():
             if isinstance(group, dict) and key in group and not ok(group[key]):
                 raise ConfigError(f"cluster.node_groups.{i}.{key}", group[key], desc)
-    arch = config.get("arch") or {}
-    kind = _arch_kind(arch)
+    _check_arch_sizes(config.get("arch") or {})
+    check_together(config, explicit)
+
+
+def _check_arch_sizes(arch: Dict[str, Any]) -> None:
+    """The ranges of the arch family's sizes (families.py), unless the model's own config.json has them."""
     if arch.get("model_id"):
-        kind = None   # sizes come from the model's own config.json
-    for key, (desc, ok) in ARCH_RULES.get(kind, {}).items():
+        return
+    family = family_of(arch)
+    for key, kind in family.value_rules.items():
+        desc, ok = RULE_KINDS[kind]
         if key in arch and not ok(arch[key]):
             raise ConfigError(f"arch.{key}", arch[key], desc)
-    for k, width, heads in HEAD_SPLITS:
-        if k == kind and _int(arch.get(width)) and _int(arch.get(heads)) and arch[width] % arch[heads]:
+    for width, heads in family.head_splits:
+        if _int(arch.get(width)) and _int(arch.get(heads)) and arch[width] % arch[heads]:
             raise ConfigError(f"arch.{width}", arch[width], f"a multiple of arch.{heads}={arch[heads]}")
-    check_together(config, explicit)
 
 
 # ---------------------------------------------------------------- Hydra's composition errors
@@ -170,7 +160,7 @@ def _schema_keys() -> Dict[str, List[str]]:
 
     keys = {"": names(c.Config) + ["experiment"], "train": names(c.TrainConfig), "data": names(c.DataConfig),
             "logger": names(c.LoggerConfig), "cluster": names(c.ClusterConfig),
-            "arch": names(c.GPT2ArchConfig, c.LlamaArchConfig, c.HRMArchConfig), "arch.loss": names(c.HRMLossConfig),
+            "arch": names(*(f.schema for f in FAMILIES if f.schema)), "arch.loss": names(c.HRMLossConfig),
             "planner": names(c.ExactPlannerSchema, c.HRLPlannerSchema, c.ManualPlannerSchema, c.RandomPlannerSchema)}
     return keys
 
@@ -248,8 +238,6 @@ def explain_compose_error(e: BaseException, overrides: Sequence[str] = ()) -> Co
         m = re.search(r"Could not (?:find|load) '([^']+)'", text)
         group, _, option = (m.group(1) if m else "").rpartition("/")
         if group and not group.startswith("hydra"):
-            from hrlplan.compose import group_options   # why: compose imports this module
-
             return ConfigError(group, option, group_options(group))
     m = re.search(r"An item is already at '([^']+)'|'([^']+)' is already in the defaults list", text)
     if m:
@@ -282,8 +270,6 @@ def precheck_overrides(overrides: Sequence[str], compose: Callable[[List[str]], 
                                   "values: add -m (--multirun) to run one job per value")
             try:
                 if isinstance(o.value(), Glob):   # `-m 'arch=glob(gpt2*)'`: the group's options it matches
-                    from hrlplan.compose import group_options   # why: as above
-
                     values = o.value().filter(group_options(o.key_or_group))
                 else:
                     values = list(o.sweep_iterator(transformer=Transformer.encode))

@@ -1,5 +1,5 @@
 """Checks across keys of a composed config, before anything starts: keys no schema has (`+train.foo=1`),
-a key of another option (`planner.train_steps` without `planner=hrl`), HRM's keys without `arch=hrm`,
+a key of another option (`planner.train_steps` without `planner=hrl`), a family's own keys (HRM's) without it,
 and values that are fine alone but not together (stages per rank and the schedule, micro-batches and
 the batch, HRM's evaluation interval and epochs, the sequence length and the model's positions).
 
@@ -9,27 +9,18 @@ refused where the same value coming from a default or a recipe is not (HRM's dat
 from __future__ import annotations
 
 import difflib
-import functools
 from dataclasses import fields
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-import yaml
-
 from hrlplan import config as c
+from hrlplan.conf_tree import arch_options_by_schema
 from hrlplan.errors import ConfigError
-from hrlplan.model_meta import conf_dir
+from hrlplan.families import BY_SCHEMA_OPTION, FAMILIES, PUZZLE_DATA, family_of
+from hrlplan.schedules import multi_stage_names
 
 PLANNER_SCHEMAS = {"exact": c.ExactPlannerSchema, "hrl": c.HRLPlannerSchema, "manual": c.ManualPlannerSchema,
                    "random": c.RandomPlannerSchema}
-ARCH_SCHEMAS = {"gpt2_schema": c.GPT2ArchConfig, "llama_schema": c.LlamaArchConfig, "hrm_schema": c.HRMArchConfig}
 GROUP_SCHEMAS = {"train": c.TrainConfig, "data": c.DataConfig, "logger": c.LoggerConfig, "cluster": c.ClusterConfig}
-# Keys only HRM's trainer reads: without arch=hrm they would be stored and silently unused.
-# Refused rather than selecting HRM: a language-model command with a stray key must not turn into
-# another model on another data set (docs/refused.md).
-HRM_ONLY_TOP = ("data_path", "epochs", "checkpoint_every_eval", "puzzle_emb_lr", "puzzle_emb_weight_decay",
-                "checkpoint_path")
-HRM_ONLY_TRAIN = ("epochs", "checkpoint_every_eval", "checkpoint_path", "puzzle_emb_lr", "puzzle_emb_weight_decay")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")   # as hrlplan.plan.checks (which needs no import here)
 
 
 def override_keys(overrides: Iterable[str]) -> set:
@@ -50,21 +41,6 @@ def _names(schema: type) -> List[str]:
     return [f.name for f in fields(schema)]
 
 
-@functools.lru_cache(maxsize=None)
-def arch_options_by_schema() -> Dict[str, List[str]]:
-    """The shipped arch options, by the schema their YAML extends (gpt2_schema: gpt2, gpt2-tiny, ...)."""
-    out: Dict[str, List[str]] = {name: [] for name in ARCH_SCHEMAS}
-    for path in sorted((conf_dir() / "arch").glob("*.yaml")):
-        try:
-            defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
-        except (OSError, yaml.YAMLError, AttributeError):
-            continue
-        for d in defaults:
-            if isinstance(d, str) and d in out:
-                out[d].append(path.stem)
-    return out
-
-
 def options_owning(full_key: str) -> List[str]:
     """The options (`planner=hrl`, `arch=hrm`) whose schema has this key; [] when none or not a group key."""
     group, _, rest = full_key.partition(".")
@@ -72,11 +48,9 @@ def options_owning(full_key: str) -> List[str]:
     if group == "planner":
         return [f"planner={name}" for name, schema in PLANNER_SCHEMAS.items() if leaf in _names(schema)]
     if group == "arch":
-        if rest.startswith("loss.") or leaf == "loss":
-            return ["arch=hrm"]
         owned = []
-        for schema_name, schema in ARCH_SCHEMAS.items():
-            if leaf in _names(schema):   # the family's base option (gpt2) before its sizes
+        for schema_name, family in BY_SCHEMA_OPTION.items():
+            if leaf in _names(family.schema):   # the family's base option (gpt2) before its sizes
                 options = sorted(arch_options_by_schema().get(schema_name, []), key=lambda o: (len(o), o))
                 owned += [f"arch={o}" for o in options]
         return owned
@@ -104,12 +78,6 @@ def _unknown(full_key: str, known: Iterable[str]) -> ConfigError:
     return ConfigError(full_key, message=f"unknown key {full_key} (from +{full_key}=... or a config file): {hint}")
 
 
-def _arch_schema(arch: Dict[str, Any]) -> Optional[type]:
-    if arch.get("family") == "hrm":
-        return c.HRMArchConfig
-    return {"gpt2": c.GPT2ArchConfig, "llama": c.LlamaArchConfig}.get(arch.get("model_type"))
-
-
 def check_known_keys(config: Dict[str, Any]) -> None:
     """Every key of the composed tree is one its schema has: `+train.foo=1` is refused here, not by a
     traceback when the run's typed config is built."""
@@ -135,7 +103,7 @@ def check_known_keys(config: Dict[str, Any]) -> None:
             if key not in known:
                 raise _unknown(f"planner.{key}", known)
     arch = config.get("arch") or {}
-    schema = _arch_schema(arch)
+    schema = family_of(arch).schema
     if schema is not None:
         known = _names(schema)
         for key in arch:
@@ -143,27 +111,32 @@ def check_known_keys(config: Dict[str, Any]) -> None:
                 raise _unknown(f"arch.{key}", known)
 
 
-def check_hrm_keys(config: Dict[str, Any], explicit: Sequence[str]) -> None:
-    """HRM's own keys without arch=hrm (HRM's command typed without its arch) are refused, naming them."""
-    if (config.get("arch") or {}).get("family") == "hrm":
-        return
+def check_family_keys(config: Dict[str, Any], explicit: Sequence[str]) -> None:
+    """Keys only another family's trainer reads (HRM's, families.py's own_*_keys) would be stored and
+    silently unused: refused, naming them. Refused rather than selecting that family: a language-model
+    command with a stray key must not turn into another model on another data set (docs/refused.md)."""
+    family = family_of(config.get("arch"))
     train = config.get("train") or {}
-    typed = [k for k in HRM_ONLY_TOP if config.get(k) is not None]
-    typed += [f"train.{k}" for k in HRM_ONLY_TRAIN if config.get(k) is None and (
-        f"train.{k}" in explicit or (k in ("epochs", "checkpoint_path") and train.get(k) is not None))]
-    if typed:
-        names = ", ".join(dict.fromkeys(typed))
-        raise ConfigError(typed[0], message=f"{names}: HRM's key{'s' if len(typed) > 1 else ''}, which a language "
-                          f"model ({(config.get('arch') or {}).get('name')}) does not read: add arch=hrm (or "
-                          "experiment=hrm-sudoku) to train HRM, or leave them out (a language model trains "
-                          "train.steps steps)")
+    for other in FAMILIES:
+        if other is family or not (other.own_top_keys or other.own_train_keys):
+            continue
+        typed = [k for k in other.own_top_keys if config.get(k) is not None]
+        typed += [f"train.{k}" for k in other.own_train_keys if config.get(k) is None and (
+            f"train.{k}" in explicit or (k in ("epochs", "checkpoint_path") and train.get(k) is not None))]
+        if typed:
+            names = ", ".join(dict.fromkeys(typed))
+            plural = "s" if len(typed) > 1 else ""
+            raise ConfigError(typed[0], message=f"{names}: {other.name.upper()}'s key{plural}, which a language "
+                              f"model ({(config.get('arch') or {}).get('name')}) does not read: add {other.select_hint} "
+                              f"to train {other.name.upper()}, or leave them out (a language model trains "
+                              "train.steps steps)")
 
 
 def check_together(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None:
     """Values that are refused together; each message names both keys and what to do."""
     explicit = set(explicit)
     check_known_keys(config)
-    check_hrm_keys(config, explicit)
+    check_family_keys(config, explicit)
     train, data = config.get("train") or {}, config.get("data") or {}
     arch, planner = config.get("arch") or {}, config.get("planner") or {}
     cluster = config.get("cluster") or {}
@@ -172,10 +145,11 @@ def check_together(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None
                           "there are none: choose a preset (cluster=a100x8-1n), give cluster.spec_file, or probe")
     _check_stages_per_rank(train, planner)
     _check_microbatches(train)
-    if arch.get("family") == "hrm":
-        _check_hrm(train, data, explicit)
+    family = family_of(arch)
+    if family.data_kind == PUZZLE_DATA:
+        _check_puzzle_run(train, data, explicit)
     elif not arch.get("model_id"):
-        _check_positions(arch, data)
+        _check_positions(family.positions_key, arch, data)
 
 
 def _check_stages_per_rank(train: Dict[str, Any], planner: Dict[str, Any]) -> None:
@@ -183,11 +157,11 @@ def _check_stages_per_rank(train: Dict[str, Any], planner: Dict[str, Any]) -> No
     if not isinstance(spr, int) or spr <= 1:
         return
     schedules = [str(s) for s in planner.get("schedules") or []] or [str(train.get("schedule"))]
-    if not any(s in MULTI_STAGE_SCHEDULES for s in schedules):
+    if not any(s in multi_stage_names() for s in schedules):
         where = (f"planner.schedules={schedules}" if planner.get("schedules")
                  else f"train.schedule={train.get('schedule')}")
         raise ConfigError("train.stages_per_rank", spr, message=f"train.stages_per_rank={spr} needs a schedule that "
-                          f"runs several stages per rank ({' or '.join(MULTI_STAGE_SCHEDULES)}), but {where} runs "
+                          f"runs several stages per rank ({' or '.join(multi_stage_names())}), but {where} runs "
                           f"one: set train.schedule=interleaved_1f1b, or train.stages_per_rank=1")
 
 
@@ -203,7 +177,7 @@ def _check_microbatches(train: Dict[str, Any]) -> None:
                           f"one of {shown} (or auto, the planner's choice), or change train.global_batch_size")
 
 
-def _check_hrm(train: Dict[str, Any], data: Dict[str, Any], explicit: set) -> None:
+def _check_puzzle_run(train: Dict[str, Any], data: Dict[str, Any], explicit: set) -> None:
     epochs, every = train.get("epochs"), train.get("eval_interval")
     if isinstance(epochs, int) and isinstance(every, int) and every > 0 and epochs % every:
         raise ConfigError("train.eval_interval", every, message=f"eval_interval={every} does not divide "
@@ -215,8 +189,8 @@ def _check_hrm(train: Dict[str, Any], data: Dict[str, Any], explicit: set) -> No
                           "data.path); leave data.seq_len out")
 
 
-def _check_positions(arch: Dict[str, Any], data: Dict[str, Any]) -> None:
-    key = "n_positions" if "n_positions" in arch else "max_position_embeddings"
+def _check_positions(key: Optional[str], arch: Dict[str, Any], data: Dict[str, Any]) -> None:
+    key = key or ("n_positions" if "n_positions" in arch else "max_position_embeddings")
     positions, seq = arch.get(key), data.get("seq_len")
     if isinstance(positions, int) and isinstance(seq, int) and seq > positions:
         raise ConfigError("data.seq_len", seq, message=f"data.seq_len={seq} is longer than the model's "

@@ -13,13 +13,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from hrlplan import config as c
 from hrlplan.data.sudoku import dataset_exists, resolve_preset
 from hrlplan.errors import ConfigError, UserError, one_line
+from hrlplan.families import LM_DATA, Family, family_of
 from hrlplan.validate.consistency import override_keys
 from hrlplan.validate.environ import check_environment_variables
 from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
 from hrlplan.validate.model_files import check_model_config, model_shape
 from hrlplan.validate.train_options import train_options_refusal
 
-LM_DATA = ("synthetic", "code")
+LM_DATA_SETS = ("synthetic", "code")
 CHECKPOINT_METADATA = ".metadata"   # torch.distributed.checkpoint's index beside its shards
 # plan field -> the train key that means the same; a manual plan decides these, so a different value
 # typed on the command line would be silently ignored
@@ -36,11 +37,13 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
     config = c.as_dict(config)
     check_environment_variables(os.environ if env is None else env)
     train, data, arch = config["train"], config.get("data") or {}, config.get("arch") or {}
+    family = family_of(arch)
+    lm = family.data_kind == LM_DATA
     _check_resume(str(train.get("resume", "none")))
-    _check_data(config, arch, data)
-    model = check_model_config(arch, int(data.get("seq_len") or 0) if arch.get("family") != "hrm" else 0)
+    _check_data(config, family, data)
+    model = check_model_config(arch, int(data.get("seq_len") or 0) if lm else 0)
     shape = model_shape(arch, model)
-    if data.get("name") == "code" and arch.get("family") != "hrm":
+    if data.get("name") == "code" and lm:
         _check_code_vocab(data, shape.get("vocab_size"), shape.get("vocab_key", "arch.vocab_size"))
     planner, cluster = config.get("planner") or {}, config.get("cluster") or {}
     spec = None
@@ -57,25 +60,26 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
             raise ConfigError("train.device", "cuda", message="train.device=cuda but this host has no CUDA device: "
                                                               "use train.device=auto or cpu")
     if str(config.get("mode", "train")) == "train":
-        _check_train_options(train, str(arch.get("family", "hf")))
+        _check_train_options(train, family)
     local = cluster.get("probe", True) and not cluster.get("spec_file")   # mode=plan probes these too
     if launching and local:
         check_world_size(cluster, str(train.get("device", "auto")))
 
 
-def _check_train_options(train: Dict[str, Any], family: str) -> None:
+def _check_train_options(train: Dict[str, Any], family: Family) -> None:
     """train.compile / float8 / context_parallel against this host's device (the workers check theirs
-    again: a SLURM node may differ from the submitting host); HRM's trainer runs none of them."""
+    again: a SLURM node may differ from the submitting host) and the family's trainer (HRM's runs none)."""
     asked = [k for k in ("compile", "float8") if train.get(k)] + \
         (["context_parallel"] if int(train.get("context_parallel") or 1) > 1 else [])
     if not asked:
         return
-    if family == "hrm":
-        key, value = asked[0], train.get(asked[0])
+    foreign = [k for k in asked if k not in family.runtime_options]
+    if foreign:
+        key, value = foreign[0], train.get(foreign[0])
         off, shown = ("1", value) if key == "context_parallel" else ("false", "true")
         raise ConfigError(f"train.{key}", value, message=f"train.{key}={shown} "
-                          f"is for the language models' pipeline runtime; HRM's trainer does not run it: set "
-                          f"train.{key}={off}")
+                          f"is for the language models' pipeline runtime; {family.name.upper()}'s trainer does not "
+                          f"run it: set train.{key}={off}")
     import torch   # why: only these options need to know the device
 
     device = str(train.get("device", "auto"))
@@ -143,8 +147,8 @@ def _checkpoint_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _check_data(config: Dict[str, Any], arch: Dict[str, Any], data: Dict[str, Any]) -> None:
-    if arch.get("family") == "hrm":
+def _check_data(config: Dict[str, Any], family: Family, data: Dict[str, Any]) -> None:
+    if family.data_kind != LM_DATA:
         path = data.get("path") or config.get("data_path")
         if not path:
             return   # the trainer's default preset, built on first use
@@ -154,7 +158,7 @@ def _check_data(config: Dict[str, Any], arch: Dict[str, Any], data: Dict[str, An
                               "and its name is not a preset to build (sudoku-extreme-small, "
                               "sudoku-extreme-1k-aug-1000): give HRM's data directory, or build one with "
                               f"`hrlplan build-sudoku sudoku-extreme-small --out-dir {path}`")
-    elif data.get("name") not in LM_DATA:
+    elif data.get("name") not in LM_DATA_SETS:
         raise ConfigError("data", data.get("name"), message=f"data={data.get('name')} is not a language-model "
                           f"data set: choose data=synthetic or data=code (or arch=hrm for puzzle data)")
     elif data.get("name") == "code" and data.get("source") and not Path(str(data["source"])).exists():
@@ -205,7 +209,9 @@ def _check_code_vocab(data: Dict[str, Any], model_vocab: Optional[int], vocab_ke
 def _check_plan_file(plan_file: Any) -> Any:
     if not plan_file:
         raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
-    from hrlplan.plan import Plan   # why: plan loads its YAML through this package
+    # why here: a cycle while plan/__init__.py reads its YAML through hrlplan.validate; at the top once it
+    # imports hrlplan.yaml_budget (tests/test_layers.py's CYCLES_TO_BREAK)
+    from hrlplan.plan import Plan
 
     path = str(plan_file)
     text = read_file("planner.plan_file", path)

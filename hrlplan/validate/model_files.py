@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hrlplan.errors import ConfigError
+from hrlplan.families import family_of
 from hrlplan.validate.files import read_file
 
 # config.json spells a size in one of these (HF's attribute_map aliases), first found wins
@@ -15,7 +16,6 @@ LAYERS = ("n_layer", "num_hidden_layers", "num_layers")
 WIDTH = ("n_embd", "hidden_size", "d_model")
 HEADS = ("n_head", "num_attention_heads")
 POSITIONS = ("n_positions", "max_position_embeddings")
-ARCH_LAYERS = {"gpt2": "n_layer", "llama": "num_hidden_layers"}
 
 
 def _first(config: Dict[str, Any], names) -> tuple:
@@ -82,10 +82,10 @@ def model_shape(arch: Dict[str, Any], model_config: Optional[Dict[str, Any]]) ->
         if isinstance(model_config.get("vocab_size"), int):
             out.update(vocab_size=model_config["vocab_size"], vocab_key=f"vocab_size in {where}")
         return out
-    if arch.get("model_id") or arch.get("family") == "hrm":
+    key = family_of(arch).layers_key
+    if arch.get("model_id") or key is None:   # no pipeline-splittable depth in the arch's keys (HRM)
         return out
-    key = ARCH_LAYERS.get(str(arch.get("model_type")))
-    if key and isinstance(arch.get(key), int):
+    if isinstance(arch.get(key), int):
         out.update(n_layer=arch[key], n_layer_key=f"arch.{key}")
     if isinstance(arch.get("vocab_size"), int):
         out.update(vocab_size=arch["vocab_size"], vocab_key="arch.vocab_size")
