@@ -1,0 +1,159 @@
+"""What packed documents of mixed length cost a pipeline step (issue 37, item 3).
+
+The simulator costs a micro-batch as `microbatch_size x seq_len` tokens of one fixed length: its blocks'
+matmuls (linear in the tokens) and attention over the whole `seq_len` square. With data.packing=
+document|balanced a micro-batch still holds `seq_len` positions (fixed shapes: the padding pays its
+linear work), but attention covers only each document's own square, so a micro-batch's work depends
+on which documents it holds: its sum of squared lengths. This module
+
+- measures the length distribution of a corpus (LengthDistribution: the pieces a packed step draws);
+- samples the steps a packing makes from it (`sample_steps`: next-fit in arrival order for `document`,
+  the dispatch's greedy for `balanced`, as hrlplan/data/dispatch.py runs it);
+- turns one step's per-micro-batch squares into per-(stage, micro-batch) work multipliers against the
+  fixed-length micro-batch the simulator costs (`micro_batch_multipliers`), from the planner's own
+  FLOP counts (ModelMeta.block_flops_fwd_per_token: 2 per weight + 4 * seq * query width per token);
+- walks the schedule's operation order with those per-micro-batch durations (`pipeline_step`), the
+  recurrence of cost/timeline.py's simulate_timeline without its FSDP extras and rendezvous
+  handshake: the simulator's timeline takes one duration per stage, the same for every micro-batch
+  (the hook that would let it take these multipliers is in H5's report).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hrlplan.cost.schedule_orders import B, BW, F, structure
+from hrlplan.data import dispatch as D
+from hrlplan.data.packing import document_pieces, next_fit, predictions, split_documents
+
+
+@dataclass
+class LengthDistribution:
+    """The pieces (documents, cut at `budget` predictions) of a corpus: their prediction counts."""
+    lengths: List[int]
+    budget: int
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, eot_id: int, budget: int) -> "LengthDistribution":
+        pieces = [predictions(p) for d in split_documents(tokens, eot_id) for p in document_pieces(d, budget)]
+        if not pieces:
+            raise ValueError("the corpus holds no document of two or more tokens")
+        return cls(pieces, budget)
+
+    def summary(self) -> Dict[str, float]:
+        ordered = sorted(self.lengths)
+        total = sum(ordered)
+        return {"pieces": len(ordered), "mean": total / len(ordered), "median": statistics.median(ordered),
+                "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1],
+                # the length a token sits in, on average: what attention's per-token work follows
+                "token_weighted_mean": sum(n * n for n in ordered) / total}
+
+    def to_dict(self) -> Dict:
+        return {"budget": self.budget, "lengths": list(self.lengths)}
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "LengthDistribution":
+        return cls([int(n) for n in d["lengths"]], int(d["budget"]))
+
+
+@dataclass
+class PackedStep:
+    """One sampled step: per row (micro-batch of one row), its pieces' lengths."""
+    rows: List[List[int]]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(sum(r) for r in self.rows)
+
+    @property
+    def square_sums(self) -> List[int]:
+        return [sum(n * n for n in r) for r in self.rows]
+
+
+def sample_steps(distribution: LengthDistribution, rows: int, packing: str, steps: int, seed: int = 0,
+                 stages: Optional[int] = None) -> List[PackedStep]:
+    """Steps drawn as PackedDocuments draws them (pieces at random, taken in arrival order while they
+    fit next-fit), packed as `packing` would: arrival order, or the dispatch's greedy (its integer
+    program only improves on it, within its time budget)."""
+    rng = random.Random(seed)
+    budget = distribution.budget
+    out = []
+    for _ in range(steps):
+        drawn = [rng.choice(distribution.lengths) for _ in range(rows * budget // max(1, min(distribution.lengths)))]
+        arrival, taken = next_fit(drawn, rows, budget)
+        lengths = drawn[:taken]
+        if packing == "balanced":
+            bins = D.micro_batch_bins(rows, budget)
+            bins = [D.Bin(b.capacity, b.speed, b.replica, float(budget)) for b in bins]
+            works = [float(n * n) for n in lengths]
+            greedy = D.lpt(lengths, works, bins, stages)
+            assignment = greedy if greedy is not None else arrival
+        elif packing == "document":
+            assignment = arrival
+        else:
+            raise ValueError(f"sample_steps packs 'document' or 'balanced', not {packing!r}")
+        out.append(PackedStep([[lengths[i] for i in group] for group in assignment]))
+    return out
+
+
+def document_coefficients(meta) -> Tuple[float, float]:
+    """(training FLOPs per token, per squared document length) of the whole model, from the planner's
+    counts: a block's forward is 2 per matmul weight and 4 * seq * query width per token, x3 with the
+    backward. A document of L tokens costs linear * L + quadratic * L**2."""
+    q = float(meta.extra.get("query_width", meta.hidden_size))
+    attention_per_block = 4.0 * meta.seq_len * q
+    linear = sum(f - attention_per_block for f in meta.block_flops_fwd_per_token) + meta.head_flops_fwd_per_token
+    return 3.0 * linear, 3.0 * 4.0 * q * meta.n_layer
+
+
+def stage_flops(meta, spans: Sequence[Tuple[int, int]], budget: int) -> List[Tuple[float, float]]:
+    """Per stage, (linear, attention) forward FLOPs of one fixed-length micro-batch row of `budget`
+    tokens: the part that does not depend on the documents, and the part that scales with their squares."""
+    q = float(meta.extra.get("query_width", meta.hidden_size))
+    per_block_attention = 4.0 * meta.seq_len * q
+    out = []
+    for k, (start, end) in enumerate(spans):
+        linear = sum(meta.block_flops_fwd_per_token[i] - per_block_attention for i in range(start, end))
+        if k == len(spans) - 1:
+            linear += meta.head_flops_fwd_per_token
+        out.append((linear * budget, 4.0 * q * (end - start) * budget * budget))
+    return out
+
+
+def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int,
+                            square_sums: Sequence[float]) -> List[List[float]]:
+    """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens (one
+    document filling it), the micro-batch the simulator costs."""
+    out = []
+    for linear, attention in stage_flops(meta, spans, budget):
+        full = linear + attention
+        out.append([(linear + attention * s / (budget * budget)) / full for s in square_sums])
+    return out
+
+
+def pipeline_step(schedule: str, pp: int, m: int, fwd: Sequence[float], bwd: Sequence[float],
+                  multipliers: Sequence[Sequence[float]], send: Sequence[float] = (),
+                  stages_per_rank: int = 1) -> float:
+    """The step's makespan when micro-batch j of stage k takes fwd[k] * multipliers[k][j] forward and
+    bwd[k] * multipliers[k][j] backward (send[k]: stage k's hop to k + 1, each way)."""
+    st = structure(schedule, pp, stages_per_rank, m)
+    n = pp * stages_per_rank
+    send = list(send) or [0.0] * n
+    f_end = [[0.0] * m for _ in range(n)]
+    b_end = [[0.0] * m for _ in range(n)]
+    free = [0.0] * pp
+    for pos, kind, k, j in st.order:
+        if kind == F:
+            ready, dur = (f_end[k - 1][j] + send[k - 1] if k > 0 else 0.0), fwd[k] * multipliers[k][j]
+        elif kind in (B, BW):
+            ready, dur = (b_end[k + 1][j] + send[k] if k < n - 1 else f_end[k][j]), bwd[k] * multipliers[k][j]
+        else:   # a split weight gradient: its share is in bwd already
+            ready, dur = b_end[k][j], 0.0
+        start = max(free[pos], ready)
+        free[pos] = start + dur
+        (f_end if kind == F else b_end)[k][j] = start + dur
+    return max(free)
