@@ -48,12 +48,13 @@ def brute_force(meta, cluster, cfg, train):
     return best
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_zero_bubble", 1), ("zbv", 2),
+                                        ("dualpipev", 2)])
 @pytest.mark.parametrize("cluster_fn", [lambda: two_type_preset(), lambda: cpu_probe(4)])
-def test_exact_matches_brute_force(schedule, cluster_fn):
+def test_exact_matches_brute_force(schedule, v, cluster_fn):
     meta, cluster = toy_meta(n_layer=7), cluster_fn()
     cfg = dict(asdict(ExactPlannerConfig()), microbatch_sizes=[1, 2, 4])
-    train = dict(TRAIN, schedule=schedule)
+    train = dict(TRAIN, schedule=schedule, stages_per_rank=v)
     plan, info = make_plan(meta, cluster, cfg, train)
     assert plan.meta["planner"]["proven_optimal"]
     assert plan.meta["predicted"]["step_time_s"] == pytest.approx(brute_force(meta, cluster, cfg, train), rel=1e-9)
@@ -85,7 +86,8 @@ def test_local_cpu_plan_is_fast_uses_every_worker_and_validates():
 
 
 @pytest.mark.parametrize("name", ["exact", "random", "hrl"])
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+                                        ("interleaved_zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)])
 def test_every_exported_plan_validates_with_uniform_launch(name, schedule, v):
     meta, cluster = toy_meta(n_layer=8), two_type_preset(nodes=(2, 1))
     cfg = {"exact": asdict(ExactPlannerConfig()), "random": dict(asdict(RandomPlannerConfig()), samples=32),
