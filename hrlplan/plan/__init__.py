@@ -26,7 +26,7 @@ _DERIVED_IN_HETERO = ("pp", "microbatch_size", "num_microbatches", "stages", "de
 
 HEADER = """\
 # hrlplan parallel plan. Layer spans are [start, end) block indices (end exclusive).
-# A stage's ranks are ordered data-parallel major: rank of (dp d, tp t) = ranks[d * tp + t].
+# A stage's ranks are ordered data-parallel major: rank of (dp d, cp c, tp t) = ranks[(d * cp + c) * tp + t].
 # Launch: torchrun --nnodes {nnodes} --nproc-per-node {nproc} ... (see meta.launch)
 """
 
@@ -56,6 +56,9 @@ class StagePlan:
     # Sequence parallelism (Korthikanti et al. 2022, torchtitan's): the norms and the block inputs
     # sharded over the tp ranks along the sequence; tp > 1 only, the same on every stage.
     sequence_parallel: bool = False
+    # Context parallelism (torch's context_parallel, torchtitan's cp): each sequence sharded over cp
+    # ranks holding the same weights; the stage's ranks are tp * dp * cp, the same cp on every stage.
+    cp: int = 1
 
     @property
     def num_layers(self) -> int:
@@ -120,6 +123,11 @@ class Plan:
         return len(self.pipelines) if self.pipelines else self.stages[0].dp
 
     @property
+    def cp(self) -> int:
+        """The context-parallel degree (validate keeps every stage alike; 1 for heterogeneous plans)."""
+        return max((s.cp for s in self.stages), default=1)
+
+    @property
     def uniform_tp(self) -> bool:
         return len({s.tp for s in self.stages}) == 1
 
@@ -128,9 +136,9 @@ class Plan:
         if self.pipelines:
             return self.pipelines
         rows = self.microbatch_size * self.num_microbatches
-        return [PipelinePlan(stages=[StagePlan(layers=list(s.layers), ranks=s.ranks[d * s.tp:(d + 1) * s.tp], tp=s.tp,
-                                               embedding=s.embedding, head=s.head, recompute=s.recompute,
-                                               sequence_parallel=s.sequence_parallel)
+        return [PipelinePlan(stages=[StagePlan(layers=list(s.layers), ranks=s.ranks[d * s.tp * s.cp:(d + 1) * s.tp * s.cp],
+                                               tp=s.tp, embedding=s.embedding, head=s.head, recompute=s.recompute,
+                                               sequence_parallel=s.sequence_parallel, cp=s.cp)
                                      for s in self.stages],
                              num_microbatches=self.num_microbatches, batch_size=rows) for d in range(self.dp)]
 
@@ -172,6 +180,8 @@ class Plan:
                 stage.pop("recompute")
             if not stage.get("sequence_parallel"):
                 stage.pop("sequence_parallel", None)
+            if stage.get("cp") == 1:
+                stage.pop("cp")
         if d.get("reshard_after_forward") is None:
             d.pop("reshard_after_forward", None)
         if not self.pipelines:   # the usual plan's YAML stays as short as it always was
@@ -272,7 +282,7 @@ def _parse_stages(raw: Any, where: str, source: str) -> List[StagePlan]:
         extra = set(s) - set(StagePlan.__dataclass_fields__)
         if extra:
             raise PlanError(f"{where}[{i}].{sorted(extra)[0]}", "unknown key; known: layers, ranks, tp, dp, embedding, head, "
-                            "recompute, sequence_parallel", source)
+                            "recompute, sequence_parallel, cp", source)
         for key in ("layers", "ranks"):
             if key not in s:
                 raise PlanError(f"{where}[{i}].{key}", "missing", source)
@@ -294,7 +304,7 @@ def _check_stage_types(s: Dict[str, Any], where: str, source: str) -> None:
     ranks = s["ranks"]
     if not (isinstance(ranks, list) and all(_is_int(r) for r in ranks)):
         raise PlanError(f"{where}.ranks", f"must be a list of integer ranks, got {ranks!r}", source)
-    for key in ("tp", "dp"):
+    for key in ("tp", "dp", "cp"):
         if key in s and not _is_int(s[key]):
             raise PlanError(f"{where}.{key}", f"must be an integer, got {s[key]!r}", source)
     for key in ("embedding", "head", "sequence_parallel"):
@@ -351,8 +361,8 @@ def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: 
                      num_microbatches: int, schedule: str, stages_per_rank: int = 1,
                      meta: Optional[Dict[str, Any]] = None, rank_order: Optional[List[int]] = None,
                      recompute: Union[str, Sequence[str], None] = None, sequence_parallel: bool = False,
-                     reshard_after_forward: Optional[bool] = None) -> Plan:
-    """Build (and validate) a plan with equal groups of tp*dp ranks, one per pipeline position.
+                     reshard_after_forward: Optional[bool] = None, cp: int = 1) -> Plan:
+    """Build (and validate) a plan with equal groups of tp*dp*cp ranks, one per pipeline position.
 
     `rank_order` lists the world's ranks in the order groups take them (default 0..N-1), which is
     how a planner assigns device groups to stages on a heterogeneous cluster. `recompute`: one mode
@@ -361,7 +371,7 @@ def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: 
     modes = [recompute or "none"] * len(spans) if recompute is None or isinstance(recompute, str) else list(recompute)
     if len(modes) != len(spans):
         raise PlanError("stages", f"{len(modes)} recompute modes for {len(spans)} stages; give one per stage")
-    group_size = tp * dp
+    group_size = tp * dp * cp
     pp = len(spans) // stages_per_rank
     world = pp * group_size
     order = rank_order or list(range(world))
@@ -373,7 +383,7 @@ def homogeneous_plan(model: str, n_layer: int, spans: List[tuple], dp: int, tp: 
     for i, (start, end) in enumerate(spans):
         plan.stages.append(StagePlan(layers=[start, end], ranks=list(groups[plan.stage_group(i)]), tp=tp, dp=dp,
                                      embedding=(i == 0), head=(i == len(spans) - 1), recompute=modes[i],
-                                     sequence_parallel=bool(sequence_parallel) and tp > 1))
+                                     sequence_parallel=bool(sequence_parallel) and tp > 1, cp=cp))
     plan.meta.setdefault("launch", launch_meta(world))
     validate(plan)
     return plan

@@ -1,7 +1,9 @@
 """Parallelisms over a DeviceMesh, applied as separate functions (torchtitan style).
 
-The mesh is (pp, dp, tp) with the plan's own rank layout: mesh[g, d, t] = device_groups[g][d*tp + t],
-so a planner can place device groups on any ranks (heterogeneous clusters).
+The mesh is (pp, dp, cp, tp) with the plan's own rank layout: mesh[g, d, c, t] =
+device_groups[g][(d*cp + c)*tp + t], so a planner can place device groups on any ranks
+(heterogeneous clusters). cp is 1 unless the plan shards sequences (context parallelism); FSDP then
+shards over dp and cp together (fsdp_mesh), as torchtitan's dp_shard_cp does.
 """
 from __future__ import annotations
 
@@ -16,21 +18,30 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hrlplan.plan import Plan
 
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     tp = plan.stages[0].tp
-    dp = plan.dp
-    layout = torch.tensor(plan.device_groups, dtype=torch.int).reshape(plan.pp, dp, tp)
-    return DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp", "tp"))
+    layout = torch.tensor(plan.device_groups, dtype=torch.int).reshape(plan.pp, plan.dp, plan.cp, tp)
+    return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIMS)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP shards over and reduces gradients across: dp, or dp and cp flattened (the cp
+    ranks of a dp replica hold the same weights and see different tokens of the same sequences)."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def rank_coords(plan: Plan, rank: int) -> Dict[str, int]:
-    """(pp group, dp index, tp index) of a rank."""
-    tp = plan.stages[0].tp
+    """(pp group, dp index, cp index, tp index) of a rank."""
+    tp, cp = plan.stages[0].tp, plan.cp
     for g, group in enumerate(plan.device_groups):
         if rank in group:
             pos = group.index(rank)
-            return {"pp": g, "dp": pos // tp, "tp": pos % tp}
+            return {"pp": g, "dp": pos // (tp * cp), "cp": (pos // tp) % cp, "tp": pos % tp}
     raise ValueError(f"rank {rank} is not in any device group of the plan (world_size {plan.world_size})")
 
 
