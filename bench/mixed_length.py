@@ -1,5 +1,12 @@
-"""Mixed-length data (issue 37): the per-micro-batch cost spread of `document` packing (arrival order)
-against `balanced` (cost-aware dispatch), on data=code's real document lengths.
+"""Mixed-length data (issue 37): `document` packing (arrival order) against `balanced` (cost-aware
+dispatch) on data=code's real document lengths.
+
+    python bench/mixed_length.py --measure [--budget 4096] [--micro-batches 2] [--rounds 4] [--steps 8]
+
+--measure: real pp-2 training runs (torch pipelining, gloo, this machine's CPU workers) of both packings
+in interleaved rounds: useful (non-pad) tokens per second, the loss curves, the per-micro-batch
+forward+backward times of the same steps before and after balancing, and the cost model's predicted
+step per packing (hrlplan/cost/lengths.py) beside the measured one. Without --measure:
 
     python bench/mixed_length.py [--budget 4096] [--micro-batches 8] [--pp 2] [--replicas 1 2]
                                  [--steps 40] [--time-budget 0.5] [--out bench/results/mixed_length.json]
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -89,6 +97,223 @@ def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quad
     return out
 
 
+# ---------------------------------------------------------------- measured (--measure)
+PACKINGS = ("document", "balanced")
+
+
+def _overrides(args) -> List[str]:
+    return ["arch=gpt2-tiny", f"arch.n_layer={args.n_layer}", f"arch.n_embd={args.n_embd}", f"arch.n_head={args.n_head}",
+            f"arch.vocab_size={args.vocab}", f"arch.n_positions={args.budget}", "data=code", f"data.path={args.path}",
+            f"data.seq_len={args.budget}", f"train.steps={args.steps}", f"train.global_batch_size={args.micro_batches}",
+            "train.schedule=1f1b", "train.checkpoint_interval=0", "train.measure_memory=false", "logger.mode=disabled",
+            f"train.seed={args.seed}"]
+
+
+def _spans(n_layer: int, pp: int):
+    cuts = [round(i * n_layer / pp) for i in range(pp + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _training_runs(args, workdir: Path) -> Dict:
+    """Interleaved rounds (the order flips each round): per packing, per run, the step times, losses
+    and the machine's load around it."""
+    from hrlplan.compose import compose
+    from hrlplan.launch.local_run import train_plan
+    from hrlplan.plan import homogeneous_plan
+
+    plan = homogeneous_plan("gpt2-tiny", args.n_layer, _spans(args.n_layer, args.pp), dp=1, tp=1, microbatch_size=1,
+                            num_microbatches=args.micro_batches, schedule="1f1b")
+    runs: Dict[str, List[Dict]] = {p: [] for p in PACKINGS}
+    for r in range(args.rounds):
+        for packing in (PACKINGS if r % 2 == 0 else PACKINGS[::-1]):
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            summary = train_plan(plan, compose(_overrides(args) + [f"data.packing={packing}"]),
+                                 workdir / f"round{r}-{packing}", metrics_file=False)
+            history = summary["history"]
+            runs[packing].append({"round": r, "step_time_s": [h["train/step_time_s"] for h in history],
+                                  "loss": [h["train/lm_loss"] for h in history], "load_before": load,
+                                  "load_after": os.getloadavg()[0], "wall_s": time.perf_counter() - t0,
+                                  # the last training step's per-(stage, micro-batch) operations, every rank
+                                  "events": [{k: e[k] for k in ("stage", "microbatch", "kind", "start_s", "end_s")}
+                                             for e in (summary.get("measured") or {}).get("events", [])]})
+            print(f"round {r} {packing}: step median "
+                  f"{statistics.median(runs[packing][-1]['step_time_s'][args.warmup:]):.3f} s, load {load:.1f}",
+                  flush=True)
+    return runs
+
+
+def _micro_batch_times(args, streams: Dict, steps: List[int]) -> Dict[str, List[List[float]]]:
+    """Forward + backward of each micro-batch of the same steps, one process, one thread, the whole
+    model (the best of --repeats): what the pipeline's stages split between them."""
+    import torch
+
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+    from hrlplan.models.hf import build_stage_modules, causal_lm_loss
+    from hrlplan.runtime.trainer import build_full_model
+
+    torch.set_num_threads(1)
+    cfg = as_config(compose(_overrides(args)))
+    model = build_full_model(cfg.arch, args.seed)
+    stage = build_stage_modules(model, [(0, args.n_layer)])[0]
+    out: Dict[str, List[List[float]]] = {p: [] for p in PACKINGS}
+    for step in steps:
+        for packing in PACKINGS:
+            inputs, targets = streams[packing].batch(step, args.micro_batches)
+            row_times = []
+            for j in range(args.micro_batches):
+                best = float("inf")
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    causal_lm_loss(stage(inputs[j:j + 1]), targets[j:j + 1]).backward()
+                    best = min(best, time.perf_counter() - t0)
+                row_times.append(best)
+            model.zero_grad(set_to_none=True)
+            out[packing].append(row_times)
+    return out
+
+
+def _fit_row_cost(times: List[float], squares: List[float]):
+    """time = fixed + per_square * (sum of squared lengths), least squares over every measured row."""
+    n = len(times)
+    mx, my = sum(squares) / n, sum(times) / n
+    var = sum((x - mx) ** 2 for x in squares)
+    slope = sum((x - mx) * (y - my) for x, y in zip(squares, times)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def _stage_fits(args, runs: Dict, squares: Dict) -> Dict[str, List[tuple]]:
+    """Per kind (F, B) and stage: duration = fixed + per_square * (its micro-batch's sum of squared
+    document lengths), fitted on the pipeline's own recorded operations (each run's last step)."""
+    last = args.steps - 1
+    fits: Dict[str, List[tuple]] = {}
+    for kind in ("F", "B"):
+        fits[kind] = []
+        for k in range(args.pp):
+            times, sq = [], []
+            for p in PACKINGS:
+                for run in runs[p]:
+                    for e in run["events"]:
+                        if e["kind"] == kind and e["stage"] == k:
+                            times.append(e["end_s"] - e["start_s"])
+                            sq.append(squares[p][last][e["microbatch"]])
+            fits[kind].append(_fit_row_cost(times, sq) if times else (0.0, 0.0))
+    return fits
+
+
+def _predicted_steps(args, meta, fits, squares: List[List[int]]) -> Dict[str, List[float]]:
+    """Per sampled step: `fitted`, the per-(stage, micro-batch) durations of the fits walked through
+    1F1B (cost/lengths.pipeline_step); `planner`, the fixed-length micro-batch's fitted per-stage time
+    scaled by the planner's FLOP counts (cost/lengths.micro_batch_multipliers), as the simulator
+    would cost it given the multipliers."""
+    from hrlplan.cost.lengths import micro_batch_multipliers, pipeline_step, scaled
+
+    full = args.budget ** 2
+    fixed_length = {kind: [a + b * full for a, b in fits[kind]] for kind in fits}
+    out: Dict[str, List[float]] = {"fitted": [], "planner": []}
+    for sq in squares:
+        per = {kind: [[a + b * s for s in sq] for a, b in fits[kind]] for kind in fits}
+        out["fitted"].append(pipeline_step("1f1b", args.pp, per["F"], per["B"]))
+        mult = micro_batch_multipliers(meta, _spans(args.n_layer, args.pp), args.budget, sq)
+        out["planner"].append(pipeline_step("1f1b", args.pp, scaled(fixed_length["F"], mult),
+                                            scaled(fixed_length["B"], mult)))
+    return out
+
+
+def measure(args) -> Dict:
+    import tempfile
+
+    from hrlplan.data.packed_stream import build_packed_stream
+    from hrlplan.model_meta import introspect
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+
+    corpus = CodeCorpus.load(prepare_code_corpus(args.path, args.vocab, 2000, 0))
+    streams = {p: build_packed_stream(p, corpus.train_tokens, corpus.val_tokens, corpus.eot_id, args.budget,
+                                      args.seed) for p in PACKINGS}
+    steps = list(range(args.steps))
+    useful, squares = [], {p: [] for p in PACKINGS}
+    for step in steps:
+        pieces, _ = streams["document"].documents.step_pieces(step, args.micro_batches)
+        useful.append(sum(predictions(x) for x in pieces))
+        for p in PACKINGS:
+            inputs, _ = streams[p].batch(step, args.micro_batches)
+            lengths = document_lengths_of(inputs)
+            squares[p].append([sum(n * n for n in row) for row in lengths])
+    with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:
+        runs = _training_runs(args, Path(workdir))
+    timed_steps = steps[args.warmup:args.warmup + args.timed_steps]
+    rows = _micro_batch_times(args, streams, timed_steps)
+    fixed, per_square = _fit_row_cost([t for p in PACKINGS for step in rows[p] for t in step],
+                                      [s for p in PACKINGS for step in timed_steps for s in squares[p][step]])
+    fits = _stage_fits(args, runs, squares)
+    meta = introspect(as_config(compose(_overrides(args))).arch, args.budget)
+    report = {"settings": {k: v for k, v in vars(args).items()}, "useful_tokens_per_step": useful,
+              "square_sums": squares, "runs": runs, "micro_batch_times_s": rows, "timed_steps": timed_steps,
+              "stage_fits_s": fits,
+              "row_cost_fit": {"fixed_s": fixed, "per_square_token_s": per_square,
+                               "attention_share_of_a_full_row": per_square * args.budget ** 2 /
+                               (fixed + per_square * args.budget ** 2)},
+              "packings": {}}
+    for p in PACKINGS:
+        tps_rounds, step_all = [], []
+        for run in runs[p]:
+            times = run["step_time_s"][args.warmup:]
+            step_all += times
+            tps_rounds.append(statistics.median(u / t for u, t in zip(useful[args.warmup:], times)))
+        predicted = _predicted_steps(args, meta, fits, squares[p][args.warmup:])
+        spreads = [max(t) / statistics.fmean(t) for t in rows[p]]
+        report["packings"][p] = {
+            "useful_tokens_per_s_per_round": tps_rounds, "useful_tokens_per_s": quantiles(tps_rounds),
+            "step_time_s": quantiles(step_all), "predicted_step_time_s": quantiles(predicted["fitted"]),
+            "predicted_step_time_s_planner_flops": quantiles(predicted["planner"]),
+            "pipeline_micro_batch_slowest_over_mean": quantiles(_pipeline_spreads(runs[p])),
+            "micro_batch_slowest_over_mean": quantiles(spreads),
+            "loss_curves": [run["loss"] for run in runs[p]]}
+    doc, bal = report["packings"]["document"], report["packings"]["balanced"]
+    ratios = [b / d for b, d in zip(bal["useful_tokens_per_s_per_round"], doc["useful_tokens_per_s_per_round"])]
+    report["balanced_over_document"] = {"measured_per_round": ratios, "measured": quantiles(ratios),
+                                        "predicted": doc["predicted_step_time_s"]["median"] /
+                                        bal["predicted_step_time_s"]["median"]}
+    report["loss_curves_max_abs_difference"] = max(abs(a - b) for x, y in zip(doc["loss_curves"], bal["loss_curves"])
+                                                   for a, b in zip(x, y))
+    return report
+
+
+def _pipeline_spreads(runs: List[Dict]) -> List[float]:
+    """Per run, its last step's slowest over mean micro-batch compute (F + B summed over the stages)."""
+    out = []
+    for run in runs:
+        per: Dict[int, float] = {}
+        for e in run["events"]:
+            per[e["microbatch"]] = per.get(e["microbatch"], 0.0) + e["end_s"] - e["start_s"]
+        if per:
+            out.append(max(per.values()) / statistics.fmean(per.values()))
+    return out or [float("nan")]
+
+
+def document_lengths_of(inputs) -> List[List[int]]:
+    from hrlplan.data.packing import document_lengths
+
+    return document_lengths(inputs[:, 2])
+
+
+def print_measured(report: Dict) -> None:
+    for p, r in report["packings"].items():
+        tps, st, pr = r["useful_tokens_per_s"], r["step_time_s"], r["predicted_step_time_s"]
+        print(f"{p:9s} useful tokens/s median {tps['median']:.0f} (min {tps['min']:.0f}, max {tps['max']:.0f}); "
+              f"step {st['median']:.3f} s (p10 {st['p10']:.3f}, p90 {st['p90']:.3f}), predicted {pr['median']:.3f} s "
+              f"(planner FLOPs {r['predicted_step_time_s_planner_flops']['median']:.3f}); slowest/mean micro-batch "
+              f"{r['micro_batch_slowest_over_mean']['median']:.3f} alone, "
+              f"{r['pipeline_micro_batch_slowest_over_mean']['median']:.3f} in the pipeline")
+    ratio = report["balanced_over_document"]
+    print(f"balanced / document: measured {ratio['measured']['median']:.3f}x (per round "
+          f"{', '.join(f'{x:.3f}' for x in ratio['measured_per_round'])}), predicted {ratio['predicted']:.3f}x; "
+          f"attention share of a full row {report['row_cost_fit']['attention_share_of_a_full_row']:.2f}; "
+          f"loss curves differ by at most {report['loss_curves_max_abs_difference']:.2g}")
+
+
 def main(argv=None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default="data/code")
@@ -104,8 +329,22 @@ def main(argv=None) -> Dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--varlen", dest="fixed_shapes", action="store_false",
                         help="cost only the documents' tokens (an unpadded varlen run), not fixed-shape micro-batches")
-    parser.add_argument("--out", default="bench/results/mixed_length.json")
+    parser.add_argument("--out", default=None, help="default bench/results/mixed_length[_measured].json")
+    parser.add_argument("--measure", action="store_true", help="real pp-2 training runs of both packings")
+    parser.add_argument("--rounds", type=int, default=4, help="--measure: interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="--measure: first steps of a run left out")
+    parser.add_argument("--timed-steps", type=int, default=4, help="--measure: steps whose micro-batches are timed")
+    parser.add_argument("--repeats", type=int, default=2, help="--measure: best of this many per micro-batch")
+    parser.add_argument("--n-head", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.measure:
+        args.out = args.out or "bench/results/mixed_length_measured.json"
+        report = measure(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print_measured(report)
+        return report
+    args.out = args.out or "bench/results/mixed_length.json"
 
     corpus = CodeCorpus.load(prepare_code_corpus(args.path, args.vocab, 2000, 0))
     if corpus.eot_id is None:

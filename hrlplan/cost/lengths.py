@@ -135,11 +135,11 @@ def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int,
     return out
 
 
-def pipeline_step(schedule: str, pp: int, m: int, fwd: Sequence[float], bwd: Sequence[float],
-                  multipliers: Sequence[Sequence[float]], send: Sequence[float] = (),
-                  stages_per_rank: int = 1) -> float:
-    """The step's makespan when micro-batch j of stage k takes fwd[k] * multipliers[k][j] forward and
-    bwd[k] * multipliers[k][j] backward (send[k]: stage k's hop to k + 1, each way)."""
+def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]],
+                  send: Sequence[float] = (), stages_per_rank: int = 1) -> float:
+    """The step's makespan when micro-batch j of stage k takes fwd[k][j] forward and bwd[k][j] backward
+    (send[k]: stage k's hop to k + 1, each way)."""
+    m = len(fwd[0])
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     send = list(send) or [0.0] * n
@@ -148,12 +148,17 @@ def pipeline_step(schedule: str, pp: int, m: int, fwd: Sequence[float], bwd: Seq
     free = [0.0] * pp
     for pos, kind, k, j in st.order:
         if kind == F:
-            ready, dur = (f_end[k - 1][j] + send[k - 1] if k > 0 else 0.0), fwd[k] * multipliers[k][j]
+            ready, dur = (f_end[k - 1][j] + send[k - 1] if k > 0 else 0.0), fwd[k][j]
         elif kind in (B, BW):
-            ready, dur = (b_end[k + 1][j] + send[k] if k < n - 1 else f_end[k][j]), bwd[k] * multipliers[k][j]
+            ready, dur = (b_end[k + 1][j] + send[k] if k < n - 1 else f_end[k][j]), bwd[k][j]
         else:   # a split weight gradient: its share is in bwd already
             ready, dur = b_end[k][j], 0.0
         start = max(free[pos], ready)
         free[pos] = start + dur
         (f_end if kind == F else b_end)[k][j] = start + dur
     return max(free)
+
+
+def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -> List[List[float]]:
+    """Per-(stage, micro-batch) durations: a fixed-length micro-batch's per stage, times its multiplier."""
+    return [[t * x for x in row] for t, row in zip(per_stage, multipliers)]
