@@ -92,3 +92,98 @@ def test_torch_cannot_shard_cpu_attention():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the plan's cp and its cost (no run)
+def _checks_know_cp() -> bool:
+    """plan/checks.py counts a stage's ranks as tp*dp*cp (the lead applies H3's diff to it)."""
+    from hrlplan.plan import homogeneous_plan
+
+    try:
+        homogeneous_plan("llama-tiny", 4, [(0, 4)], dp=1, tp=1, cp=2, microbatch_size=1, num_microbatches=1,
+                         schedule="1f1b")
+    except ValueError:
+        return False
+    return True
+
+
+needs_cp_checks = pytest.mark.skipif(not _checks_know_cp(), reason="plan/checks.py without the cp rank count yet")
+
+
+@needs_cp_checks
+def test_a_cp_plan_round_trips_and_orders_ranks_dp_cp_tp():
+    from hrlplan.plan import Plan, PlanError, homogeneous_plan
+
+    plan = homogeneous_plan("llama-tiny", 4, [(0, 2), (2, 4)], dp=2, tp=2, cp=2, microbatch_size=1,
+                            num_microbatches=4, schedule="1f1b")
+    assert plan.world_size == 16 and plan.cp == 2 and plan.global_batch_size == 8   # cp splits sequences, not rows
+    assert Plan.from_yaml(plan.to_yaml()) == plan and "cp: 2" in plan.to_yaml()
+    assert "cp:" not in homogeneous_plan("llama-tiny", 4, [(0, 4)], dp=2, tp=1, microbatch_size=1,
+                                         num_microbatches=1, schedule="1f1b").to_yaml()
+    assert [s.ranks for s in plan.as_pipelines()[1].stages] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    with pytest.raises(PlanError, match=r"stages\[0\]\.ranks: 8 ranks listed but tp\*dp\*cp = 2\*2\*3"):
+        Plan.from_yaml(plan.to_yaml().replace("cp: 2", "cp: 3", 1))
+    with pytest.raises(PlanError, match=r"stages\[0\]\.cp: must be an integer"):
+        Plan.from_yaml(plan.to_yaml().replace("cp: 2", "cp: two", 1))
+
+
+def _h100_node():
+    from pathlib import Path
+
+    import yaml
+
+    from hrlplan.cluster import spec_from_preset
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "cluster" / "h100x8-4n.yaml"
+    return spec_from_preset(yaml.safe_load(conf.read_text()))
+
+
+def _stage_cost(cp=1, dp=1, tp=1, seq=8192, recompute="none"):
+    from hrlplan.cost.model import CostOptions, StageCostModel
+    from test_cost import llama7b_meta
+
+    costs = StageCostModel(llama7b_meta(seq), _h100_node(), CostOptions(bytes_per_value=2))
+    group = list(range(tp * dp * cp))
+    return costs.stage(0, 8, False, False, group, tp, dp, 1, 2, recompute=recompute, microbatches=4)
+
+
+def test_cp_divides_activations_and_compute_and_charges_the_ring():
+    from hrlplan.cost import context_parallel as cpc
+    from test_cost import llama7b_meta
+
+    one, two = _stage_cost(cp=1), _stage_cost(cp=2)
+    assert two.activation == pytest.approx(one.activation / 2)
+    assert two.compute_fwd == pytest.approx(one.compute_fwd / 2, rel=0.02)   # saturation: a hair either way
+    # the ring: cp - 1 passes of a shard's K and V per block, twice that in backward; an H100 node's
+    # NVLink hides it behind the attention core at 8k tokens, so the step does not pay it
+    fwd, bwd = cpc.ring_exchange_s(llama7b_meta(8192), 4096, 1, 2, 2, 450e9, 0.0)
+    assert fwd == pytest.approx(4096 * 2 * 4096 * 2 / 450e9) and bwd == pytest.approx(2 * fwd)
+    assert two.fwd < one.fwd
+    # weights are sharded over dp * cp: cp 2 at dp 1 shards as dp 2 at cp 1
+    assert two.memory["optimizer"] == pytest.approx(_stage_cost(dp=2).memory["optimizer"])
+    assert two.dp_sync > 0 and one.dp_sync == 0
+
+
+def test_the_ring_is_charged_beyond_the_attention_it_overlaps():
+    from hrlplan.cost import context_parallel as cpc
+    from hrlplan.cost.model import CostOptions, StageCostModel
+    from test_cost import llama7b_meta
+
+    assert cpc.exposed(3.0, 1.0) == 2.0 and cpc.exposed(1.0, 3.0) == 0.0
+    costs = StageCostModel(llama7b_meta(8192), _h100_node(), CostOptions(bytes_per_value=2))
+    across = list(range(0, 16))            # cp 16 over two nodes: the ring crosses InfiniBand
+    bare_f, bare_b = costs._ring(across, 1, 16, 512, 8, 0.0, 0.0)   # nothing to hide behind
+    assert bare_f > 0 and bare_b == pytest.approx(2 * bare_f)
+    assert costs._ring(across, 1, 16, 512, 8, 1.0, 2.0) == (0.0, 0.0)   # a long attention hides it
+    assert costs._ring(across, 1, 1, 512, 8, 0.0, 0.0) == (0.0, 0.0)
+
+
+def test_the_planners_cp_degrees():
+    from hrlplan.cost.context_parallel import context_parallel_degrees
+
+    assert context_parallel_degrees(8192, 8, 2, ["cuda"] * 8, search=True) == [1, 2, 4]
+    assert context_parallel_degrees(8192, 8, 1, ["cpu"] * 8, search=True) == [1]   # torch's ring needs CUDA
+    assert context_parallel_degrees(96, 8, 1, ["cuda"] * 8, search=True) == [1, 2, 4, 8]
+    assert context_parallel_degrees(20, 8, 1, ["cuda"] * 8, search=True) == [1, 2]   # 2*cp chunks divide seq
+    assert context_parallel_degrees(8192, 8, 1, ["cuda"] * 8, requested=4) == [4]
+    assert context_parallel_degrees(8192, 8, 1, ["cuda"] * 8, requested=3) == []     # 8 devices: no cp 3
