@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from hrlplan.conf_tree import conf_dir, config_groups_help, is_internal_config
 from hrlplan.config import (TOP_LEVEL_ALIASES, ClusterConfig, Config, DataConfig, ExactPlannerSchema, HRLPlannerSchema,
                             HRMLossConfig, LoggerConfig, ManualPlannerSchema, RandomPlannerSchema, TrainConfig)
-from hrlplan.families import BY_SCHEMA_OPTION, family_of
+from hrlplan.families import by_schema_option, family_of
 from hrlplan.validate import check_values, explain_compose_error, is_compose_error, override_keys
 
 
@@ -98,7 +98,7 @@ def register_configs() -> None:
     """Register every schema in Hydra's ConfigStore (called by pretrain.py before composing)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    for option, family in BY_SCHEMA_OPTION.items():
+    for option, family in by_schema_option().items():
         cs.store(group="arch", name=option, node=family.schema)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="planner", name="exact_schema", node=ExactPlannerSchema)

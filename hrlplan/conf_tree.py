@@ -13,7 +13,7 @@ import yaml
 from hydra.core.global_hydra import GlobalHydra
 
 from hrlplan.errors import UserError
-from hrlplan.families import BY_SCHEMA_OPTION
+from hrlplan.families import by_schema_option
 
 SCHEMA_SUFFIX = "_schema"
 
@@ -61,7 +61,7 @@ def shipped_archs() -> List[str]:
 
 
 def _schema_defaults(raw: Dict[str, Any]) -> List[str]:
-    return [d for d in raw.get("defaults") or [] if isinstance(d, str) and d in BY_SCHEMA_OPTION]
+    return [d for d in raw.get("defaults") or [] if isinstance(d, str) and d in by_schema_option()]
 
 
 def load_shipped_arch(name: str) -> Dict[str, Any]:
@@ -69,7 +69,7 @@ def load_shipped_arch(name: str) -> Dict[str, Any]:
     raw = yaml.safe_load((conf_dir() / "arch" / f"{name}.yaml").read_text()) or {}
     defaults = _schema_defaults(raw)
     raw.pop("defaults", None)
-    base = asdict(BY_SCHEMA_OPTION[defaults[0]].schema()) if defaults else {}
+    base = asdict(by_schema_option()[defaults[0]].schema()) if defaults else {}
     base.update(raw)
     return base
 
@@ -77,7 +77,7 @@ def load_shipped_arch(name: str) -> Dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def arch_options_by_schema() -> Dict[str, List[str]]:
     """The shipped arch options, by the schema their YAML extends (gpt2_schema: gpt2, gpt2-tiny, ...)."""
-    out: Dict[str, List[str]] = {name: [] for name in BY_SCHEMA_OPTION}
+    out: Dict[str, List[str]] = {name: [] for name in by_schema_option()}
     for path in sorted((conf_dir() / "arch").glob("*.yaml")):
         try:
             raw = yaml.safe_load(path.read_text()) or {}
@@ -85,5 +85,5 @@ def arch_options_by_schema() -> Dict[str, List[str]]:
         except (OSError, yaml.YAMLError):
             continue
         for d in defaults:
-            out[d].append(path.stem)
+            out.setdefault(d, []).append(path.stem)
     return out

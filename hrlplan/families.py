@@ -12,7 +12,7 @@ Adding a family (e.g. Qwen3 as a shipped arch with its own schema) is one `Famil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from hrlplan.config import HRM_RECIPE, GPT2ArchConfig, HRMArchConfig, LlamaArchConfig
 
@@ -64,7 +64,8 @@ LLAMA_RULES = {**_sizes("hidden_size", "intermediate_size", "num_hidden_layers",
                         "num_key_value_heads", "max_position_embeddings"),
                "vocab_size": "vocab", "rms_norm_eps": "pos", "rope_theta": "pos"}
 
-FAMILIES: Tuple[Family, ...] = (
+# First match wins (family_for): a family of its own for a model type goes before a group that lists it.
+FAMILIES: List[Family] = [
     Family("gpt2", "hf", ("gpt2",), PIPELINE_TRAINER, schema=GPT2ArchConfig, schema_option="gpt2_schema",
            tp_plan="gpt2", sequence_parallel=True, layers_key="n_layer", positions_key="n_positions",
            value_rules={**_sizes("n_layer", "n_embd", "n_head", "n_positions"), "vocab_size": "vocab",
@@ -88,11 +89,14 @@ FAMILIES: Tuple[Family, ...] = (
                         "puzzle_emb_ndim": "nonneg_int", "expansion": "pos", "halt_exploration_prob": "unit",
                         "rms_norm_eps": "pos", "rope_theta": "pos"},
            head_splits=(("hidden_size", "num_heads"),)),
-)
+]
 # Any other Hugging Face causal LM (arch.model_id): pipelined, no tensor-parallel plan.
 GENERIC_HF = Family("hf", "hf", (), PIPELINE_TRAINER)
-BY_NAME: Dict[str, Family] = {f.name: f for f in FAMILIES + (GENERIC_HF,)}
-BY_SCHEMA_OPTION: Dict[str, Family] = {f.schema_option: f for f in FAMILIES if f.schema_option}
+
+
+def by_schema_option() -> Dict[str, Family]:
+    """{Hydra schema name: family} for the families a shipped arch YAML can extend."""
+    return {f.schema_option: f for f in FAMILIES if f.schema_option}
 
 
 def family_for(arch_family: Any, model_type: Any) -> Family:
@@ -125,9 +129,3 @@ def arch_family_for_model_type(model_type: Any) -> str:
 def shipped_schema(arch: Mapping[str, Any]) -> Optional[type]:
     """The schema whose keys an arch takes; None: the model's own config.json decides."""
     return family_of(arch).schema
-
-
-def own_keys_of_others(family: Family) -> Dict[Family, Tuple[Tuple[str, ...], Tuple[str, ...]]]:
-    """{another family: (its own top-level keys, its own train keys)} for the keys `family` does not read."""
-    return {f: (f.own_top_keys, f.own_train_keys) for f in FAMILIES
-            if f is not family and (f.own_top_keys or f.own_train_keys)}

@@ -13,7 +13,7 @@ import yaml
 
 from hrlplan.conf_tree import conf_dir, load_shipped_arch, shipped_archs  # noqa: F401 (conf_dir: tests' old home)
 from hrlplan.errors import one_line
-from hrlplan.families import arch_family_for_model_type, family_of
+from hrlplan.families import GENERIC_HF, arch_family_for_model_type, family_of
 from hrlplan.model_record import SCHEMA_VERSION, ModelMeta, ModelResolutionError  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
         return load_shipped_arch(model_id)
     path = Path(model_id)
     if path.is_dir() and (path / "config.json").exists():
-        return {"name": path.name, "family": "hf", "model_id": str(path)}
+        return {"name": path.name, "family": GENERIC_HF.arch_family, "model_id": str(path)}
     if path.is_file() and path.suffix in (".yaml", ".yml", ".json"):
         try:
             data = yaml.safe_load(path.read_text())
@@ -43,7 +43,7 @@ def resolve_arch(model_id: str) -> Dict[str, Any]:
         from transformers import AutoConfig   # why: 1.3 s, for ids in the HF cache only
 
         AutoConfig.from_pretrained(model_id, local_files_only=True)
-        return {"name": model_id.split("/")[-1], "family": "hf", "model_id": model_id}
+        return {"name": model_id.split("/")[-1], "family": GENERIC_HF.arch_family, "model_id": model_id}
     except Exception:
         pass
     raise ModelResolutionError(

@@ -1,11 +1,21 @@
 """Introspection finds any common HF causal LM's blocks, embeddings and head by structure: each family
 built on the meta device from a tiny config (saved as a local config.json, the user's path)."""
+import ast
 import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
+from hydra.core.config_store import ConfigStore
 
+import hrlplan
+from hrlplan import families as registry
+from hrlplan.compose import compose
+from hrlplan.conf_tree import load_shipped_arch
+from hrlplan.config import HRMArchConfig, LlamaArchConfig, typed
+from hrlplan.errors import ConfigError
 from hrlplan.model_meta import ModelResolutionError, introspect, resolve_arch
 
 H, L, V, P, SEQ = 64, 2, 128, 64, 32
@@ -194,3 +204,112 @@ def test_pipeline_stages_equal_the_whole_model_or_say_they_cannot(name):
     first, last = build_stage_modules(model, [(0, 1), (1, L)])
     with torch.no_grad():
         torch.testing.assert_close(last(first(x)), model(x).logits, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the registry (hrlplan/families.py)
+def test_each_family_states_its_facts_once():
+    from dataclasses import fields as schema_fields
+
+    from hrlplan.runtime.family_trainers import TRAINERS
+    from hrlplan.runtime.tensor_parallel import BLOCK_PLANS
+
+    for family in registry.FAMILIES + [registry.GENERIC_HF]:
+        assert family.trainer in TRAINERS, family.name
+        assert family.tp_plan is None or family.tp_plan in BLOCK_PLANS, family.name
+        assert family.data_kind in (registry.LM_DATA, registry.PUZZLE_DATA)
+        assert not family.sequence_parallel or family.tp_plan, f"{family.name}: sequence parallel is a tp plan's"
+        assert family.pipeline or family.data_kind == registry.PUZZLE_DATA
+        if family.schema is None:
+            assert not (family.value_rules or family.layers_key or family.schema_option), family.name
+            continue
+        names = {f.name for f in schema_fields(family.schema)}
+        default = family.schema()
+        assert default.family == family.arch_family and family.covers(default.model_type), family.name
+        used = set(family.value_rules) | {k for pair in family.head_splits for k in pair} | \
+            {family.layers_key, family.positions_key} - {None}
+        assert used <= names, f"{family.name}: {sorted(used - names)} are no keys of {family.schema.__name__}"
+        assert family.schema_option.endswith("_schema")
+
+
+def test_the_registry_answers_what_the_code_used_to_spell_out():
+    facts = {name: registry.family_of({"family": arch, "model_type": model_type})
+             for name, arch, model_type in [("gpt2", "hf", "gpt2"), ("llama", "hf", "llama"), ("qwen3", "hf", "qwen3"),
+                                            ("opt", "hf", "opt"), ("hrm", "hrm", "hrm_act_v1"), ("hrm-file", None,
+                                                                                              "hrm_act_v1")]}
+    assert [facts[n].name for n in facts] == ["gpt2", "llama", "llama_style", "hf", "hrm", "hrm"]
+    assert {n for n, f in facts.items() if f.tp_plan} == {"gpt2", "llama", "qwen3"}
+    assert {n for n, f in facts.items() if f.llama_blocks} == {"llama", "qwen3"}
+    assert {n for n, f in facts.items() if not f.pipeline} == {"hrm", "hrm-file"}
+    assert facts["hrm"].schema is HRMArchConfig and facts["opt"].schema is None
+    assert registry.arch_family_for_model_type("hrm_act_v1") == "hrm"
+    assert registry.arch_family_for_model_type("mistral") == "hf"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-tiny", "llama-tiny", "hrm"])
+def test_every_shipped_arch_has_its_family(name):
+    arch = load_shipped_arch(name)
+    family = registry.family_of(arch)
+    assert family.schema is not None and set(arch) >= {f for f in family.value_rules}
+
+
+def test_launch_validate_and_the_trainers_never_compare_a_family_name():
+    """The LM/HRM switch is the registry's: no `x == "hrm"` (nor "hf", "gpt2", "llama") outside the
+    families' own modules."""
+    names = {"hrm", "hf", "gpt2", "llama", "mistral", "qwen2", "qwen3"}
+    root = Path(hrlplan.__file__).parent
+    paths = [*(root / "launch").glob("*.py"), *(root / "validate").glob("*.py"), root / "compose.py",
+             root / "memory_guide.py", root / "model_meta.py", root / "app.py", root / "cli.py",
+             *(root / "runtime" / m for m in ("trainer.py", "hrm_trainer.py", "family_trainers.py", "metrics.py",
+                                              "evaluate_run.py", "tensor_parallel.py"))]
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in names
+                    for side in [node.left, *node.comparators] for c in ast.walk(side)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "ask hrlplan.families instead:\n" + "\n".join(found)
+
+
+@dataclass
+class _Qwen3ArchConfig(LlamaArchConfig):
+    name: str = "qwen3"
+    model_type: str = "qwen3"
+    head_dim: int = 128
+
+
+def test_a_new_family_is_one_entry():
+    """Qwen3 as a shipped arch with a schema of its own: one Family in FAMILIES, and composing, the
+    checks, the planner's limits, the tensor-parallel plan and the trainer all know it."""
+    qwen3 = registry.Family("qwen3", "hf", ("qwen3",), registry.PIPELINE_TRAINER, schema=_Qwen3ArchConfig,
+                            schema_option="qwen3_schema", tp_plan="llama", llama_blocks=True, sequence_parallel=True,
+                            layers_key="num_hidden_layers", positions_key="max_position_embeddings",
+                            value_rules={**registry.LLAMA_RULES, "head_dim": "pos_int"})
+    registry.FAMILIES.insert(0, qwen3)   # the entry: before llama_style, which lists qwen3 among its types
+    try:
+        _every_layer_knows(qwen3)
+    finally:
+        registry.FAMILIES.remove(qwen3)
+        ConfigStore.instance().repo["arch"].pop("qwen3_schema.yaml", None)
+
+
+def _every_layer_knows(qwen3) -> None:
+    from hrlplan.compose import register_configs
+    from hrlplan.launch.planning import planner_settings
+    from hrlplan.runtime.family_trainers import TRAINERS
+    from hrlplan.runtime.tensor_parallel import BLOCK_PLANS
+    from hrlplan.validate import check_values
+
+    arch = {**asdict(_Qwen3ArchConfig()), "num_hidden_layers": 4}
+    assert registry.family_of(arch) is qwen3 and registry.by_schema_option()["qwen3_schema"] is qwen3
+    register_configs()
+    assert ConfigStore.instance().load("arch/qwen3_schema.yaml").node.model_type == "qwen3"
+    config = compose(["arch=llama-tiny"])
+    with pytest.raises(ConfigError, match="arch.head_dim"):
+        check_values({**config, "arch": {**arch, "head_dim": 0}})
+    with pytest.raises(ConfigError, match="unknown key arch.rope_scaling"):
+        check_values({**config, "arch": {**arch, "rope_scaling": 2.0}})
+    check_values({**config, "arch": arch})
+    settings = planner_settings(typed({**config, "arch": arch}), qwen3)
+    assert settings["max_tp"] == config["planner"]["max_tp"] and qwen3.tp_plan in BLOCK_PLANS
+    assert qwen3.trainer in TRAINERS

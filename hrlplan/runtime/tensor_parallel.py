@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
-from hrlplan.families import FAMILIES, family_for
+from hrlplan.families import FAMILIES, GENERIC_HF, family_for
 from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def parallelize_stage(part: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool
     if tp == 1:
         return part
     blocks = getattr(part.base, part.blocks_attr).values()
-    shard_blocks = BLOCK_PLANS.get(family_for("hf", part.model_type).tp_plan)
+    shard_blocks = BLOCK_PLANS.get(family_for(GENERIC_HF.arch_family, part.model_type).tp_plan)
     if shard_blocks is None:
         supported = sorted(t for f in FAMILIES if f.tp_plan in BLOCK_PLANS for t in f.model_types)
         raise NotImplementedError(f"tensor parallel for {part.model_type} is not implemented; "

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from hrlplan import config as c
 from hrlplan.conf_tree import arch_options_by_schema
 from hrlplan.errors import ConfigError
-from hrlplan.families import BY_SCHEMA_OPTION, FAMILIES, PUZZLE_DATA, family_of
+from hrlplan.families import FAMILIES, PUZZLE_DATA, by_schema_option, family_of
 from hrlplan.schedules import multi_stage_names
 
 PLANNER_SCHEMAS = {"exact": c.ExactPlannerSchema, "hrl": c.HRLPlannerSchema, "manual": c.ManualPlannerSchema,
@@ -49,7 +49,7 @@ def options_owning(full_key: str) -> List[str]:
         return [f"planner={name}" for name, schema in PLANNER_SCHEMAS.items() if leaf in _names(schema)]
     if group == "arch":
         owned = []
-        for schema_name, family in BY_SCHEMA_OPTION.items():
+        for schema_name, family in by_schema_option().items():
             if leaf in _names(family.schema):   # the family's base option (gpt2) before its sizes
                 options = sorted(arch_options_by_schema().get(schema_name, []), key=lambda o: (len(o), o))
                 owned += [f"arch={o}" for o in options]
