@@ -105,3 +105,47 @@ def test_compiled_blocks_under_fsdp_or_tensor_parallel_train_as_one_process(tmp_
     compiled = train_with_options(plan, overrides, tmp_path / "compiled", STEPS,
                                   stage_options={"sequence_parallel": tp > 1})["losses"]
     assert compiled == pytest.approx(reference_losses(GPT2, STEPS), abs=TOLERANCE)
+
+
+def test_calibration_measures_the_compile_speedup_of_a_block():
+    """The measuring function calibration calls (runtime/compile.measure_compile_speedup), on a tiny
+    Llama block compiled with dynamo's eager backend (the logic without inductor's build time)."""
+    import torch
+
+    from hrlplan.runtime.compile import SPEEDUP_KEY, measure_compile_speedup
+
+    part = _stage(["arch=llama-tiny", "arch.num_hidden_layers=2"])
+    block = next(iter(getattr(part.base, part.blocks_attr).values()))
+
+    class Alone(torch.nn.Module):   # the block with its rotary embeddings, as the stage calls it
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            positions = torch.arange(x.shape[1]).unsqueeze(0)
+            return self.block(x, position_embeddings=part.base.rotary_emb(x, positions))
+
+    out = measure_compile_speedup(Alone(), lambda: torch.randn(2, 16, block.hidden_size), rounds=2, steps=2,
+                                  backend="eager")
+    assert set(out) == {SPEEDUP_KEY, "min", "max", "compile_s"}
+    assert out["min"] <= out[SPEEDUP_KEY] <= out["max"] and out[SPEEDUP_KEY] > 0 and out["compile_s"] > 0
+    assert all(p.grad is None for p in block.parameters())   # the block leaves as it came
+
+
+def test_the_cost_model_divides_the_blocks_compute_by_the_speedup():
+    from hrlplan.cost.model import CostOptions, StageCostModel
+    from test_cost import a100_node, llama7b_meta
+
+    def stage(**opts):
+        costs = StageCostModel(llama7b_meta(), a100_node(), CostOptions(bytes_per_value=2, **opts))
+        return costs.stage(0, 8, False, False, [0], 1, 1, 1, 1)
+
+    eager, compiled = stage(), stage(compile=True, compile_speedup=1.25)
+    assert compiled.compute_fwd == pytest.approx(eager.compute_fwd / 1.25)
+    assert stage(compile_speedup=1.25).compute_fwd == eager.compute_fwd           # only when the run compiles
+    assert stage(compile=True).compute_fwd == eager.compute_fwd                   # uncalibrated: 1.0
+    cal = a100_node()
+    cal.calibration = dict(cal.calibration or {}, compile_speedup=1.5)
+    measured = StageCostModel(llama7b_meta(), cal, CostOptions(bytes_per_value=2, compile=True))
+    assert measured.dev.overheads.compile_speedup == 1.5

@@ -18,10 +18,17 @@ Inductor on CPU builds C++ kernels: a host without a C++ compiler is refused bef
 """
 from __future__ import annotations
 
+import copy
+import statistics
+import time
 from contextlib import nullcontext
+from typing import Callable, Dict
 
 import torch
 import torch.nn as nn
+
+# The calibration record's key for the measured figure (cost.device_model.Overheads.compile_speedup)
+SPEEDUP_KEY = "compile_speedup"
 
 
 def apply_compile(part: nn.Module, fullgraph: bool = True) -> nn.Module:
@@ -41,3 +48,36 @@ def eager_while(measuring: bool):
     skipped for good -- never compiling it -- or, with fullgraph, fail. force_eager leaves the
     compiled code untouched for the steps after; the measured memory is then eager's."""
     return torch.compiler.set_stance("force_eager") if measuring else nullcontext()
+
+
+def _fwd_bwd_s(block: nn.Module, make_input: Callable[[], torch.Tensor]) -> float:
+    x = make_input().requires_grad_(True)
+    start = time.perf_counter()
+    out = block(x)
+    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    return time.perf_counter() - start
+
+
+def measure_compile_speedup(block: nn.Module, make_input: Callable[[], torch.Tensor], rounds: int = 5,
+                            steps: int = 3, backend: str = "inductor") -> Dict[str, float]:
+    """train.compile's speed-up of one block's forward + backward on this device, for calibration
+    (recorded as SPEEDUP_KEY, which the cost model divides the blocks' compute by when a run compiles).
+
+    A copy of `block` is compiled as apply_compile compiles it (fullgraph); the first compiled call
+    (the compile itself) is timed apart. Eager and compiled then alternate, `steps` calls each per
+    round, so both see the same load; the figure is the median of the rounds' eager/compiled
+    ratios (bench/compile.py's rule), with its min and max. `make_input` gives a fresh input of the
+    block (a micro-batch's hidden states); `backend="eager"` exercises the logic without inductor."""
+    compiled = copy.deepcopy(block)
+    compiled.compile(fullgraph=True, backend=backend)
+    start = time.perf_counter()
+    _fwd_bwd_s(compiled, make_input)
+    compile_s = time.perf_counter() - start
+    _fwd_bwd_s(block, make_input)   # eager's warm-up (allocator, first-call dispatch)
+    ratios = []
+    for _ in range(rounds):
+        eager = statistics.median(_fwd_bwd_s(block, make_input) for _ in range(steps))
+        fast = statistics.median(_fwd_bwd_s(compiled, make_input) for _ in range(steps))
+        ratios.append(eager / max(fast, 1e-12))
+    block.zero_grad(set_to_none=True)
+    return {SPEEDUP_KEY: statistics.median(ratios), "min": min(ratios), "max": max(ratios), "compile_s": compile_s}
