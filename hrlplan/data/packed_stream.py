@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,7 @@ class PackedLMStream:
         self._ahead: Dict[int, Future] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
         self.dispatches: List[Dict[str, Any]] = []   # per training step decided here: method, seconds, times
+        self.last_useful_tokens: Optional[int] = None   # the last training step's, for tokens/s without padding
 
     def _layout(self, rows: int) -> StepLayout:
         if self.layout is None:   # no plan given: each row its own micro-batch of one replica
@@ -134,6 +135,8 @@ class PackedLMStream:
         if self.balanced and split == "train":
             assignment = self.assignment(step, rows)
         packed = self.documents.pack(pieces, assignment)
+        if split == "train":
+            self.last_useful_tokens = packed.useful_tokens
         return to_wire(packed, packed.useful_tokens, rows)
 
     def close(self) -> None:
@@ -144,7 +147,9 @@ class PackedLMStream:
 
 def packing_refusal(packing: str, data_name: str, arch_family: str = "hf", plan=None,
                     train=None) -> Optional[str]:
-    """One line saying why data.packing=document|balanced cannot run with these settings, or None."""
+    """One line saying why data.packing=document|balanced cannot run with these settings, or None.
+    arch_family "hrm": a puzzle model; train: a TrainConfig or its plain mapping. Without `plan` and
+    `train` (the config check before any worker starts) only what the config alone decides."""
     if packing == "concat":
         return None
     if arch_family == "hrm":
@@ -159,9 +164,10 @@ def packing_refusal(packing: str, data_name: str, arch_family: str = "hf", plan=
         return (f"data.packing={packing}: tensor-parallel stages (tp > 1) do not take packed documents yet; "
                 "use a plan with tp=1 or data.packing=concat")
     if train is not None:
-        if int(getattr(train, "context_parallel", 1) or 1) > 1:
+        setting = train.get if isinstance(train, Mapping) else functools.partial(getattr, train)
+        if int(setting("context_parallel", 1) or 1) > 1:
             return f"data.packing={packing}: context parallelism shards one sequence; set train.context_parallel=1"
-        if getattr(train, "compile", False):
+        if setting("compile", False):
             return (f"data.packing={packing}: the per-document attention has a shape per document, which "
                     "torch.compile would recompile for; set train.compile=false")
     return None
