@@ -146,3 +146,52 @@ def test_float8_linears_under_tp_2_with_sequence_parallel_match_one_process(tmp_
 
     relative = launch_workers(_float8_under_tp_worker, (), 2, name="h14-float8-tp", log_dir=str(tmp_path))
     assert all(r < 1e-5 for r in relative.values()), relative
+
+
+# ---------------------------------------------------------------- the cost model (no torchao needed)
+def test_fp8_peaks_are_the_datasheets_dense_figures():
+    from hrlplan.devices import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp8") == pytest.approx(2 * peak_flops("NVIDIA H100 80GB HBM3", "bf16"), rel=1e-3)
+    assert peak_flops("NVIDIA H200", "float8_e4m3fn") == pytest.approx(1978.9e12)
+    assert peak_flops("NVIDIA L40S", "fp8") == pytest.approx(733e12)
+    assert peak_flops("NVIDIA GeForce RTX 4090", "fp8") == pytest.approx(330.3e12)
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None   # Ampere: no fp8 tensor cores
+
+
+def _llama8b_meta():
+    import dataclasses
+
+    from test_cost import llama7b_meta
+
+    h, ffn, kv = 4096, 14336, 1024
+    mm = 2 * h * h + 2 * h * kv + 3 * h * ffn
+    return dataclasses.replace(llama7b_meta(), block_matmul_params=[mm] * 32,
+                               block_flops_fwd_per_token=[2.0 * mm + 4.0 * 2048 * h] * 32,
+                               extra={"query_width": h, "kv_width": kv, "ffn_size": ffn, "gated_mlp": True,
+                                      "block_class": "LlamaDecoderLayer"})
+
+
+def test_float8_prices_the_swapped_linears_at_the_fp8_peak():
+    from hrlplan.cost import memory as cm
+    from hrlplan.cost.model import CostOptions, StageCostModel, fp8_speedup
+    from test_context_parallel import _h100_node
+
+    meta = _llama8b_meta()
+    # the k and v projections (4096 -> 1024) are torchao's small matmuls: they stay in bf16
+    swapped = [(i, o) for i, o, _ in cm.block_matmuls(meta) if cm.float8_swaps(i, o)]
+    assert (4096, 1024) not in swapped and len(swapped) == 5
+    share = cm.float8_flops_share(meta)
+    assert 0.8 < share < 0.95
+
+    def stage(**opts):
+        costs = StageCostModel(meta, _h100_node(), CostOptions(bytes_per_value=2, **opts))
+        return costs.stage(0, 8, False, False, [0], 1, 1, 1, 1)
+
+    bf16, fp8 = stage(), stage(float8=True)
+    gain = fp8_speedup(_h100_node().devices[0], 2, True)   # the preset's bf16 peak against the datasheet's fp8
+    assert gain == pytest.approx(2.0, rel=0.01)
+    assert fp8.compute_fwd == pytest.approx(bf16.compute_fwd * (1 - share + share / gain), rel=1e-6)
+    # its casts: the widest linear's weight and two tokens x ffn operands, one byte each
+    tokens = 2048
+    assert fp8.memory["transient"] - bf16.memory["transient"] == pytest.approx(14336 * 4096 + 2 * tokens * 14336)

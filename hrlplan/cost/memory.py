@@ -88,6 +88,30 @@ def block_matmuls(meta):
     return attn + [(q, h, True)] + mlp
 
 
+# train.float8's rule for which linears torchao swaps (runtime/float8.py applies it, the cost model
+# prices it): both dims multiples of 16 (torch._scaled_mm), and not small -- torchao's tensorwise
+# auto-filter skips K <= 4096 in and N <= 1024 out, where the casts cost more than fp8 gains.
+FLOAT8_DIM_MULTIPLE = 16
+
+
+def float8_small(in_features: float, out_features: float) -> bool:
+    return in_features <= 4096 and out_features <= 1024
+
+
+def float8_swaps(in_features: float, out_features: float, skip_small: bool = True) -> bool:
+    """Whether a block linear of these (whole, before tp) dims runs in fp8."""
+    if int(in_features) % FLOAT8_DIM_MULTIPLE or int(out_features) % FLOAT8_DIM_MULTIPLE:
+        return False
+    return not (skip_small and float8_small(in_features, out_features))
+
+
+def float8_flops_share(meta) -> float:
+    """The share of a block's forward FLOPs in the linears train.float8 swaps (block_matmuls)."""
+    flops = sum(meta.block_flops_fwd_per_token) / max(len(meta.block_flops_fwd_per_token), 1)
+    fp8 = sum(2.0 * i * o for i, o, _ in block_matmuls(meta) if float8_swaps(i, o))
+    return min(fp8 / flops, 1.0) if flops > 0 and meta.family == "hf" else 0.0
+
+
 def op_sac_saved_per_token(meta, tp: int, sp: bool) -> float:
     """Bytes per token (16-bit) one block keeps under the op-level policy (runtime/recompute.py,
     torchtitan's): its input (sharded under SP), the outputs of the 1st, 3rd, ... matmul (sharded

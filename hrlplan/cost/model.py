@@ -331,14 +331,14 @@ class StageCostModel:
     def _option_scale(self, group: Sequence[int]):
         """What train.compile and train.float8 make of the blocks' compute on the group's devices:
         compile divides it by its speed-up (configured, else calibrated, else 1); float8 runs the
-        linears' share of it (2 x matmul weights per token of the block's FLOPs) at the fp8 peak."""
+        share of it in the linears torchao swaps (memory.float8_flops_share) at the fp8 peak."""
         o, meta = self.opts, self.meta
         scale = 1.0
         if o.compile:
             speedup = o.compile_speedup if o.compile_speedup is not None else self.dev.overheads.compile_speedup
             scale /= max(float(speedup), 1e-6)
-        if o.float8 and meta.block_matmul_params and meta.block_flops_fwd_per_token:
-            linear = min(2.0 * float(meta.block_matmul_params[0]) / float(meta.block_flops_fwd_per_token[0]), 1.0)
+        linear = mem.float8_flops_share(meta) if o.float8 else 0.0
+        if linear > 0:
             gain = min(fp8_speedup(self.dev.cluster.devices[d], o.bytes_per_value, o.tf32) for d in group)
             scale *= 1.0 - linear + linear / gain
         return scale

@@ -9,6 +9,8 @@ Which linears are swapped is decided here (float8_skip_reason), as torchtitan an
 - both dims multiples of 16 (torch._scaled_mm's requirement);
 - not small ones: torchao's tensorwise auto-filter rule (K <= 4096 and N <= 1024 skipped), where
   the casts cost more than the fp8 matmul gains (torchao's H100 microbenchmarks).
+The dims rule lives in hrlplan/cost/memory.py (float8_swaps), so the cost model prices the linears
+this swaps.
 Conversion happens on the whole stage before tensor parallel, recompute, compile and FSDP
 (torchtitan's model converters run first, too). torchao is an optional dependency (the `float8`
 extra), imported only here and only when asked for.
@@ -19,16 +21,11 @@ from typing import Dict, Optional
 
 import torch.nn as nn
 
+from hrlplan.cost.memory import FLOAT8_DIM_MULTIPLE, float8_small
 from hrlplan.errors import UserError
 from hrlplan.validate.train_options import FLOAT8_KEY
 
 HEAD_NAMES = ("lm_head", "output")
-DIM_MULTIPLE = 16
-
-
-def is_small(in_features: int, out_features: int) -> bool:
-    """torchao's tensorwise auto-filter: too small for fp8 to gain (K in, N out)."""
-    return in_features <= 4096 and out_features <= 1024
 
 
 def float8_skip_reason(module: nn.Module, fqn: str, skip_small: bool = True) -> Optional[str]:
@@ -39,9 +36,9 @@ def float8_skip_reason(module: nn.Module, fqn: str, skip_small: bool = True) -> 
         return "not an nn.Linear"
     if fqn.rsplit(".", 1)[-1] in HEAD_NAMES:
         return "output head"
-    if module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
-        return f"dims not multiples of {DIM_MULTIPLE}"
-    if skip_small and is_small(module.in_features, module.out_features):
+    if module.in_features % FLOAT8_DIM_MULTIPLE or module.out_features % FLOAT8_DIM_MULTIPLE:
+        return f"dims not multiples of {FLOAT8_DIM_MULTIPLE}"
+    if skip_small and float8_small(module.in_features, module.out_features):
         return "too small to gain"
     return None
 
@@ -73,7 +70,7 @@ def apply_float8(part: nn.Module, skip_small: bool = True) -> int:
     if not swapped:
         reasons = sorted(set(plan.values()))
         raise UserError(f"{FLOAT8_KEY}=true swaps no linear of this model ({', '.join(reasons) or 'no linears'}): "
-                        f"fp8 needs nn.Linear blocks with both dims multiples of {DIM_MULTIPLE}, larger than "
+                        f"fp8 needs nn.Linear blocks with both dims multiples of {FLOAT8_DIM_MULTIPLE}, larger than "
                         f"torchao's small-matmul rule; set {FLOAT8_KEY}=false")
     convert_to_float8_training(part, module_filter_fn=float8_filter(skip_small))
     return swapped
