@@ -187,3 +187,21 @@ def test_the_planners_cp_degrees():
     assert context_parallel_degrees(20, 8, 1, ["cuda"] * 8, search=True) == [1, 2]   # 2*cp chunks divide seq
     assert context_parallel_degrees(8192, 8, 1, ["cuda"] * 8, requested=4) == [4]
     assert context_parallel_degrees(8192, 8, 1, ["cuda"] * 8, requested=3) == []     # 8 devices: no cp 3
+
+
+def test_a_worker_refuses_a_cp_plan_in_one_line_before_building_its_mesh():
+    """Until the engine enters torch's context_parallel, cp ranks would train unsharded sequences:
+    the mesh is never built for cp > 1 (the launcher says it first where it reads the plan)."""
+    from hrlplan.errors import UserError
+    from hrlplan.plan import Plan, StagePlan
+    from hrlplan.runtime.parallel import build_mesh, rank_coords
+
+    plan = Plan(model="llama-tiny", n_layer=2, world_size=4, pp=1, microbatch_size=1, num_microbatches=1,
+                global_batch_size=2, schedule="1f1b", device_groups=[[0, 1, 2, 3]],
+                stages=[StagePlan(layers=[0, 2], ranks=[0, 1, 2, 3], dp=2, cp=2, embedding=True, head=True)])
+    assert [rank_coords(plan, r) for r in (1, 2)] == [{"pp": 0, "dp": 0, "cp": 1, "tp": 0},
+                                                      {"pp": 0, "dp": 1, "cp": 0, "tp": 0}]
+    for device in ("cpu", "cuda"):
+        with pytest.raises(UserError, match=r"^train\.context_parallel=2: ") as err:
+            build_mesh(plan, device)
+        assert "\n" not in str(err.value)

@@ -16,12 +16,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hrlplan.errors import UserError
 from hrlplan.plan import Plan
+from hrlplan.validate.train_options import context_parallel_refusal
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The plan's mesh. A cp > 1 plan is refused here too (the launcher refuses it before workers
+    start): the engine does not yet enter torch's context_parallel, and cp ranks training unsharded
+    sequences would be silently wrong."""
+    if plan.cp > 1:
+        raise UserError(context_parallel_refusal(plan.cp, device_type, plan.num_stages))
     tp = plan.stages[0].tp
     layout = torch.tensor(plan.device_groups, dtype=torch.int).reshape(plan.pp, plan.dp, plan.cp, tp)
     return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIMS)
