@@ -116,16 +116,17 @@ def _spans(n_layer: int, pp: int):
 
 def _training_runs(args, workdir: Path) -> Dict:
     """Interleaved rounds (the order flips each round): per packing, per run, the step times, losses
-    and the machine's load around it."""
+    and the machine's load around it. --with-concat: today's windows too, last in each round."""
     from hrlplan.compose import compose
     from hrlplan.launch.local_run import train_plan
     from hrlplan.plan import homogeneous_plan
 
     plan = homogeneous_plan("gpt2-tiny", args.n_layer, _spans(args.n_layer, args.pp), dp=1, tp=1, microbatch_size=1,
                             num_microbatches=args.micro_batches, schedule="1f1b")
-    runs: Dict[str, List[Dict]] = {p: [] for p in PACKINGS}
+    extra = ("concat",) if args.with_concat else ()
+    runs: Dict[str, List[Dict]] = {p: [] for p in PACKINGS + extra}
     for r in range(args.rounds):
-        for packing in (PACKINGS if r % 2 == 0 else PACKINGS[::-1]):
+        for packing in (PACKINGS if r % 2 == 0 else PACKINGS[::-1]) + extra:
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             summary = train_plan(plan, compose(_overrides(args) + [f"data.packing={packing}"]),
@@ -143,9 +144,10 @@ def _training_runs(args, workdir: Path) -> Dict:
     return runs
 
 
-def _micro_batch_times(args, streams: Dict, steps: List[int]) -> Dict[str, List[List[float]]]:
-    """Forward + backward of each micro-batch of the same steps, one process, one thread, the whole
-    model (the best of --repeats): what the pipeline's stages split between them."""
+def _micro_batch_times(args, streams: Dict, steps: List[int]) -> Dict[str, Dict[str, List[List[List[float]]]]]:
+    """Per packing, kind (F, B), step: [stage][micro-batch] CPU seconds of this thread (one thread, so
+    the machine's other load hardly moves them), each stage run apart as the pipeline runs it; the best
+    of --repeats."""
     import torch
 
     from hrlplan.compose import compose
@@ -156,21 +158,39 @@ def _micro_batch_times(args, streams: Dict, steps: List[int]) -> Dict[str, List[
     torch.set_num_threads(1)
     cfg = as_config(compose(_overrides(args)))
     model = build_full_model(cfg.arch, args.seed)
-    stage = build_stage_modules(model, [(0, args.n_layer)])[0]
-    out: Dict[str, List[List[float]]] = {p: [] for p in PACKINGS}
+    stages = build_stage_modules(model, _spans(args.n_layer, args.pp))
+    clock = time.thread_time
+    out = {p: {"F": [], "B": []} for p in PACKINGS}
     for step in steps:
         for packing in PACKINGS:
             inputs, targets = streams[packing].batch(step, args.micro_batches)
-            row_times = []
-            for j in range(args.micro_batches):
-                best = float("inf")
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    causal_lm_loss(stage(inputs[j:j + 1]), targets[j:j + 1]).backward()
-                    best = min(best, time.perf_counter() - t0)
-                row_times.append(best)
+            best = {kind: [[float("inf")] * args.micro_batches for _ in stages] for kind in ("F", "B")}
+            for _ in range(args.repeats):
+                for j in range(args.micro_batches):
+                    carried, received = (inputs[j:j + 1],), []
+                    for k, stage in enumerate(stages):
+                        t0 = clock()
+                        out_k = stage(*carried)
+                        if k == len(stages) - 1:
+                            out_k = causal_lm_loss(out_k, targets[j:j + 1])
+                        best["F"][k][j] = min(best["F"][k][j], clock() - t0)
+                        received.append(out_k)
+                        if k < len(stages) - 1:
+                            h = out_k[0].detach().requires_grad_(True)
+                            carried = (h, out_k[1])
+                            received[-1] = (out_k[0], h)
+                    grad = None
+                    for k in reversed(range(len(stages))):
+                        t0 = clock()
+                        if k == len(stages) - 1:
+                            received[k].backward()
+                        else:
+                            received[k][0].backward(grad)
+                        best["B"][k][j] = min(best["B"][k][j], clock() - t0)
+                        grad = received[k - 1][1].grad if k > 0 else None
             model.zero_grad(set_to_none=True)
-            out[packing].append(row_times)
+            for kind in ("F", "B"):
+                out[packing][kind].append(best[kind])
     return out
 
 
@@ -183,23 +203,27 @@ def _fit_row_cost(times: List[float], squares: List[float]):
     return my - slope * mx, slope
 
 
-def _stage_fits(args, runs: Dict, squares: Dict) -> Dict[str, List[tuple]]:
-    """Per kind (F, B) and stage: duration = fixed + per_square * (its micro-batch's sum of squared
-    document lengths), fitted on the pipeline's own recorded operations (each run's last step)."""
-    last = args.steps - 1
+def _stage_fits(args, rows: Dict, squares: Dict, timed_steps: List[int]) -> Dict[str, List[tuple]]:
+    """Per kind (F, B) and stage: CPU seconds = fixed + per_square * (its micro-batch's sum of squared
+    document lengths), fitted on the timed micro-batches of both packings."""
     fits: Dict[str, List[tuple]] = {}
     for kind in ("F", "B"):
         fits[kind] = []
         for k in range(args.pp):
             times, sq = [], []
             for p in PACKINGS:
-                for run in runs[p]:
-                    for e in run["events"]:
-                        if e["kind"] == kind and e["stage"] == k:
-                            times.append(e["end_s"] - e["start_s"])
-                            sq.append(squares[p][last][e["microbatch"]])
-            fits[kind].append(_fit_row_cost(times, sq) if times else (0.0, 0.0))
+                for i, step in enumerate(timed_steps):
+                    times += rows[p][kind][i][k]
+                    sq += squares[p][step]
+            fits[kind].append(_fit_row_cost(times, sq))
     return fits
+
+
+def _measured_compute_steps(args, rows: Dict) -> Dict[str, List[float]]:
+    """Per packing, per timed step: its measured per-(stage, micro-batch) CPU times walked through 1F1B."""
+    from hrlplan.cost.lengths import pipeline_step
+
+    return {p: [pipeline_step("1f1b", args.pp, f, b) for f, b in zip(rows[p]["F"], rows[p]["B"])] for p in PACKINGS}
 
 
 def _predicted_steps(args, meta, fits, squares: List[List[int]]) -> Dict[str, List[float]]:
@@ -245,9 +269,12 @@ def measure(args) -> Dict:
         runs = _training_runs(args, Path(workdir))
     timed_steps = steps[args.warmup:args.warmup + args.timed_steps]
     rows = _micro_batch_times(args, streams, timed_steps)
-    fixed, per_square = _fit_row_cost([t for p in PACKINGS for step in rows[p] for t in step],
+    fits = _stage_fits(args, rows, squares, timed_steps)
+    whole = {p: [[sum(rows[p][kind][i][k][j] for kind in ("F", "B") for k in range(args.pp))
+                  for j in range(args.micro_batches)] for i in range(len(timed_steps))] for p in PACKINGS}
+    fixed, per_square = _fit_row_cost([t for p in PACKINGS for step in whole[p] for t in step],
                                       [s for p in PACKINGS for step in timed_steps for s in squares[p][step]])
-    fits = _stage_fits(args, runs, squares)
+    compute_steps = _measured_compute_steps(args, rows)
     meta = introspect(as_config(compose(_overrides(args))).arch, args.budget)
     report = {"settings": {k: v for k, v in vars(args).items()}, "useful_tokens_per_step": useful,
               "square_sums": squares, "runs": runs, "micro_batch_times_s": rows, "timed_steps": timed_steps,
@@ -263,19 +290,30 @@ def measure(args) -> Dict:
             step_all += times
             tps_rounds.append(statistics.median(u / t for u, t in zip(useful[args.warmup:], times)))
         predicted = _predicted_steps(args, meta, fits, squares[p][args.warmup:])
-        spreads = [max(t) / statistics.fmean(t) for t in rows[p]]
+        spreads = [max(t) / statistics.fmean(t) for t in whole[p]]
         report["packings"][p] = {
             "useful_tokens_per_s_per_round": tps_rounds, "useful_tokens_per_s": quantiles(tps_rounds),
             "step_time_s": quantiles(step_all), "predicted_step_time_s": quantiles(predicted["fitted"]),
             "predicted_step_time_s_planner_flops": quantiles(predicted["planner"]),
             "pipeline_micro_batch_slowest_over_mean": quantiles(_pipeline_spreads(runs[p])),
+            "measured_compute_step_s": quantiles(compute_steps[p]),
             "micro_batch_slowest_over_mean": quantiles(spreads),
             "loss_curves": [run["loss"] for run in runs[p]]}
     doc, bal = report["packings"]["document"], report["packings"]["balanced"]
     ratios = [b / d for b, d in zip(bal["useful_tokens_per_s_per_round"], doc["useful_tokens_per_s_per_round"])]
     report["balanced_over_document"] = {"measured_per_round": ratios, "measured": quantiles(ratios),
+                                        "measured_compute_per_step": [d / b for d, b in zip(
+                                            compute_steps["document"], compute_steps["balanced"])],
                                         "predicted": doc["predicted_step_time_s"]["median"] /
                                         bal["predicted_step_time_s"]["median"]}
+    if "concat" in runs:   # every position is a useful token; attention over the whole budget
+        concat_tps = [statistics.median(args.micro_batches * args.budget / t for t in run["step_time_s"][args.warmup:])
+                      for run in runs["concat"]]
+        report["concat"] = {"useful_tokens_per_s": quantiles(concat_tps),
+                            "step_time_s": quantiles([t for run in runs["concat"]
+                                                      for t in run["step_time_s"][args.warmup:]])}
+        report["document_over_concat"] = quantiles([d / c for d, c in zip(doc["useful_tokens_per_s_per_round"],
+                                                                           concat_tps)])
     report["loss_curves_max_abs_difference"] = max(abs(a - b) for x, y in zip(doc["loss_curves"], bal["loss_curves"])
                                                    for a, b in zip(x, y))
     return report
@@ -308,10 +346,16 @@ def print_measured(report: Dict) -> None:
               f"{r['micro_batch_slowest_over_mean']['median']:.3f} alone, "
               f"{r['pipeline_micro_batch_slowest_over_mean']['median']:.3f} in the pipeline")
     ratio = report["balanced_over_document"]
+    paired = ratio["measured_compute_per_step"]
+    print(f"balanced / document from measured per-micro-batch CPU times through 1F1B (same steps, paired): median "
+          f"{statistics.median(paired):.3f}x (min {min(paired):.3f}, max {max(paired):.3f})")
     print(f"balanced / document: measured {ratio['measured']['median']:.3f}x (per round "
           f"{', '.join(f'{x:.3f}' for x in ratio['measured_per_round'])}), predicted {ratio['predicted']:.3f}x; "
           f"attention share of a full row {report['row_cost_fit']['attention_share_of_a_full_row']:.2f}; "
           f"loss curves differ by at most {report['loss_curves_max_abs_difference']:.2g}")
+    if "concat" in report:
+        print(f"concat    useful tokens/s median {report['concat']['useful_tokens_per_s']['median']:.0f}; document / "
+              f"concat {report['document_over_concat']['median']:.3f}x")
 
 
 def main(argv=None) -> Dict:
@@ -336,6 +380,7 @@ def main(argv=None) -> Dict:
     parser.add_argument("--timed-steps", type=int, default=4, help="--measure: steps whose micro-batches are timed")
     parser.add_argument("--repeats", type=int, default=2, help="--measure: best of this many per micro-batch")
     parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--with-concat", action="store_true", help="--measure: today's concat windows too")
     args = parser.parse_args(argv)
     if args.measure:
         args.out = args.out or "bench/results/mixed_length_measured.json"
