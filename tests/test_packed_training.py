@@ -166,3 +166,14 @@ def test_packed_pp2_training_equals_one_process_and_each_document_alone(tmp_path
     with torch.no_grad():
         expected = _alone(model, pieces, sum(predictions(p) for p in pieces)).item()
     assert losses["pp2"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_concat_rows_take_the_stage_path_of_before():
+    """data.packing=concat: token ids [rows, seq] go through the unchanged forward, HF's own attention."""
+    model = _gpt2()
+    stage = build_stage_modules(model, [(0, 2)])[0]
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(stage(ids), model(input_ids=ids).logits)
+    assert stage.attention_kind is None
+    assert {m.config._attn_implementation for m in model.modules() if type(m).__name__ == "GPT2Attention"} == {"sdpa"}
