@@ -177,3 +177,21 @@ def test_concat_rows_take_the_stage_path_of_before():
         assert torch.equal(stage(ids), model(input_ids=ids).logits)
     assert stage.attention_kind is None
     assert {m.config._attn_implementation for m in model.modules() if type(m).__name__ == "GPT2Attention"} == {"sdpa"}
+
+
+def test_llama_stages_restart_rotary_positions_per_document():
+    """RoPE at each token's position inside its document, grouped-query attention per document."""
+    from hrlplan.models.hf import build_hf_model, hf_config_from_arch
+
+    arch = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = build_hf_model(hf_config_from_arch(arch)).double().eval()
+    docs = _documents([5, 9, 3, 12, 7, 2, 16], seed=1)
+    assignment, _ = next_fit([predictions(d) for d in docs], micro_batches=4, token_budget=16)
+    step = pack_micro_batches(docs, assignment, 16, pad_id=7)
+    inputs, targets = to_wire(step, step.useful_tokens, 4)
+    stages = build_stage_modules(model, [(0, 1), (1, 2)])
+    with torch.no_grad():
+        loss = sum(causal_lm_loss(stages[1](*stages[0](inputs[j:j + 1])), targets[j:j + 1]) for j in range(4)) / 4
+        assert loss.item() == pytest.approx(_alone(model, docs, step.useful_tokens).item(), rel=1e-6)
