@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -162,3 +162,14 @@ def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: S
 def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -> List[List[float]]:
     """Per-(stage, micro-batch) durations: a fixed-length micro-batch's per stage, times its multiplier."""
     return [[t * x for x in row] for t, row in zip(per_stage, multipliers)]
+
+
+def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
+                      distribution: LengthDistribution, micro_batches: int, packing: str, steps: int = 20,
+                      seed: int = 0) -> List[float]:
+    """The predicted step of `steps` steps sampled from the distribution and packed as `packing`:
+    step_of(multipliers) costs one step given its [stage][micro-batch] work multipliers -- the
+    simulator's `lambda w: sim.evaluate(layout, micro_batch_work=w).step_time` once its timeline takes
+    them, or pipeline_step over fixed-length stage times (bench/mixed_length.py)."""
+    return [step_of(micro_batch_multipliers(meta, spans, distribution.budget, step.square_sums))
+            for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans))]
