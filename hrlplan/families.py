@@ -35,6 +35,9 @@ class Family:
     tp_plan: Optional[str] = None          # runtime/tensor_parallel.py's plan for its blocks (None: no tp)
     llama_blocks: bool = False             # q/k/v/o + gate/up/down, RMSNorm, rotary (Llama, Mistral, Qwen)
     sequence_parallel: bool = False        # its tp plan shards the activations between blocks on the sequence
+    # its tp plan keeps a block in a layout of its tp degree (GPT-2's fused c_attn, split per head):
+    # replicas holding a block at different tp degrees cannot resume from one checkpoint
+    tp_layout_per_degree: bool = False
     calibrates: bool = True                # planner.calibrate=auto times its blocks; False: planned from peaks
     idle_ranks: bool = True                # a plan may leave ranks idle (False: every rank the job has trains)
     runtime_options: Tuple[str, ...] = LM_RUNTIME_OPTIONS   # train.* options its trainer runs
@@ -67,7 +70,8 @@ LLAMA_RULES = {**_sizes("hidden_size", "intermediate_size", "num_hidden_layers",
 # First match wins (family_for): a family of its own for a model type goes before a group that lists it.
 FAMILIES: List[Family] = [
     Family("gpt2", "hf", ("gpt2",), PIPELINE_TRAINER, schema=GPT2ArchConfig, schema_option="gpt2_schema",
-           tp_plan="gpt2", sequence_parallel=True, layers_key="n_layer", positions_key="n_positions",
+           tp_plan="gpt2", sequence_parallel=True, tp_layout_per_degree=True, layers_key="n_layer",
+           positions_key="n_positions",
            value_rules={**_sizes("n_layer", "n_embd", "n_head", "n_positions"), "vocab_size": "vocab",
                         **{k: "probability" for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}},
            head_splits=(("n_embd", "n_head"),)),

@@ -240,6 +240,7 @@ def test_the_registry_answers_what_the_code_used_to_spell_out():
     assert {n for n, f in facts.items() if f.tp_plan} == {"gpt2", "llama", "qwen3"}
     assert {n for n, f in facts.items() if f.llama_blocks} == {"llama", "qwen3"}
     assert {n for n, f in facts.items() if not f.pipeline} == {"hrm", "hrm-file"}
+    assert {n for n, f in facts.items() if f.tp_layout_per_degree} == {"gpt2"}
     assert facts["hrm"].schema is HRMArchConfig and facts["opt"].schema is None
     assert registry.arch_family_for_model_type("hrm_act_v1") == "hrm"
     assert registry.arch_family_for_model_type("mistral") == "hf"

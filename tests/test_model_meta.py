@@ -131,3 +131,16 @@ def test_a_broken_model_config_is_one_user_error_naming_it(tmp_path):
     (tmp_path / "meta.json").write_text("[1, 2]")
     with pytest.raises(UserError, match="meta.json: not a usable model_meta.json"):
         ModelMeta.load(tmp_path / "meta.json")
+
+
+def test_model_meta_and_what_it_reads_stay_torch_free():
+    """ModelMeta.load, resolve_arch and the conf/ tree serve `--help`, completion and the planners' CLI:
+    importing them brings no torch; the models (which build with torch) import the record, not the
+    introspection, so neither imports the other back."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hrlplan.model_meta, hrlplan.model_record, hrlplan.conf_tree, hrlplan.compose; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert hrlplan.model_meta.ModelMeta is hrlplan.model_record.ModelMeta")
+    subprocess.run([sys.executable, "-c", code], check=True)

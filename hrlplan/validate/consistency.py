@@ -126,8 +126,9 @@ def check_family_keys(config: Dict[str, Any], explicit: Sequence[str]) -> None:
         if typed:
             names = ", ".join(dict.fromkeys(typed))
             plural = "s" if len(typed) > 1 else ""
+            model = (config.get("arch") or {}).get("name")
             raise ConfigError(typed[0], message=f"{names}: {other.name.upper()}'s key{plural}, which a language "
-                              f"model ({(config.get('arch') or {}).get('name')}) does not read: add {other.select_hint} "
+                              f"model ({model}) does not read: add {other.select_hint} "
                               f"to train {other.name.upper()}, or leave them out (a language model trains "
                               "train.steps steps)")
 

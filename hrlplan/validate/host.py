@@ -1,7 +1,8 @@
 """What the launcher checks on this host before it starts workers: the files a run names (a checkpoint
 to resume, data, a model's config.json, a plan, a cluster spec) exist and hold what the run needs, a
 manual plan agrees with the model, the job and the keys the user typed, the world size fits the host,
-the environment holds no leftover rendezvous (environ.py)."""
+the environment holds no leftover rendezvous (environ.py). A manual plan is checked against the run by
+manual_plan.py."""
 from __future__ import annotations
 
 import json
@@ -16,17 +17,13 @@ from hrlplan.errors import ConfigError, UserError, one_line
 from hrlplan.families import LM_DATA, Family, family_of
 from hrlplan.validate.consistency import override_keys
 from hrlplan.validate.environ import check_environment_variables
-from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
+from hrlplan.validate.files import read_file, refuse_on
+from hrlplan.validate.manual_plan import check_manual_plan
 from hrlplan.validate.model_files import check_model_config, model_shape
 from hrlplan.validate.train_options import train_options_refusal
 
 LM_DATA_SETS = ("synthetic", "code")
 CHECKPOINT_METADATA = ".metadata"   # torch.distributed.checkpoint's index beside its shards
-# plan field -> the train key that means the same; a manual plan decides these, so a different value
-# typed on the command line would be silently ignored
-PLAN_TRAIN_KEYS = {"global_batch_size": "train.global_batch_size", "schedule": "train.schedule",
-                   "stages_per_rank": "train.stages_per_rank", "num_microbatches": "train.microbatches"}
-
 
 def check_environment(config: Any, launching: bool = True, overrides: Optional[Sequence[str]] = None,
                       env: Optional[Mapping[str, str]] = None) -> None:
@@ -51,8 +48,7 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
         path = str(cluster["spec_file"])
         spec = refuse_on("cluster.spec_file", path, lambda: _load_cluster_spec(path))
     if str(planner.get("name")) == "manual":
-        plan = _check_plan_file(planner.get("plan_file"))
-        _check_plan_against_run(plan, config, _explicit(config, overrides), shape, spec, launching)
+        check_manual_plan(config, _explicit(config, overrides), shape, spec, launching)
     if train.get("device") == "cuda":
         import torch   # why: composing and checking a config never needs torch (`--help`, completion)
 
@@ -204,52 +200,6 @@ def _check_code_vocab(data: Dict[str, Any], model_vocab: Optional[int], vocab_ke
     if vocab and model_vocab and vocab > model_vocab:
         raise ConfigError(vocab_key, model_vocab, message=f"the model's vocabulary ({vocab_key}={model_vocab}) is "
                           f"smaller than {where}: set {vocab_key}={vocab} (or larger)")
-
-
-def _check_plan_file(plan_file: Any) -> Any:
-    if not plan_file:
-        raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
-    # why here: a cycle while plan/__init__.py reads its YAML through hrlplan.validate; at the top once it
-    # imports hrlplan.yaml_budget (tests/test_layers.py's CYCLES_TO_BREAK)
-    from hrlplan.plan import Plan
-
-    path = str(plan_file)
-    text = read_file("planner.plan_file", path)
-    data = load_yaml_text(text, path, "planner.plan_file")
-    return refuse_on("planner.plan_file", path, lambda: Plan.from_dict(data, source=path))
-
-
-def _check_plan_against_run(plan: Any, config: Dict[str, Any], explicit: set, shape: Dict[str, Any],
-                            spec: Any, launching: bool) -> None:
-    """A manual plan decides the batch, schedule and micro-batching: a different value typed for one of
-    them is refused, naming both; its depth must be the model's and its world size the job's."""
-    path = config["planner"].get("plan_file")
-    train = config.get("train") or {}
-    for field, key in PLAN_TRAIN_KEYS.items():
-        ours, theirs = train.get(key.split(".")[1]), getattr(plan, field)
-        if key in explicit and ours != "auto" and str(ours) != str(theirs):
-            raise ConfigError(key, ours, message=f"{key}={ours} conflicts with planner.plan_file={path}, whose "
-                              f"{field} is {theirs}: the plan decides it; leave {key} out, or write a plan "
-                              f"with {field}: {ours}")
-    n_layer = shape.get("n_layer")
-    if n_layer and plan.n_layer != n_layer:
-        raise ConfigError("planner.plan_file", path, message=f"planner.plan_file={path} is a plan for {plan.n_layer} "
-                          f"layers (n_layer: {plan.n_layer}, model {plan.model}) but the model has {n_layer} "
-                          f"({shape['n_layer_key']}={n_layer}): re-plan for this model, or choose the plan's model")
-    world, where = None, ""
-    if spec is not None:
-        world = spec.world_size
-        where = f"cluster.spec_file={config['cluster']['spec_file']} has {world} devices"
-    elif launching and (config.get("cluster") or {}).get("probe", True):
-        from hrlplan.cluster import default_nproc_per_node   # why: it brings torch, as in _load_cluster_spec
-
-        setting = config["cluster"].get("nproc_per_node", "auto")
-        world = default_nproc_per_node(setting, str(train.get("device", "auto")))
-        where = f"this job starts {world} worker(s) (cluster.nproc_per_node={setting})"
-    if world is not None and plan.world_size != world:
-        raise ConfigError("planner.plan_file", path, message=f"planner.plan_file={path} needs {plan.world_size} "
-                          f"ranks but {where}: set cluster.nproc_per_node={plan.world_size} "
-                          "(cluster.oversubscribe=true beyond this host's devices), or re-plan for this job")
 
 
 def _load_cluster_spec(path: str) -> Any:
