@@ -29,6 +29,9 @@ CASES = {   # name: (arch, spans, dp, tp, microbatch_size, micro-batches, recomp
     "full": ("llama-tiny", [(0, 4)], 1, 1, 4, 1, "full", False, None),
     "gpt2-full": ("gpt2-tiny", [(0, 4)], 1, 1, 4, 1, "full", False, None),
     "pp2-full": ("llama-tiny", [(0, 2), (2, 4)], 1, 1, 2, 2, "full", False, None),
+    "fsdp2-reshard-selective": ("llama-tiny", [(0, 4)], 2, 1, 4, 1, "selective", False, True),
+    "fsdp2-gathered-full": ("llama-tiny", [(0, 4)], 2, 1, 4, 2, "full", False, False),
+    "pp2-tp2-sp-full": ("llama-tiny", [(0, 2), (2, 4)], 1, 2, 2, 2, "full", True, None),
 }
 
 

@@ -294,6 +294,8 @@ class StageCostModel:
             bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
         activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks, sp)
         transient = transient + self._option_transient(tp, cp, tokens, n_blocks)
+        if recompute == "full" and o.dp_mode == "fsdp":
+            transient = transient + mem.reduce_scatter_buffer_bytes(max(meta.block_params or [0]) / tp, shards)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
         reshard = reshard_after_forward and shards > 1 and o.dp_mode == "fsdp"
