@@ -315,3 +315,24 @@ def test_pipelined_ranks_within_10pct(tmp_path, name):
                                                           options_for_train(cfg["train"]))]
     errors = [(m - p) / p for m, p in zip(measured, predicted)]
     assert len(errors) == plan.world_size and all(abs(e) <= 0.10 for e in errors), errors
+
+
+def test_the_memory_split_names_each_ranks_options(tmp_path):
+    """plan_info.json's memory split per rank carries what produced it (issue 32.7)."""
+    import json
+
+    from hrlplan.config import TrainConfig
+    from hrlplan.plan import homogeneous_plan
+    from hrlplan.runtime.memory import add_to_plan_info, compare, rank_options
+
+    plan = homogeneous_plan("llama-tiny", 4, [(0, 2), (2, 4)], dp=1, tp=2, microbatch_size=1, num_microbatches=2,
+                            schedule="1f1b", recompute=["full", "selective"], sequence_parallel=True)
+    options = rank_options(plan, TrainConfig(compile=True))
+    assert options[0] == {"recompute": ["full"], "sequence_parallel": True, "reshard_after_forward": False, "cp": 1,
+                          "compile": True, "float8": False}
+    assert options[3]["recompute"] == ["selective"]
+    rows = compare([{"peak": 10, "weights": 4}] * 4, [9.0] * 4)
+    add_to_plan_info(tmp_path, rows, [{"tensors": 9.0}] * 4, "live tensor storages", options)
+    info = json.loads((tmp_path / "plan_info.json").read_text())["memory"]["per_rank"]
+    assert info[2]["options"]["sequence_parallel"] and info[2]["options"]["compile"]
+

@@ -263,16 +263,38 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
+def rank_options(plan, train) -> List[Dict[str, object]]:
+    """Per rank, what changes its memory beside the layout: its stages' recompute modes, sequence
+    parallelism, FSDP resharding, the cp degree, train.compile and train.float8 (plan_info.json's
+    memory split carries them, so a figure is read with what produced it)."""
+    reshard = not plan.heterogeneous and plan.resolved_reshard_after_forward()
+    out = []
+    for rank in range(plan.world_size):
+        stages = [s for s in plan.stages if rank in s.ranks] or \
+                 [s for p in plan.pipelines for s in p.stages if rank in s.ranks]
+        out.append({"recompute": sorted({s.recompute for s in stages}),
+                    "sequence_parallel": any(s.sequence_parallel for s in stages),
+                    "reshard_after_forward": bool(reshard and any(s.dp > 1 for s in stages)),
+                    "cp": max((s.cp for s in stages), default=1),
+                    "compile": bool(getattr(train, "compile", False)), "float8": bool(getattr(train, "float8", False))})
+    return out
+
+
 def add_to_plan_info(run_dir, rows: Sequence[Dict[str, float]], predicted_split: Sequence[Dict[str, float]],
-                     kind: str) -> None:
-    """plan_info.json["memory"]: per rank the measured peak and split beside the predicted ones."""
+                     kind: str, options: Optional[Sequence[Dict[str, object]]] = None) -> None:
+    """plan_info.json["memory"]: per rank the measured peak and split beside the predicted ones, and
+    the options it ran with (rank_options) where given."""
     path = Path(run_dir) / "plan_info.json"
     info = json.loads(path.read_text()) if path.exists() else {}
+    per_rank = [dict(row, predicted_split=predicted_split[row["rank"]] if row["rank"] < len(predicted_split) else None)
+                for row in rows]
+    for row in per_rank:
+        if options and row["rank"] < len(options):
+            row["options"] = dict(options[row["rank"]])
     info["memory"] = {
         "measured_kind": kind,
         "compared": "measured peak vs predicted tensor bytes (the predicted total less its workspace reserve)",
-        "per_rank": [dict(row, predicted_split=predicted_split[row["rank"]] if row["rank"] < len(predicted_split)
-                          else None) for row in rows]}
+        "per_rank": per_rank}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(info, indent=1, default=float))
     os.replace(tmp, path)
