@@ -151,21 +151,26 @@ def test_packed_pp2_training_equals_one_process_and_each_document_alone(tmp_path
     from hrlplan.plan import homogeneous_plan
     from hrlplan.runtime.trainer import build_full_model
 
-    losses = {}
+    losses, norms = {}, {}
     for name, spans in (("pp2", [(0, 1), (1, 2)]), ("one", [(0, 2)])):
         plan = homogeneous_plan("gpt2-tiny", 2, spans, dp=1, tp=1, microbatch_size=1, num_microbatches=4,
                                 schedule="1f1b")
         summary = train_plan(plan, _config("balanced"), tmp_path / name, metrics_file=False)
         losses[name] = [h["train/lm_loss"] for h in summary["history"]]
+        norms[name] = [h["train/grad_norm"] for h in summary["history"]]
     assert losses["pp2"] == pytest.approx(losses["one"], rel=1e-5)
+    assert norms["pp2"] == pytest.approx(norms["one"], rel=1e-4)
     # the first step's loss, before any update: every document of step 0 alone through the whole model
     cfg = as_config(_config("document"))
     stream = build_lm_data(cfg.data, 4096, int(cfg.train.seed))
     pieces, _ = stream.documents.step_pieces(0, 4)
     model = build_full_model(cfg.arch, int(cfg.train.seed))
-    with torch.no_grad():
-        expected = _alone(model, pieces, sum(predictions(p) for p in pieces)).item()
-    assert losses["pp2"][0] == pytest.approx(expected, rel=1e-5)
+    expected = _alone(model, pieces, sum(predictions(p) for p in pieces))
+    expected.backward()
+    assert losses["pp2"][0] == pytest.approx(expected.item(), rel=1e-5)
+    # the gradient's scale too (Adam would hide a wrong one in the losses): its norm at the first step
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    assert norms["pp2"][0] == pytest.approx(norm.item(), rel=1e-4)
 
 
 def test_concat_rows_take_the_stage_path_of_before():
