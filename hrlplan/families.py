@@ -62,7 +62,6 @@ def _sizes(*keys: str) -> Dict[str, str]:
     return {k: "pos_int" for k in keys}
 
 
-HRM_ONLY_TRAIN = ("epochs", "checkpoint_every_eval", "checkpoint_path", "puzzle_emb_lr", "puzzle_emb_weight_decay")
 LLAMA_RULES = {**_sizes("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "max_position_embeddings"),
                "vocab_size": "vocab", "rms_norm_eps": "pos", "rope_theta": "pos"}
@@ -87,7 +86,9 @@ FAMILIES: List[Family] = [
            puzzle_embeddings=True, trains_epochs=True, recipe=HRM_RECIPE,
            own_top_keys=("data_path", "epochs", "checkpoint_every_eval", "puzzle_emb_lr",
                          "puzzle_emb_weight_decay", "checkpoint_path"),
-           own_train_keys=HRM_ONLY_TRAIN, select_hint="arch=hrm (or experiment=hrm-sudoku)",
+           own_train_keys=("epochs", "checkpoint_every_eval", "checkpoint_path", "puzzle_emb_lr",
+                           "puzzle_emb_weight_decay"),
+           select_hint="arch=hrm (or experiment=hrm-sudoku)",
            value_rules={**_sizes("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "num_heads",
                                  "halt_max_steps"),
                         "puzzle_emb_ndim": "nonneg_int", "expansion": "pos", "halt_exploration_prob": "unit",
@@ -108,10 +109,11 @@ def family_for(arch_family: Any, model_type: Any) -> Family:
     for family in FAMILIES:
         if family.arch_family == str(arch_family) and family.covers(model_type):
             return family
-    for family in FAMILIES:   # arch.family unset or hf: the model type decides (an HRM config file)
-        if family.covers(model_type) and arch_family in (None, "", "hf"):
+    for family in FAMILIES:   # arch.family unset: the model type decides
+        if arch_family in (None, "") and family.covers(model_type):
             return family
-    own = [f for f in FAMILIES if f.arch_family == str(arch_family) and f.arch_family != "hf"]
+    # a family's own arch.family with a model type it does not list (HRM's variants)
+    own = [f for f in FAMILIES if f.arch_family == str(arch_family) and f.arch_family != GENERIC_HF.arch_family]
     return own[0] if own else GENERIC_HF
 
 
@@ -128,8 +130,3 @@ def family_of_meta(meta: Any) -> Family:
 def arch_family_for_model_type(model_type: Any) -> str:
     """arch.family for a config file that names only its model_type."""
     return next((f.arch_family for f in FAMILIES if f.covers(model_type)), GENERIC_HF.arch_family)
-
-
-def shipped_schema(arch: Mapping[str, Any]) -> Optional[type]:
-    """The schema whose keys an arch takes; None: the model's own config.json decides."""
-    return family_of(arch).schema
