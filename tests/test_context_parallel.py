@@ -90,6 +90,12 @@ def test_torch_cannot_shard_cpu_attention():
         with pytest.raises(NotImplementedError, match="sharding strategy"):
             with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # nor does SDPA's math backend, which decomposes into ops mixing DTensors and tensors
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            with sdpa_kernel(SDPBackend.MATH), context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
         dist.destroy_process_group()
 
