@@ -200,3 +200,25 @@ def test_llama_stages_restart_rotary_positions_per_document():
     with torch.no_grad():
         loss = sum(causal_lm_loss(stages[1](*stages[0](inputs[j:j + 1])), targets[j:j + 1]) for j in range(4)) / 4
         assert loss.item() == pytest.approx(_alone(model, docs, step.useful_tokens).item(), rel=1e-6)
+
+
+def test_a_plans_layout_lays_a_balanced_step_over_its_replicas_and_refuses_what_cannot_run(tmp_path):
+    """build_lm_data given the plan (the trainer's call): rows replica-major, each replica's own
+    micro-batches; a heterogeneous plan or tensor-parallel stages refused in one line."""
+    from hrlplan.data.lm import build_lm_data
+    from hrlplan.plan import homogeneous_plan
+
+    data = {"name": "code", "path": "data/code", "seq_len": 128, "packing": "balanced"}
+    plan = homogeneous_plan("gpt2-tiny", 2, [(0, 1), (1, 2)], dp=2, tp=1, microbatch_size=1, num_microbatches=2,
+                            schedule="1f1b")
+    stream = build_lm_data(data, 4096, 0, plan=plan)
+    assert stream.layout == StepLayout(replicas=2, micro_batches=2, rows_per_micro_batch=1, stages=2)
+    inputs, targets = stream.batch(0, 4)
+    assert inputs.shape == (4, 3, 128) and targets.shape == (4, 130)
+    decided = stream.dispatches[0]
+    assert decided["lower_bound"] <= decided["step_time"] * (1 + 1e-9)
+    stream.close()
+    tp = homogeneous_plan("gpt2-tiny", 2, [(0, 1), (1, 2)], dp=1, tp=2, microbatch_size=1, num_microbatches=2,
+                          schedule="1f1b")
+    with pytest.raises(UserError, match="tensor-parallel stages"):
+        build_lm_data(data, 4096, 0, plan=tp)
