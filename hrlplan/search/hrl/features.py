@@ -11,17 +11,18 @@ from __future__ import annotations
 import math
 import numpy as np
 
+from hrlplan import schedules
 from hrlplan.cost.model import STATE_BYTES_PER_PARAM
 from hrlplan.search.estimate import ConfigEstimator
 from hrlplan.search.exact import lower_bound
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = tuple(schedules.SCHEDULES)   # every schedule of the registry, one instance feature each
 OFFSETS = tuple(range(-8, 9))
 # Hint variants: bottleneck slacks (as the exact planner's candidate splits). Zero-slack hints pack
 # stages to the DP's bottleneck; a little slack trades it for a shorter fill/drain, which the
 # simulator (p2p, DP sync, memory) sometimes prefers.
 SLACKS = (0.0, 0.01, 0.03, 0.1)         # low-level action: boundary offset from the speed-proportional target
-INSTANCE_DIM = 10
+INSTANCE_DIM = 7 + len(SCHEDULES)
 CONFIG_DIM = 17
 EST_COL, MEM_COL = 7, 10              # the columns the policy's priors read
 INF = float("inf")
@@ -34,7 +35,7 @@ def instance_features(sim, space) -> np.ndarray:
     meta, cluster = sim.meta, sim.cluster
     flops = [sim.devices.flops[d] for d in range(cluster.world_size)]
     mem = sum(d.memory_bytes for d in cluster.devices)
-    sched = [1.0 if s == space.schedules[0] else 0.0 for s in SCHEDULES]
+    sched = [1.0 if s == space.schedules[0] else 0.0 for s in SCHEDULES]   # the space's first (registry) schedule
     return np.array([
         math.log10(max(meta.total_params, 1)) / 11.0,
         meta.n_layer / 100.0,
@@ -43,7 +44,7 @@ def instance_features(sim, space) -> np.ndarray:
         math.log2(space.global_batch) / 11.0,
         min(meta.total_params * STATE_BYTES_PER_PARAM / mem, 2.0),
         math.log(max(flops) / min(flops)),
-    ] + sched[:3], dtype=np.float32)
+    ] + sched, dtype=np.float32)
 
 
 def config_features(sim, space, configs, estimates=None) -> np.ndarray:
@@ -62,7 +63,7 @@ def config_features(sim, space, configs, estimates=None) -> np.ndarray:
     for c, lb, e in zip(configs, bounds, estimates):
         groups = space.groups(c)
         speed = [min(sim.devices.flops[d] for d in g) for g in groups]
-        bubble = (c.pp - 1) / (c.num_microbatches + c.pp - 1)
+        bubble = schedules.SCHEDULES[c.schedule].bubble(c.pp, c.num_microbatches, c.stages_per_rank)
         mem = min(sim.devices.memory_limit(d, sim.opts.memory_margin) for g in groups for d in g)
         shards = c.pp * c.tp * (c.dp if sim.opts.dp_mode == "fsdp" else 1)
         states = meta.total_params * STATE_BYTES_PER_PARAM / shards

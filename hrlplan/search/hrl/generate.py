@@ -17,13 +17,17 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from hrlplan import schedules
 from hrlplan.cluster import spec_from_preset
 from hrlplan.model_meta import ModelMeta
 
 # Shapes of the shipped archs (hidden, layers) and the preset device names: generated instances avoid them.
 BENCH_SHAPES = {(768, 12), (1024, 24), (1600, 48), (4096, 32), (8192, 80), (128, 2), (256, 4)}
 BENCH_DEVICE_WORDS = ("A100", "V100", "H100", "H800", "H20")
-SCHEDULES = (("1f1b", 1), ("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
+# Every registry schedule at the stages per rank a search gives it (looped multi-stage ones 2), the
+# default twice (it is what most runs use).
+SCHEDULES = ((schedules.DEFAULT, 1),) + tuple((name, spec.stages_per_rank_for(2 if spec.multi_stage else 1))
+                                              for name, spec in schedules.SCHEDULES.items())
 
 
 @dataclass
