@@ -3,9 +3,10 @@
 On a GPU node: the device and ordinal every rank gets under the current SLURM binding, NCCL
 all-reduce and p2p bandwidth, a one-GPU GPT-2 124M bf16 step (tokens/s, MFU against the datasheet
 peak), two-GPU pipelines whose loss must equal one process's, a heterogeneous 1F1B pipeline with
-activations above NCCL's buffer size (the deadlock hetero.py's batched p2p avoids). On CPU it runs
-what it can (device choice, gloo collectives, the 2-stage pipeline and the heterogeneous 1F1B on
-gpt2-tiny) and says which checks it skipped and why.
+activations above NCCL's buffer size (the deadlock hetero.py's batched p2p avoids). The pipelines
+are every schedule of the registry (hrlplan.schedules), each at the stages per rank it takes. On CPU
+it runs what it can (device choice, gloo collectives, the default schedule's 2-stage pipeline and the
+heterogeneous pipeline on gpt2-tiny) and says which checks it skipped and why.
 
 Each check imports what it exercises: a broken piece (NCCL, a CUDA build, the pipeline engines) is
 that check's failure, reported with the others, not the doctor's crash at start-up.
@@ -19,9 +20,16 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from hrlplan.config import typed
+from hrlplan.schedules import DEFAULT, SCHEDULES
 
 Result = Tuple[str, str, str]     # (check, pass|fail|skip, figures or reason)
-PIPELINE_SCHEDULES_GPU = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PIPELINE_LAYERS = 4               # gpt2-tiny blocks: 2 stages of 2, or 4 of 1 with two stages per rank
+
+
+def pipeline_schedules() -> List[Tuple[str, int]]:
+    """(schedule, stages per rank) the 2-GPU pipeline checks run: every schedule of the registry,
+    two stages per rank where it takes them (its interleaved or V placement), else one."""
+    return [(name, spec.stages_per_rank_for(2)) for name, spec in SCHEDULES.items()]
 
 
 def check_device_choice() -> Result:
@@ -86,23 +94,26 @@ def _gpt2_templates(overrides: List[str]):
     return model, modules, PipelineTemplate
 
 
-def check_pipeline(schedule: str, device: str, arch: List[str]) -> Result:
+def check_pipeline(schedule: str, device: str, arch: List[str], stages_per_rank: int = 1) -> Result:
+    """Two ranks, 2 x stages_per_rank stages of gpt2-tiny, 4 micro-batches: losses against one process."""
     from hrlplan.launch.local_run import compare_with_one_process
-    from hrlplan.runtime.template import build_plan
+    from hrlplan.plan import homogeneous_plan
 
-    model, modules, Template = _gpt2_templates(arch)
-    half = len(modules) // 2
-    two = Template(model, [modules[:half], modules[half:]])
-    plan = build_plan([two], {two: 4}, world_size=2, global_batch_size=8, schedule=schedule, model="gpt2-tiny")
+    n = 2 * stages_per_rank
+    per = PIPELINE_LAYERS // n
+    plan = homogeneous_plan("gpt2-tiny", PIPELINE_LAYERS, [(i * per, (i + 1) * per) for i in range(n)], dp=1, tp=1,
+                            microbatch_size=2, num_microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank)
+    overrides = [*arch, f"arch.n_layer={PIPELINE_LAYERS}", f"train.device={device}", "train.global_batch_size=8",
+                 f"train.schedule={schedule}", f"train.stages_per_rank={stages_per_rank}"]
     with tempfile.TemporaryDirectory() as tmp:
-        losses, ref = compare_with_one_process(plan, [*arch, f"train.device={device}"], tmp, steps=3)
+        losses, ref = compare_with_one_process(plan, overrides, tmp, steps=3)
     err = max(abs(a - b) for a, b in zip(losses, ref))
-    return (f"2-stage {schedule} vs 1 process", "pass" if err < 1e-4 else "fail",
+    return (f"{n}-stage {schedule} vs 1 process", "pass" if err < 1e-4 else "fail",
             f"max |loss diff| {err:.2e} over {len(losses)} steps (losses {', '.join(f'{x:.4f}' for x in losses)})")
 
 
 def check_hetero_1f1b(device: str) -> Result:
-    """Heterogeneous replicas (all layers | 3+1 blocks), 1F1B, 5 MiB activations per message (above
+    """Heterogeneous replicas (all layers | 3+1 blocks), the default schedule (1F1B), 5 MiB activations per message (above
     NCCL's buffer size, where separate send/recv calls deadlocked), against the homogeneous 2-stage
     pipeline on torch's schedules at the same batch. (Not against one process: at this batch the
     one-process reference differs from every pipeline by ~4e-3 in the first loss; see the report.)"""
@@ -118,8 +129,8 @@ def check_hetero_1f1b(device: str) -> Result:
     model, modules, Template = _gpt2_templates(arch)
     one, two = Template(model, [modules]), Template(model, [modules[:-3], modules[-3:]])
     hetero = build_plan([one, two], {one: 2, two: 2}, world_size=3, global_batch_size=4 * mbs,
-                        batch_sizes=[2 * mbs, 2 * mbs], schedule="1f1b", model="gpt2-tiny")
-    plain = build_plan([two], {two: 4}, world_size=2, global_batch_size=4 * mbs, schedule="1f1b", model="gpt2-tiny")
+                        batch_sizes=[2 * mbs, 2 * mbs], schedule=DEFAULT, model="gpt2-tiny")
+    plain = build_plan([two], {two: 4}, world_size=2, global_batch_size=4 * mbs, schedule=DEFAULT, model="gpt2-tiny")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         losses = [h["train/lm_loss"] for h in train_plan(hetero, cfg, Path(tmp) / "hetero")["history"]]
@@ -171,13 +182,14 @@ def run_checks(nproc_gpu: int) -> List[Result]:
         results.append(("GPT-2 124M bf16 step, 1 GPU", "skip", "no GPU visible"))
     if nproc_gpu >= 2:
         attempt("nccl collectives", lambda: check_collectives("cuda", 2, 64 << 20))
-        for schedule in PIPELINE_SCHEDULES_GPU:
-            attempt(f"2-GPU {schedule}", lambda s=schedule: check_pipeline(s, "cuda", tiny))
+        for schedule, v in pipeline_schedules():
+            attempt(f"2-GPU {schedule}", lambda s=schedule, v=v: check_pipeline(s, "cuda", tiny, v))
     else:
         results.append(("nccl all-reduce / p2p, 2-GPU pipelines", "skip",
-                        f"{nproc_gpu} GPU(s) visible, 2 needed"))
+                        f"{nproc_gpu} GPU(s) visible, 2 needed for the pipelines of "
+                        f"{', '.join(name for name, _ in pipeline_schedules())}"))
         attempt("gloo collectives", lambda: check_collectives("cpu", 2, 4 << 20))
-        attempt("2-stage 1f1b (CPU)", lambda: check_pipeline("1f1b", "cpu", tiny))
+        attempt(f"2-stage {DEFAULT} (CPU)", lambda: check_pipeline(DEFAULT, "cpu", tiny))
     if nproc_gpu >= 3:
         attempt("hetero 1F1B (GPU)", lambda: check_hetero_1f1b("cuda"))
     else:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import DeviceMesh
 
+from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
@@ -38,13 +39,15 @@ from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dty
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder
+from hrlplan.schedules import Order
 
 Holder = Tuple[int, int]   # (pipeline, stage)
 
 
 def schedule_ops(schedule: str, n_stages: int, stage: int, m: int) -> List[Tuple[str, int]]:
-    """A stage's order of forwards and backwards: GPipe (all F, then all B) or 1F1B."""
-    if schedule == "gpipe":
+    """A stage's order of forwards and backwards: the registry's fill-drain order (GPipe: all F, then
+    all B) or 1F1B (the heterogeneous schedules; plan checks refuse the others)."""
+    if schedules.get(schedule).order is Order.FILL_DRAIN:
         return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
     warm = min(n_stages - stage - 1, m)
     ops = [("F", j) for j in range(warm)]

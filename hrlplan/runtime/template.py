@@ -22,6 +22,7 @@ import torch.nn as nn
 from hrlplan.model_meta import ModelResolutionError, resolve_arch
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, hf_layout
 from hrlplan.plan import PipelinePlan, Plan, StagePlan, launch_meta, validate
+from hrlplan.schedules import DEFAULT
 
 MODULES_MISMATCH = "Modules in the pipeline template do not match the modules in the model"
 RANKS_MISMATCH = "Number of ranks in pipeline templates does not match world size"
@@ -128,7 +129,7 @@ class PipelineTemplate:
 
 def build_plan(pipelines: Sequence[PipelineTemplate], num_microbatches: Dict[PipelineTemplate, int],
                world_size: int, global_batch_size: int, batch_sizes: Optional[Sequence[int]] = None,
-               schedule: str = "1f1b", unused_ranks: Sequence[int] = (),
+               schedule: str = DEFAULT, unused_ranks: Sequence[int] = (),
                rank_to_device: Optional[Sequence[int]] = None, model: Optional[str] = None,
                tp_size: int = 1) -> Plan:
     """A heterogeneous Plan: ranks are handed out pipeline by pipeline, stage by stage, tp-minor.
@@ -183,7 +184,7 @@ class HeterogeneousParallelPlugin:
     """The familiar plugin shape: tp size and world, then set_pipelines(...) -> Plan (also .plan)."""
 
     def __init__(self, tp_size: int = 1, world_size: Optional[int] = None, global_batch_size: int = 8,
-                 schedule: str = "1f1b", unused_ranks: Sequence[int] = ()):
+                 schedule: str = DEFAULT, unused_ranks: Sequence[int] = ()):
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.tp_size, self.world_size = tp_size, world_size

@@ -1,5 +1,6 @@
 """A picture of one training step: pipeline positions (stages) x time, one box per forward (F),
-backward (B) and, for zero-bubble, weight-gradient (W) pass of each micro-batch, then what the step
+backward (B; a split-backward schedule's input-gradient half, or its whole backward BW, drawn as B) and,
+for split-backward schedules, weight-gradient (W) pass of each micro-batch, then what the step
 does after its pipeline work: the gradient all-reduce (R: data-parallel sync, drawn as a thin bar
 under the backward it overlaps), the per-step all-reduces (C: tied embedding, gradient norm, loss),
 the optimizer (O) and the rest of the step (X) -- so the predicted rows end at the predicted step.
@@ -30,10 +31,10 @@ import yaml
 
 from hrlplan.cost.simulator import zb_input_shares
 from hrlplan.cost.timeline import TimelineResult, simulate_shared_timeline, simulate_timeline
-from hrlplan.plan import stage_to_group
+from hrlplan.schedules import DEFAULT, ScheduleSpec, get
 from hrlplan.search.plan_text import plan_dict_summary
 
-KIND_NAMES = {0: "F", 1: "B", 2: "W"}
+KIND_NAMES = {0: "F", 1: "B", 2: "W", 3: "BW"}
 COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "R": "#B279A2", "C": "#9D755D", "O": "#72B7B2",
           "X": "#BAB0AC"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "R": "gradient all-reduce",
@@ -60,10 +61,15 @@ def predicted_step_events(plan: Dict[str, Any], info: Dict[str, Any]) -> List[Di
     return events + _predicted_tail(plan, events, result, stages, (info.get("chosen") or {}).get("breakdown") or {})
 
 
+def _plan_schedule(plan: Dict[str, Any]) -> Tuple[str, int, ScheduleSpec]:
+    """(schedule name as the plan gives it, stages per rank, its registry entry)."""
+    schedule, v = str(plan.get("schedule", DEFAULT)), int(plan.get("stages_per_rank", 1) or 1)
+    return schedule, v, get(schedule, v)
+
+
 def _replay(plan: Dict[str, Any], info: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Optional[TimelineResult]]:
     stages = sorted((info.get("chosen") or {}).get("stages") or [], key=lambda s: s["stage"])
-    schedule = str(plan.get("schedule", "1f1b"))
-    v = int(plan.get("stages_per_rank", 1) or 1)
+    schedule, v, spec = _plan_schedule(plan)
     pp = int(plan.get("pp") or max(1, len(stages) // v))
     m = int(plan.get("num_microbatches", 1))
     n = pp * v
@@ -74,7 +80,7 @@ def _replay(plan: Dict[str, Any], info: Dict[str, Any]) -> Tuple[List[Dict[str, 
         # the simulator's own split (calibrated zb_input_grad_share, B = 0 on the first stage)
         bwd = [float(s["bwd_input_s"]) for s in stages]
         wgt = [float(s["bwd_weight_s"]) for s in stages]
-    elif schedule == "zero_bubble":   # an older plan_info.json: the share from the calibration, if given
+    elif spec.split_backward:   # an older plan_info.json: the share from the calibration, if given
         shares = zb_input_shares(n, _calibrated_zb_share(info))
         bwd = [float(s["bwd_s"]) * sh for s, sh in zip(stages, shares)]
         wgt = [float(s["bwd_s"]) * (1.0 - sh) for s, sh in zip(stages, shares)]
@@ -94,7 +100,7 @@ def _replay(plan: Dict[str, Any], info: Dict[str, Any]) -> Tuple[List[Dict[str, 
     else:
         result = simulate_timeline(schedule, pp, v, m, fwd, bwd, wgt, send, send, [0.0] * n, first_fwd_extra=extra,
                                    recv_handshake=handshake, trace=trace)
-    events = [{"position": pos, "kind": KIND_NAMES[kind], "stage": k, "microbatch": j, "start_s": start, "end_s": end}
+    events = [{"position": pos, "kind": KIND_NAMES[kind][:1], "stage": k, "microbatch": j, "start_s": start, "end_s": end}
               for pos, kind, k, j, start, end in trace]
     return events, result
 
@@ -108,13 +114,13 @@ def _predicted_tail(plan: Dict[str, Any], events: List[Dict[str, Any]], result: 
     """After each position's pipeline work, in Simulator.step_time's order: its gradient all-reduce
     (hidden behind its last backward as far as the breakdown says it was), the calibrated FSDP/replicate
     reduces, the per-step all-reduces, the optimizer; then the step's overhead on every row."""
-    schedule, v = str(plan.get("schedule", "1f1b")), int(plan.get("stages_per_rank", 1) or 1)
+    _, v, spec = _plan_schedule(plan)
     pp = len(result.end)
     overlapped = float(breakdown.get("dp_comm_exposed_s", 0.0)) < float(breakdown.get("dp_comm_s", 0.0)) - 1e-15
     tail: List[Dict[str, Any]] = []
     finish = []
     for pos in range(pp):
-        mine = [s for s in stages if int(s.get("position", stage_to_group(s["stage"], pp, v, schedule))) == pos]
+        mine = [s for s in stages if int(s.get("position", spec.stage_rank(s["stage"], pp, v))) == pos]
         end = max((e["end_s"] for e in events if e["position"] == pos), default=0.0)
         sync = sum(float(s.get("dp_sync_s", 0.0)) for s in mine)
         hidden = min(sync, result.last_backward[pos]) if overlapped else 0.0

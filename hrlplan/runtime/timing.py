@@ -1,8 +1,10 @@
 """Measured timelines and plan-vs-measured.
 
-Every rank records when each of its stages runs each micro-batch's forward (F), backward (B; for
-zero-bubble only the input gradient) and weight gradient (W), relative to a barrier at the start
-of the step. From that: per-stage compute and idle time, the measured bubble, and the timeline
+Every rank records when each of its stages runs each micro-batch's forward (F), backward (B; in a
+split-backward schedule only the input gradient), weight gradient (W) and, in a split-backward
+schedule, a whole backward run as one action (BW, DualPipeV's), relative to a barrier at the start
+of the step. From that: per-stage compute and idle time, the measured bubble, each action's median
+duration and the bubble the simulator's order makes of them (replayed_bubble), and the timeline
 another tool draws. At the end of a run rank 0 writes measured values beside the predicted ones in
 plan_info.json, with relative errors.
 """
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from hrlplan.cost.timeline import simulate_timeline
+from hrlplan.schedules import resolve_schedule
 
 SKIP_STEPS = 2   # the first steps pay for shape inference, allocation and connection setup
 
@@ -86,9 +91,10 @@ class StepRecorder:
         return out
 
 
-def instrument_pipeline_stage(stage, recorder: StepRecorder, stage_id: int) -> None:
+def instrument_pipeline_stage(stage, recorder: StepRecorder, stage_id: int, split_backward: bool = False) -> None:
     """Time torch.distributed.pipelining's per-micro-batch calls; the schedule's receives happen
-    outside them, so the recorded spans are compute (plus the stage's own sends' launch)."""
+    outside them, so the recorded spans are compute (plus the stage's own sends' launch). In a
+    split-backward schedule a backward torch runs whole (full_backward) is recorded as BW."""
     fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
@@ -96,7 +102,8 @@ def instrument_pipeline_stage(stage, recorder: StepRecorder, stage_id: int) -> N
             return fwd(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
-        with recorder.op(stage_id, bwd_chunk_id, "B"):
+        whole = split_backward and kwargs.get("full_backward", True)
+        with recorder.op(stage_id, bwd_chunk_id, "BW" if whole else "B"):
             return bwd(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
@@ -136,16 +143,47 @@ def measured_bubble(gathered: List[Dict[str, Any]]) -> float:
 
 
 def analytic_bubble(schedule: str, pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
-    """Textbook idle fraction with equal stages and free communication: GPipe/1F1B (p-1)/(m+p-1);
-    interleaved (p-1)/(v m + p-1); zero-bubble's V schedule 0, its interleaved form a third of 1F1B's."""
-    p, m, v = pp, num_microbatches, stages_per_rank
-    if p <= 1:
-        return 0.0
-    if schedule == "zero_bubble":
-        return 0.0 if v == 2 else (p - 1) / 3 / (v * m + (p - 1) / 3)
-    if schedule == "interleaved_1f1b" or v > 1:
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    """The registry's textbook idle fraction (equal stages, free communication; ScheduleSpec.bubble)."""
+    return resolve_schedule(schedule, stages_per_rank).bubble(pp, num_microbatches, stages_per_rank)
+
+
+def action_medians(events: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
+    """Per stage, the median duration of each kind of action it ran (F, B, W, BW)."""
+    spans: Dict[int, Dict[str, List[float]]] = {}
+    for e in events:
+        spans.setdefault(int(e["stage"]), {}).setdefault(str(e["kind"]), []).append(e["end_s"] - e["start_s"])
+    return {k: {kind: statistics.median(d) for kind, d in by_kind.items()} for k, by_kind in sorted(spans.items())}
+
+
+def stage_durations(medians: Dict[int, Dict[str, float]], n_stages: int, split_backward: bool):
+    """(fwd, bwd, wgt) per stage as the simulator's timeline takes them: in a split-backward schedule
+    bwd the input-gradient half and wgt the weight half (a stage that only ran whole backwards: its
+    BW as bwd); otherwise bwd the whole backward and wgt 0."""
+    fwd, bwd, wgt = [], [], []
+    for k in range(n_stages):
+        mine = medians.get(k, {})
+        fwd.append(mine.get("F", 0.0))
+        if split_backward and "B" in mine:
+            bwd.append(mine["B"])
+            wgt.append(mine.get("W", max(mine.get("BW", 0.0) - mine["B"], 0.0)))
+        else:
+            bwd.append(mine.get("B", mine.get("BW", 0.0)))
+            wgt.append(0.0)
+    return fwd, bwd, wgt
+
+
+def replayed_bubble(schedule: str, pp: int, num_microbatches: int, stages_per_rank: int,
+                    events: List[Dict[str, Any]]) -> float:
+    """The simulator's bubble for `schedule`'s order (hrlplan.cost.timeline) run with the median
+    durations of the actions measured in `events`, communication free: the prediction to set beside
+    measured_bubble of the same events, which differs from it by the order's fidelity, the
+    communication and the spread of the actions' durations."""
+    spec = resolve_schedule(schedule, stages_per_rank)
+    n = pp * stages_per_rank
+    fwd, bwd, wgt = stage_durations(action_medians(events), n, spec.split_backward)
+    zeros = [0.0] * n
+    tl = simulate_timeline(schedule, pp, stages_per_rank, num_microbatches, fwd, bwd, wgt, zeros, zeros, zeros)
+    return max(0.0, 1.0 - sum(tl.busy) / (tl.makespan * pp)) if tl.makespan > 0 else 0.0
 
 
 def _cuda_event():

@@ -1,4 +1,5 @@
-"""The homogeneous plan on torch.distributed.pipelining: every schedule torch offers.
+"""The homogeneous plan on torch.distributed.pipelining: every schedule of the registry (hrlplan.schedules),
+built from its torch class and placed as its stage_ranks say.
 
 A (pp, dp, tp) mesh with the plan's own rank layout; each stage is tensor-parallel over its tp
 sub-mesh (DTensor), then data-parallel over its dp sub-mesh (FSDP2 or replicate), then wrapped in a
@@ -14,33 +15,34 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from hrlplan.config import TrainConfig, section
 from hrlplan.errors import UserError
 from hrlplan.models.hf import build_stage_modules, materialize
-from hrlplan.plan import Plan, stage_to_group
+from hrlplan.plan import Plan
 from hrlplan.runtime.compile import apply_compile
 from hrlplan.runtime.float8 import apply_float8
 from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+from hrlplan.schedules import SCHEDULES, ScheduleSpec, resolve_schedule  # noqa: F401  (SCHEDULES re-exported)
 from hrlplan.validate.train_options import train_options_refusal
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+def plan_schedule(plan: Plan) -> ScheduleSpec:
+    """The registry entry the plan's schedule runs (an alias resolved by its stages per rank)."""
+    return resolve_schedule(plan.schedule, plan.stages_per_rank)
 
 
 def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
-    if plan.schedule == "zero_bubble":
-        cls = ScheduleZBVZeroBubble if plan.stages_per_rank == 2 else ScheduleInterleavedZeroBubble
-        return cls(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
-    if plan.stages_per_rank > 1 or plan.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
-    return SCHEDULES[plan.schedule](stages[0], n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
+    """The registry's torch class for the plan; a multi-stage class takes this rank's stage list
+    (also with one stage per rank, as interleaved 1F1B's and interleaved zero-bubble's do)."""
+    cls = plan_schedule(plan).torch_class(plan.stages_per_rank)
+    mine = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
+    return cls(mine, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
 
 
 def stage_group_ranks(plan: Plan, pp_group, coords: Dict[str, int]) -> Dict[int, int]:
@@ -52,12 +54,12 @@ def stage_group_ranks(plan: Plan, pp_group, coords: Dict[str, int]) -> Dict[int,
 
 def place_stages(schedule, stages: List[PipelineStage], plan: Plan, group_ranks: Dict[int, int], coords) -> None:
     """Point the stages' p2p at the group ranks that really hold their neighbours. A multi-stage
-    schedule's action table is keyed by pipeline position (stage k on position stage_to_group(k),
+    schedule's action table is keyed by pipeline position (stage k on the registry's stage_ranks[k],
     its own mapping, which stays): this rank runs its plan position's row."""
     for stage in stages:
         stage.stage_index_to_group_rank = dict(group_ranks)
     if isinstance(schedule, PipelineScheduleMulti):
-        logical = {k: stage_to_group(k, plan.pp, plan.stages_per_rank, plan.schedule) for k in group_ranks}
+        logical = dict(enumerate(plan_schedule(plan).stage_ranks(plan.pp, plan.stages_per_rank)))
         theirs = schedule.stage_index_to_group_rank
         if theirs != logical:
             raise RuntimeError(f"torch's {type(schedule).__name__} places stages as {theirs}, the plan as "
@@ -128,8 +130,9 @@ class TorchPipelineEngine:
         self.tie_sync.bind(self.parts, plan)
         self.stages = [PipelineStage(self.parts[i], i, plan.num_stages, self.device, group=self.pp_group)
                        for i in self.stage_ids]
+        self.spec = plan_schedule(plan)
         for i, stage in zip(self.stage_ids, self.stages):
-            instrument_pipeline_stage(stage, recorder, i)
+            instrument_pipeline_stage(stage, recorder, i, self.spec.split_backward)
         self.schedule = build_schedule(plan, self.stages, stage_loss(self.parts.values()))
         place_stages(self.schedule, self.stages, plan, stage_group_ranks(plan, self.pp_group, self.coords),
                      self.coords)
@@ -143,9 +146,9 @@ class TorchPipelineEngine:
         return slice(d * rows, (d + 1) * rows)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only, through the same schedule. Zero-bubble schedules split the backward and
-        cannot run without one in torch 2.13, so they run a full step whose gradients are dropped."""
-        if self.plan.schedule == "zero_bubble":
+        """Forward only, through the same schedule. Split-backward schedules (zero-bubble, DualPipeV)
+        cannot run without their backward in torch 2.13, so they run a full step whose gradients are dropped."""
+        if self.spec.split_backward:
             loss = self.forward_backward(inputs, targets)
             for part in self.parts.values():
                 part.zero_grad(set_to_none=True)

@@ -17,13 +17,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 
 from hrlplan.cost.timeline import simulate_timeline
 from hrlplan.measure import line_through, now, ping_pong, timed_forward_backward
 from hrlplan.runtime.calibrate.blocks import REPEATS, block_stage
 from hrlplan.runtime.tensor_parallel import parallelize_stage
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
+from hrlplan.schedules import DEFAULT, SCHEDULES, resolve_schedule
 
 
 def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optional[Dict[str, float]]:
@@ -39,7 +40,7 @@ def measure_p2p(nbytes: int, device: torch.device, repeats: int = 10) -> Optiona
 
 
 def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.device, pair_group, pair: List[int],
-                         m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = "1f1b",
+                         m: int = 4, microbatch_size: int = 1, n_blocks: int = 1, schedule: str = DEFAULT,
                          repeats: int = REPEATS, tied_numel: int = 0) -> Optional[Dict[str, Any]]:
     """Collective over `pair_group` (ranks `pair`): a real two-stage torch.distributed.pipelining
     pipeline, an `n_blocks`-block stage on each rank, one step of `m` micro-batches per repeat.
@@ -56,7 +57,7 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
     recorder = StepRecorder(device)
     stage = PipelineStage(block, me, 2, device, group=pair_group)
     instrument_pipeline_stage(stage, recorder, me)
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    cls = resolve_schedule(schedule, 1).torch_class(1)
     sched = cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().pow(2).mean())
     torch.manual_seed(1)
     x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
@@ -182,7 +183,8 @@ def fit_tensor_parallel(measured: Sequence[Optional[List[Dict[str, Any]]]]) -> L
             for i, p in enumerate(runs[0])]
 
 
-HOP_SCHEDULES = ("1f1b", "gpipe")   # they wait for their messages at different points
+# the one-stage-per-rank schedules (GPipe, 1F1B): they wait for their messages at different points
+HOP_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if not spec.multi_stage)
 HANDSHAKE_LATENCIES = 2.0   # a rendezvous receive posted after its send: notice to the sender, data back
 
 

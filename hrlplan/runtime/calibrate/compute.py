@@ -34,6 +34,7 @@ from hrlplan.runtime.parallel import clip_grad_norm
 from hrlplan.runtime.tensor_parallel import parallelize_stage
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage, median_step_time
 from hrlplan.runtime.trainer import build_full_model, make_optimizer
+from hrlplan.schedules import DEFAULT
 
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
@@ -295,7 +296,8 @@ def predict_one_process_step(meta, spec, train: TrainConfig) -> Dict[str, float]
     """The simulator's breakdown of the whole model as one stage on one process, one micro-batch of
     the global batch (what measure_step times)."""
     layout = Layout(spans=((0, meta.n_layer),), groups=((0,),), tp=1, dp=1,
-                    microbatch_size=int(section(TrainConfig, train).global_batch_size), num_microbatches=1, schedule="1f1b")
+                    microbatch_size=int(section(TrainConfig, train).global_batch_size), num_microbatches=1,
+                    schedule=DEFAULT)
     return Simulator(meta, spec, options_for_train(train)).evaluate(layout, detail=True).breakdown
 
 
