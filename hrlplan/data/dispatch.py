@@ -310,10 +310,12 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
 def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, quadratic: float,
                   time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
                   fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None,
-                  fixed_shapes: bool = False) -> Dispatch:
+                  fixed_shapes: bool = False, ilp_min_gain: float = 0.0) -> Dispatch:
     """Assign pieces of `lengths` tokens to `bins`, minimising step_time: the slowest bin's work / speed
     (stages None) or the slowest replica's pipeline step of `stages` stages. fixed_shapes: every bin
-    computes its whole budget's linear work (padding included; its base_work), pieces only attention."""
+    computes its whole budget's linear work (padding included; its base_work), pieces only attention.
+    ilp_min_gain: the integer program runs only when the greedy's step is more than this fraction
+    above the lower bound (it cannot gain more; a trainer's solver thread then leaves the cores alone)."""
     begin = time.perf_counter()
     if not bins:
         raise ValueError("a dispatch needs at least one micro-batch")
@@ -338,7 +340,7 @@ def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, qu
         best, method = [list(g) for g in fallback], "fallback"
     left = time_budget_s - (time.perf_counter() - begin)
     value = step_time(best, works, bins, stages)
-    if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and value > bound * (1 + 1e-9):
+    if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and value > bound * (1 + max(ilp_min_gain, 1e-9)):
         solved, optimal = ilp(lengths, works, bins, left, cutoff=value, stages=stages)
         if solved is not None and step_time(solved, works, bins, stages) <= value:
             best, method = solved, "ilp-optimal" if optimal else "ilp-time-limit"

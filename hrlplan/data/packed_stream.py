@@ -39,6 +39,9 @@ INPUT_CHANNELS = 3            # tokens, positions, document ids
 TARGET_EXTRA_COLUMNS = 2      # the step's useful tokens, the step's rows
 DEFAULT_DISPATCH_BUDGET_S = 0.25
 DEFAULT_PREFETCH_STEPS = 2
+# the integer program runs only where the greedy may be this far from the optimum: below it the
+# solver's CPU, taken from the training ranks on a busy host, costs more than it could win
+ILP_MIN_GAIN = 0.01
 
 
 def to_wire(batch: PackedBatch, step_tokens: int, step_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +110,7 @@ class PackedLMStream:
         linear, quadratic = self.coefficients
         result = D.dispatch_bins([predictions(p) for p in pieces], layout.bins(self.documents.token_budget), linear,
                                  quadratic, time_budget_s=self.time_budget_s, fallback=arrival,
-                                 stages=layout.stages, fixed_shapes=True)
+                                 stages=layout.stages, fixed_shapes=True, ilp_min_gain=ILP_MIN_GAIN)
         self.dispatches.append({"step": step, "method": result.method, "seconds": result.seconds,
                                 "step_time": result.step_time, "lower_bound": result.lower_bound})
         return result.assignment
