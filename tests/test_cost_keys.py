@@ -178,3 +178,40 @@ def test_manual_over_memory_hetero_plan_is_refused_by_its_worst_replica_or_timed
     plan, info = make_plan(meta, cluster, dict(planner, allow_over_memory=True), {"dtype": "bfloat16"})
     assert 0 < info["chosen"]["step_time_s"] < float("inf")   # time-only, was inf s
     assert info["planner"]["simulator"].startswith("allowed over memory: out of memory on device 2 ")
+
+
+# ---------------------------------------------------------------- kernel constants with sources
+def test_fused_attention_runs_at_flashattention2s_published_rate():
+    """FLASH2_FWD_BWD: FlashAttention-2's own forward + backward benchmark (causal, head dim 128). At a
+    listed length the cost model's fused core takes the time that benchmark's rate gives for the
+    FLOPs it counts (half of 4 s d per query under the causal mask, forward + backward as 3.5
+    forwards); between lengths it interpolates, beyond them it is clamped."""
+    from hrlplan.cost import kernels
+
+    for name, seq in (("NVIDIA A100-SXM4-80GB", 2048), ("NVIDIA H100 80GB HBM3", 4096)):
+        peak, points = kernels.FLASH2_FWD_BWD[kernels._table_entry(name)[0]]
+        measured = dict(points)[seq] * 1e12
+        frac = kernels.flash_attention_fraction(name, seq)
+        full_fwd_flops = 4.0 * seq * 128                       # per query and head, the cost model's count
+        model_s = 3 * full_fwd_flops / (peak * frac)           # forward + 2x backward at that fraction
+        bench_s = 3.5 * (full_fwd_flops / 2) / measured        # what the benchmark's rate means
+        assert model_s == pytest.approx(bench_s, rel=1e-9)
+    a100 = [kernels.flash_attention_fraction("A100-80GB", s) for s in (256, 512, 1448, 2048, 32768)]
+    assert a100[0] == a100[1] and a100[1] < a100[2] < a100[3] < a100[4]
+    # the H100 reaches a smaller share of its peak with this kernel than the A100
+    assert kernels.flash_attention_fraction("H100-80GB", 4096) < 0.6 * kernels.flash_attention_fraction("A100", 4096)
+    # no published curve: the unsourced fallback, used for unfused attention too
+    assert kernels.flash_attention_fraction("Tesla V100-SXM2-32GB", 2048) is None
+
+
+def test_the_flash_curve_prices_fused_attention_only():
+    """The Megatron runtime's unfused attention keeps ATTENTION_FRACTION; SDPA's fused core on an A100
+    at 2k is faster than that constant would price it."""
+    from hrlplan.cost import kernels
+
+    meta = llama7b_meta()
+    k = kernels.GpuKernels(peak=312e12, hbm=2.04e12, sms=108, name="A100-80GB")
+    fused = kernels.block_times(k, meta, 12 * 4096 ** 2, 4096, 1, 2, 4.0 * meta.seq_len * 4096, True)[2]
+    unfused = kernels.block_times(k, meta, 12 * 4096 ** 2, 4096, 1, 2, 4.0 * meta.seq_len * 4096, False)[2]
+    flat = 4096 * 4.0 * meta.seq_len * 4096 / (312e12 * kernels.ATTENTION_FRACTION)
+    assert fused < flat < unfused

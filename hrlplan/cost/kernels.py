@@ -9,7 +9,9 @@ GEMMs per forward GEMM (input and weight gradients, transposed shapes).
   bandwidth). Tile efficiency is the wave quantisation of 128 x 128 output tiles over the SMs and the
   padding of M and N to whole tiles, times K / (K + GEMM_K_HALF) for the per-tile prologue/epilogue:
   it is what makes small micro-batches, narrow tp shards and small hidden sizes slow.
-- Attention core (scaled_dot_product_attention, one fused kernel): its FLOPs at ATTENTION_FRACTION.
+- Attention core: fused (scaled_dot_product_attention's flash kernel) at the speed FlashAttention-2's
+  own benchmark measured on that GPU at that sequence length (FLASH2_FWD_BWD); unfused (Megatron's
+  batched GEMMs around a fused softmax) and GPUs without a published curve at ATTENTION_FRACTION.
 - Norms, activations, residual adds, dropout: memory-bound, ELEMENTWISE_BYTES per token moved at
   HBM bandwidth x MEMORY_FRACTION.
 Every constant is global (one GPU model for every model and cluster); docs/cost-model.md lists each
@@ -27,13 +29,48 @@ from typing import Optional, Tuple
 GEMM_PEAK_FRACTION = 0.80    # of the datasheet dense peak: what cuBLAS sustains on large GEMMs
 GEMM_TILE = 128
 GEMM_K_HALF = 96             # K at which a tile's main loop is half its time
-ATTENTION_FRACTION = 0.45    # fused attention (forward and backward) as a fraction of the peak
+ATTENTION_FRACTION = 0.45    # attention core without a measured curve (unfused, or a GPU FLASH2_FWD_BWD lacks)
 MEMORY_FRACTION = 0.80       # of HBM bandwidth reached by elementwise kernels
 KERNEL_LAUNCH_S = 4e-6
 # (HBM bytes/s, SMs) by a whole token of the device name (see docs/cost-model.md for the sources).
 GPU_FACTS = (("H200", 4.8e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
              ("A100", 2.04e12, 108), ("A800", 2.04e12, 108), ("V100", 0.9e12, 80), ("L40S", 0.86e12, 142),
              ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("T4", 0.32e12, 40), ("MI300X", 5.3e12, 304))
+
+# FlashAttention-2's measured forward + backward speed in 16-bit, causal mask, head dimension 128, by
+# sequence length: TFLOP/s as its benchmark counts them, and the datasheet dense peak of the part.
+# Dao-AILab/flash-attention README.md "Performance", panel (d) of assets/flash2_a100_fwd_bwd_benchmark.png
+# (A100 80GB SXM4) and assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5), commit 0251105a.
+FLASH2_FWD_BWD = {
+    "A100": (312e12, ((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189))),
+    "H100": (989e12, ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328))),
+}
+# That benchmark counts a causal pass as half of 4 s d FLOPs per query and forward + backward as 3.5
+# forwards; the cost model charges 3 forwards of the whole 4 s h per token. Equal times need a fraction
+# of the peak of 3 / (3.5 / 2) = 12/7 times the measured rate over the peak.
+FLASH2_COUNT_RATIO = 3.0 / 1.75
+
+
+def flash_attention_fraction(name: str, seq_len: float) -> Optional[float]:
+    """The fraction of the datasheet peak the cost model's fused attention runs at on this GPU and
+    sequence length (FLASH2_FWD_BWD, linear in log2 of the length, clamped to its ends); None for a
+    GPU without a published curve."""
+    entry = _table_entry(name)
+    curve = FLASH2_FWD_BWD.get(entry[0]) if entry else None
+    if curve is None:
+        return None
+    peak, points = curve
+    x = math.log2(max(float(seq_len), 1.0))
+    xs = [math.log2(s) for s, _ in points]
+    if x <= xs[0]:
+        tflops = points[0][1]
+    elif x >= xs[-1]:
+        tflops = points[-1][1]
+    else:
+        i = next(j for j in range(1, len(xs)) if x <= xs[j])
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        tflops = points[i - 1][1] + w * (points[i][1] - points[i - 1][1])
+    return FLASH2_COUNT_RATIO * tflops * 1e12 / peak
 
 
 def _table_entry(name: str) -> Optional[Tuple[str, float, int]]:
@@ -65,6 +102,7 @@ class GpuKernels:
     hbm: float           # bytes/s
     sms: int
     gemm_fraction: float = GEMM_PEAK_FRACTION
+    name: str = ""       # the device's name: its FlashAttention-2 curve, where one is published
 
     def gemm(self, m: float, n: float, k: float, bpv: int) -> float:
         """Seconds of one (m x k) @ (k x n) GEMM."""
@@ -107,7 +145,8 @@ def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: in
     for m, n, kk in ((tokens, 3 * a / tp, h), (tokens, h, a / tp), (tokens, w / tp, h), (tokens, h, w / tp)):
         f, b = k.gemm_fwd_bwd(m, n, kk, bpv)
         fwd, bwd = fwd + f, bwd + b
-    core = tokens * attention_flops_per_token / tp / (k.peak * ATTENTION_FRACTION)
+    flash = flash_attention_fraction(k.name, meta.seq_len) if fused_attention and bpv == 2 else None
+    core = tokens * attention_flops_per_token / tp / (k.peak * (flash or ATTENTION_FRACTION))
     if not fused_attention:
         core += k.elementwise(tokens * meta.num_heads * meta.seq_len / tp * (6 * bpv + 1))
     # norms, residual adds, bias + activation, dropout: ~12h replicated + 2W/tp values read or written per token
@@ -133,4 +172,5 @@ def kernels_for(device, peak: float, measured: bool) -> Optional[GpuKernels]:
     if device.kind != "cuda":
         return None
     hbm, sms = gpu_facts(device.name, peak)
-    return GpuKernels(peak=peak, hbm=hbm, sms=sms, gemm_fraction=1.0 if measured else GEMM_PEAK_FRACTION)
+    return GpuKernels(peak=peak, hbm=hbm, sms=sms, gemm_fraction=1.0 if measured else GEMM_PEAK_FRACTION,
+                      name=device.name)
