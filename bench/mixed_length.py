@@ -102,7 +102,8 @@ PACKINGS = ("document", "balanced")
 
 
 def _overrides(args) -> List[str]:
-    return ["arch=gpt2-tiny", f"arch.n_layer={args.n_layer}", f"arch.n_embd={args.n_embd}", f"arch.n_head={args.n_head}",
+    return ["arch=gpt2-tiny", f"arch.n_layer={args.n_layer}", f"arch.n_embd={args.n_embd}",
+            f"arch.n_head={args.n_head}",
             f"arch.vocab_size={args.vocab}", f"arch.n_positions={args.budget}", "data=code", f"data.path={args.path}",
             f"data.seq_len={args.budget}", f"train.steps={args.steps}", f"train.global_batch_size={args.micro_batches}",
             "train.schedule=1f1b", "train.checkpoint_interval=0", "train.measure_memory=false", "logger.mode=disabled",

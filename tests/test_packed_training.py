@@ -30,8 +30,8 @@ def _gpt2(seed=0, attention="sdpa"):
 
 def _alone(model, docs, total):
     """Each document through the whole model on its own, its summed token loss over `total` tokens."""
-    return sum(torch.nn.functional.cross_entropy(model(input_ids=d[None, :-1].long()).logits[0], d[1:].long(), reduction="sum")
-               for d in docs) / total
+    return sum(torch.nn.functional.cross_entropy(model(input_ids=d[None, :-1].long()).logits[0], d[1:].long(),
+                                                 reduction="sum") for d in docs) / total
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -178,7 +178,9 @@ def packing_refusal(packing: str, data_name: str, arch_family: str = "hf", plan=
 
 def build_packed_stream(packing: str, train_tokens: torch.Tensor, val_tokens: torch.Tensor, eot_id: int,
                         token_budget: int, seed: int, layout: Optional[StepLayout] = None,
-                        coefficients: Tuple[float, float] = (0.0, 1.0)) -> PackedLMStream:
+                        coefficients: Tuple[float, float] = (0.0, 1.0),
+                        time_budget_s: float = DEFAULT_DISPATCH_BUDGET_S,
+                        prefetch: int = DEFAULT_PREFETCH_STEPS) -> PackedLMStream:
     dispatcher = functools.partial(D.dispatch, fixed_shapes=True) if packing == "balanced" else None
     documents = PackedDocuments(train_tokens, val_tokens, eot_id, token_budget, seed, packing, dispatcher)
-    return PackedLMStream(documents, layout, coefficients)
+    return PackedLMStream(documents, layout, coefficients, time_budget_s, prefetch)
