@@ -2,6 +2,7 @@
 import pytest
 
 from _runs import reference_losses, run_plan
+from hrlplan.schedules import DEFAULT, SCHEDULES
 
 pytestmark = pytest.mark.slow
 
@@ -16,14 +17,15 @@ def reference():
     return reference_losses(steps=5, extra=LR)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# the one-stage-per-rank schedules (GPipe, 1F1B); the others: tests/test_schedule_training.py
+@pytest.mark.parametrize("schedule", [name for name, spec in SCHEDULES.items() if not spec.multi_stage])
 def test_pp2_uneven_matches_one_process(tmp_path, reference, schedule):
     losses = run_plan(tmp_path, [(0, 4), (4, 6)], dp=1, schedule=schedule, extra=LR)
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
-    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=2, schedule="1f1b", microbatches=2, extra=LR)
+    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=2, schedule=DEFAULT, microbatches=2, extra=LR)
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
@@ -31,7 +33,7 @@ def test_pp2_dp2_matches_one_process(tmp_path, reference):
 def test_bfloat16_computes_in_bf16_with_or_without_data_parallel(tmp_path, reference, dp):
     """train.dtype=bfloat16: FSDP's MixedPrecisionPolicy where stages are sharded, bf16 autocast
     where nothing shards them (a pure pipeline); either way close to fp32, never the fp32 numbers."""
-    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=dp, schedule="1f1b", microbatches=2,
+    losses = run_plan(tmp_path, [(0, 2), (2, 6)], dp=dp, schedule=DEFAULT, microbatches=2,
                       extra=[*LR, "train.dtype=bfloat16"])
     assert losses == pytest.approx(reference, rel=2e-2)
     assert max(abs(a - b) for a, b in zip(losses, reference)) > 1e-5
