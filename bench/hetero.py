@@ -9,8 +9,9 @@ types, uneven node counts, nodes of 4 or 8, 16-1024 GPUs) with GPT-2 / Llama mod
 Columns: planned = make_plan exact with planner.heterogeneous=true (never slower than single: the
 single template is a candidate), single = heterogeneous=false, 1-type = the best single-template
 plan on one device type's nodes alone, replica = the best plan of the replica sub-space (proven
-where 'proof' says so) and what it lost on against the single template where it lost; random / SA =
-random search and simulated annealing over the replica space at the exact search's simulator calls.
+where 'proof' says so) and what it lost on against the single template where it lost; random / SA / SH =
+random search, simulated annealing and successive halving over the replica space at the planner's
+simulator calls.
 Times are the simulator's predicted step times.
 """
 from __future__ import annotations
@@ -35,7 +36,9 @@ from hrlplan.errors import UserError  # noqa: E402
 from hrlplan.search import make_plan  # noqa: E402
 from hrlplan.search.common import cost_options  # noqa: E402
 from hrlplan.search.config import ExactPlannerConfig  # noqa: E402
-from hrlplan.search.hetero_baselines import Sampler, annealing, random_search  # noqa: E402
+from hrlplan.search.hetero import search_exact_until  # noqa: E402
+from hrlplan.search.hetero_baselines import Sampler, annealing, random_search, successive_halving  # noqa: E402
+from hrlplan.search.space import SearchSpace  # noqa: E402
 from hrlplan.search.instances import load_meta, load_preset_config  # noqa: E402
 
 PRESETS = [("gpt2", "a100-v100-mix", 128), ("gpt2-xl", "a100-v100-mix", 256), ("llama-7b", "a100-v100-mix", 256),
@@ -83,6 +86,13 @@ def generated(seed: int) -> tuple:
     return str(arch), cfg, gbs
 
 
+def planned_by(plan) -> str:
+    if not plan.heterogeneous:
+        return "single template"
+    return "learned replica policy" if "learned replica policy" in plan.meta["planner"].get("note", "") \
+        else "exact sub-space"
+
+
 def one_type_configs(cfg: dict):
     types = sorted({g["device"] for g in cfg["node_groups"]})
     for t in types:
@@ -94,7 +104,7 @@ def idle_devices(plan, cluster) -> int:
     return cluster.world_size - used
 
 
-def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: float) -> dict:
+def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: float, reference_s: float) -> dict:
     meta, cluster = load_meta(arch), spec_from_preset(cluster_cfg)
     train = dict(global_batch_size=gbs, schedule="1f1b", stages_per_rank=1, microbatches="auto", dtype="bfloat16",
                  dp_mode="fsdp")
@@ -104,12 +114,9 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
            "global_batch": gbs}
     one = []
     for t, sub in one_type_configs(cluster_cfg):
-        try:
-            p, _ = make_plan(meta, spec_from_preset(sub), dict(cfg, heterogeneous="false"), train)
-            one.append((p.meta["predicted"]["step_time_s"], t))
-        except UserError:
-            one.append((math.inf, t))
-    row["one_type_s"], row["one_type"] = min(one)
+        best_s, proven = single_template(meta, spec_from_preset(sub), cfg, train, reference_s)
+        one.append((best_s, t, proven))
+    row["one_type_s"], row["one_type"], row["one_type_proven"] = min(one)
     t0 = time.perf_counter()
     evaluations0 = 0
     try:
@@ -131,6 +138,7 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     row.update(planned_s=plan.meta["predicted"]["step_time_s"], planned_kind="replicas" if plan.heterogeneous else
                "single template", planned_layout=plan.layout()[:300], proof=hetero["proven"],
                template_searches=hetero["template_searches"], rounds=hetero["rounds"], hetero_time_s=hetero["time_s"],
+               learned=hetero.get("learned_replicas"), planned_by=planned_by(plan),
                evaluations=info["planner"]["evaluations"] - evaluations0)
     if plan.heterogeneous:
         row.update(replica_s=row["planned_s"], replica_summary=info["chosen"]["summary"],
@@ -142,15 +150,33 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     else:
         row.update(replica_s=math.inf, lost_on="time budget (no replica plan assembled)" if hetero.get("out_of_time")
                    else "memory (no replica of the sub-space fits)")
+    row["single_proven"] = bool(info["planner"].get("proven_optimal")) if not plan.heterogeneous else None
+    if not row["single_proven"]:
+        # the planner's single template had half its time: a longer search for the reference column
+        ref_s, ref_proven = single_template(meta, cluster, cfg, train, reference_s)
+        if ref_s < row.get("single_s", math.inf):
+            row.update(single_s=ref_s, single_layout="(reference search)")
+        row["single_reference_proven"] = ref_proven
     row.update(baselines(meta, cluster, cfg, train, row["evaluations"], baseline_s))
     return row
+
+
+def single_template(meta, cluster, cfg, train, seconds: float):
+    """(best single-template step, proven) within `seconds` (exact's search, stopped at the deadline)."""
+    train = section(TrainConfig, train)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = SearchSpace(meta, cluster, cfg, train)
+    space.sim = sim
+    out = search_exact_until(sim, space, cfg, time.perf_counter() + seconds, f"the bench's {seconds:g} s")
+    best = out["tracker"].best
+    return (best.time if best is not None else math.inf), bool(out["proven_optimal"])
 
 
 def baselines(meta, cluster, cfg, train, calls: int, time_cap_s: float) -> dict:
     """Random search and annealing at the exact search's simulator calls (or the time cap, said so)."""
     out = {}
     train = section(TrainConfig, train)
-    for name, fn in (("random", random_search), ("sa", annealing)):
+    for name, fn in (("random", random_search), ("sa", annealing), ("sh", successive_halving)):
         sim = Simulator(meta, cluster, cost_options(cfg, train))
         sampler = Sampler(sim, meta, cluster, cfg, train, seed=0)
         best, _ = fn(sampler, calls, deadline=time.perf_counter() + time_cap_s)
@@ -165,18 +191,18 @@ def ratio(a: float, b: float) -> float:
 
 def table(rows) -> str:
     head = (f"{'model':11} {'cluster':26} {'gpus':>4} {'planned ms':>10} {'single':>8} {'1-type':>8} "
-            f"{'replica':>8} {'xS':>5} {'x1T':>5} {'rand':>8} {'SA':>8} {'plan s':>6}  kind / lost on")
+            f"{'replica':>8} {'xS':>5} {'x1T':>5} {'rand':>8} {'SA':>8} {'SH':>8} {'plan s':>6}  kind / lost on")
     lines = [head, "-" * len(head)]
     for r in rows:
         ms = lambda x: f"{x * 1e3:8.4g}" if x is not None and math.isfinite(x) else "       -"  # noqa: E731
-        what = r.get("planned_kind", "error")
+        what = r.get("planned_by", r.get("planned_kind", "error"))
         if r.get("lost_on"):
             what += f" (replicas lost on {r['lost_on']})"
         lines.append(f"{r['arch']:11} {r['cluster'][:26]:26} {r['gpus']:>4} {ms(r.get('planned_s')):>10} "
                      f"{ms(r.get('single_s'))} {ms(r.get('one_type_s'))} {ms(r.get('replica_s'))} "
                      f"{ratio(r.get('planned_s'), r.get('single_s')):5.2f} "
                      f"{ratio(r.get('planned_s'), r.get('one_type_s')):5.2f} "
-                     f"{ms(r.get('random_s'))} {ms(r.get('sa_s'))} {r.get('plan_time_s', 0):6.1f}  {what}")
+                     f"{ms(r.get('random_s'))} {ms(r.get('sa_s'))} {ms(r.get('sh_s'))} {r.get('plan_time_s', 0):6.1f}  {what}")
     return "\n".join(lines)
 
 
@@ -193,8 +219,7 @@ def headline(rows) -> dict:
     vs_single = [ratio(r["planned_s"], r["single_s"]) for r in ok if math.isfinite(r.get("single_s", math.inf))]
     idle = [ratio(r["planned_s"], r["single_s"]) for r in ok if r.get("single_idle", 0) > 0]
     vs_one = [ratio(r["planned_s"], r["one_type_s"]) for r in ok if math.isfinite(r.get("one_type_s", math.inf))]
-    vs_base = [min(ratio(r["planned_s"], r.get("random_s", math.inf)), ratio(r["planned_s"], r.get("sa_s", math.inf)))
-               for r in ok]
+    vs_base = [min(ratio(r["planned_s"], r.get(f"{b}_s", math.inf)) for b in ("random", "sa", "sh")) for r in ok]
     return {"instances": len(rows), "planned": len(ok), "replica_plans_chosen": sum(r.get("planned_kind") == "replicas"
                                                                                      for r in ok),
             "min_speedup_vs_single": min(vs_single, default=None),
@@ -216,7 +241,11 @@ def main(argv=None) -> int:
     ap.add_argument("--generated", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=50.0, help="planner.hetero_time_s (the whole planning time)")
     ap.add_argument("--baseline-s", type=float, default=10.0, help="time cap per baseline run")
+    ap.add_argument("--reference-s", type=float, default=40.0,
+                    help="time per single-template reference search (the one-type columns; the single column "
+                         "where the planner's own single-template search was not proven)")
     ap.add_argument("--part", default="", help="presets | generated: one half of the instances")
+    ap.add_argument("--seeds", default="", help="FIRST:LAST generated seeds (with --part generated)")
     ap.add_argument("--out", default="bench/results/hetero.json")
     ap.add_argument("--combine", nargs="*", default=None,
                     help="print the table of these result files, merged into --out")
@@ -228,7 +257,8 @@ def main(argv=None) -> int:
         print(json.dumps(headline(rows), indent=1))
         return 0
     instances = [(a, load_preset_config(p), b) for a, p, b in PRESETS] + [("llama-7b", hspmd_uneven(), 312)]
-    instances += [generated(s) for s in range(args.generated)]
+    first, last = map(int, args.seeds.split(":")) if args.seeds else (0, args.generated)
+    instances += [generated(s) for s in range(first, last)]
     if args.part:
         instances = instances[:len(PRESETS) + 1] if args.part == "presets" else instances[len(PRESETS) + 1:]
     if args.quick:
@@ -239,7 +269,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for arch, cfg, gbs in instances:
         t = time.perf_counter()
-        row = run(arch, cfg, gbs, args.budget_s, args.baseline_s)
+        row = run(arch, cfg, gbs, args.budget_s, args.baseline_s, args.reference_s)
         row["bench_time_s"] = time.perf_counter() - t
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)

@@ -155,12 +155,12 @@ def test_row_grid():
 
 
 def test_baselines_sample_the_same_space_at_the_given_simulator_calls():
-    from hrlplan.search.hetero_baselines import Sampler, annealing, random_search
+    from hrlplan.search.hetero_baselines import Sampler, annealing, random_search, successive_halving
 
     meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
     train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
     cfg = asdict(ExactPlannerConfig())
-    for search in (random_search, annealing):
+    for search in (random_search, annealing, successive_halving):
         sim = Simulator(meta, cluster, cost_options(cfg, train))
         best, plan = search(Sampler(sim, meta, cluster, cfg, train, seed=1), 60)
         assert 60 <= sim.evaluations < 60 + 8   # one plan's replicas past the budget at most
@@ -199,3 +199,20 @@ def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
     assert predicted["step_time_s"] <= serial + sim.devices.overheads.step * sim.devices.time_scale + 1e-12
     for r in out["replicas"]:
         assert predicted["step_time_s"] >= sim.evaluate(r.layout).step_time_s * (1 - 1e-12)
+
+
+def test_learned_replica_policy_plans_within_its_calls_and_its_rows_sum_to_the_batch():
+    from hrlplan.search.hrl_replicas import ReplicaEnv, search_hrl_replicas
+
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 2)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=12))
+    cfg = asdict(ExactPlannerConfig())
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    env = ReplicaEnv(sim, meta, cluster, cfg, train, share_steps=12)
+    for chosen in ([("fast", 2, 1), ("slow", 2, 2)], [("fast", 1, 2), ("slow", 4, 1)]):
+        rows = env.rows_for(chosen, {"fast": 4.0, "slow": 1.0})
+        assert sum(r * k for r, (_, _, k) in zip(rows, chosen)) == 12 and min(rows) >= 1
+    out = search_hrl_replicas(sim, meta, cluster, cfg, train, calls=40)
+    assert 40 <= out["calls"] < 40 + 8
+    validate(out["plan"])
+    assert out["step_time_s"] == pytest.approx(predict_any_plan(out["plan"], meta, cluster)["step_time_s"])

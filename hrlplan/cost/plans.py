@@ -11,6 +11,7 @@ runs it (cross_replica_finish): a bucket starts once every member's gradients ca
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.config import TrainConfig, section
@@ -171,6 +172,50 @@ def _pipeline_timing(sim: Simulator, layout: Layout, contention: Optional[float]
     return finish, list(run.tl.last_backward)
 
 
+# Per simulator: a replica's results by its shape. On a preset every device of a type is the same
+# and links depend only on (same node or not, the node's intra-node bandwidth), so replicas of one
+# template on other nodes of a type predict the same; a plan of 100 replicas costs one evaluation.
+_REPLICA_CACHE: "weakref.WeakKeyDictionary[Simulator, Dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _replica_shape(cluster, layout: Layout, contention: Optional[float]) -> Optional[tuple]:
+    """A key equal for replicas a preset cannot tell apart; None where links are measured (a probe)."""
+    if cluster.source != "preset" or cluster.bandwidth is not None:
+        return None
+    nodes: Dict[int, int] = {}
+    groups = tuple(tuple((cluster.devices[d].name, nodes.setdefault(cluster.devices[d].node, len(nodes)),
+                          cluster.intra_node_bw[cluster.devices[d].node]) for d in g) for g in layout.groups)
+    return (dataclasses.replace(layout, groups=()), groups, contention)
+
+
+def _relabel(result, old: Layout, new: Layout):
+    """A cached result of `old` for the same-shaped replica `new`: its memory and stages on new's devices."""
+    if old.groups == new.groups:
+        return result
+    move = {a: b for g, h in zip(old.groups, new.groups) for a, b in zip(g, h)}
+    out = dataclasses.replace(result, memory_bytes={move[d]: v for d, v in result.memory_bytes.items()})
+    out.stages = [dict(st, devices=[move[d] for d in st["devices"]]) for st in result.stages]
+    return out
+
+
+def _replica_results(sim: Simulator, layouts: List[Layout], contention: Optional[float], timing: bool):
+    """sim.evaluate(detail) per replica layout (and, with timing, _pipeline_timing), same shapes once."""
+    cache = _REPLICA_CACHE.setdefault(sim, {})
+    results, timings = [], []
+    for lay in layouts:
+        key = _replica_shape(sim.cluster, lay, contention)
+        entry = cache.get(key) if key is not None else None
+        if entry is None:
+            entry = [lay, sim.evaluate(lay, detail=True, contention=contention), None]
+            if key is not None and (entry[1].feasible or entry[1].reason.startswith("out of memory")):
+                cache[key] = entry   # not a wrapper's refusal (search.hetero.TimedSimulator: out of time)
+        if timing and entry[2] is None:
+            entry[2] = _pipeline_timing(sim, lay, contention)
+        results.append(_relabel(entry[1], entry[0], lay))
+        timings.append(entry[2])
+    return results, timings
+
+
 def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                      sim: Optional[Simulator] = None) -> Dict[str, Any]:
     """{feasible, reason, step_time_s, bubble_fraction, memory_bytes_per_rank, breakdown} for any plan. A plan
@@ -202,7 +247,8 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                    for r, lay in zip(alone, layouts) if r.feasible)
         if span > 0:
             contention = max(1.0, sim.devices.overheads.contention * min(busy / (span * plan.world_size), 1.0))
-    results = [sim.evaluate(lay, detail=True, contention=contention) for lay in layouts]
+    reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
+    results, timings = _replica_results(sim, layouts, contention, timing=reduce_s > 0)
     memory: Dict[int, float] = {}
     for r in results:
         memory.update(r.memory_bytes)
@@ -218,12 +264,10 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     ov = sim.devices.overheads
     pipe_end = max(r.breakdown["pipeline_end_s"] for r in results) / scale
     optimizer = max(r.breakdown["optimizer_s"] for r in results) / scale
-    reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
     finish_s = pipe_end
     if reduce_s > 0:
         end, window = {}, {}
-        for pipe, lay in zip(plan.as_pipelines(), layouts):
-            pos_end, pos_window = _pipeline_timing(sim, lay, contention)
+        for pipe, lay, (pos_end, pos_window) in zip(plan.as_pipelines(), layouts, timings):
             for k, st in enumerate(pipe.stages):
                 for r in st.ranks:
                     end[r], window[r] = pos_end[lay.stage_group(k)], pos_window[lay.stage_group(k)]

@@ -22,8 +22,9 @@ from hrlplan.errors import UserError
 from hrlplan.plan import Plan, check_fits
 from hrlplan.search.common import Scored, cost_options, describe, why_better
 from hrlplan.search.exact import search_exact
-from hrlplan.search.hetero import hetero_mode, hetero_summary, wants_hetero, why_not_hetero
-from hrlplan.search.hetero_exact import search_hetero
+from hrlplan.search.hetero import hetero_mode, hetero_summary, search_exact_until, wants_hetero, why_not_hetero
+from hrlplan.search.hetero_exact import DEFAULT_TIME_S, search_hetero
+from hrlplan.search.hrl_replicas import search_hrl_replicas
 from hrlplan.search.hrl import search_hrl
 from hrlplan.search.random_search import search_random
 from hrlplan.search.space import SearchSpace, _plain, to_plan
@@ -44,7 +45,7 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     space = SearchSpace(meta, cluster, cfg, train_cfg)
     space.sim = sim
     if name == "exact":
-        out = search_exact(sim, space, cfg)
+        out = _single_template_exact(sim, space, cfg, cluster, train_cfg, t0)
     elif name == "random":
         out = search_random(sim, space, cfg)
     else:
@@ -175,6 +176,16 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- heterogeneous replicas
+def _single_template_exact(sim, space, cfg, cluster, train_cfg, t0) -> Dict[str, Any]:
+    """search_exact; where the replica search follows, within half of planner.hetero_time_s (the
+    replica search keeps the rest)."""
+    if not wants_hetero(cfg, cluster) or why_not_hetero(train_cfg):
+        return search_exact(sim, space, cfg)
+    whole = float(cfg.get("hetero_time_s", DEFAULT_TIME_S))
+    return search_exact_until(sim, space, cfg, t0 + whole / 2,
+                              f"planner.hetero_time_s={whole:g} s / 2 for the single template")
+
+
 def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
     """search_hetero with the single-template result as incumbent, where planner.heterogeneous
     asks for it (auto: several device types or node sizes; exact only); None where it does not run."""
@@ -195,12 +206,33 @@ def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
         if mode == "true":
             raise UserError("planner.heterogeneous=true needs the highspy package (pip install highspy)")
         return {"plan": None, "skipped": "the highspy package is not installed (pip install highspy)"}
-    # no incumbent: the best replica plan is found (and reported) even where the single template wins
-    hetero = search_hetero(sim, meta, cluster, cfg, train_cfg, float("inf"), started=t0)
+    # no incumbent: the best replica plan is found (and reported) even where the single template wins;
+    # a quarter of the time stays for the learned replica policy where exact cannot prove its sub-space
+    whole = float(cfg.get("hetero_time_s", DEFAULT_TIME_S))
+    hetero = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=whole * 0.75), train_cfg, float("inf"),
+                           started=t0)
+    if not hetero["proven"]:
+        hetero = _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero, t0 + whole)
     single = tracker.best.time if tracker.best is not None else float("inf")
     if hetero["plan"] is not None and hetero["predicted"]["step_time_s"] >= single:
         hetero["lost"] = lost_on(sim, hetero, tracker.best)
         hetero["plan"] = None
+    return hetero
+
+
+def _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero: Dict[str, Any], deadline: float):
+    """hetero_exact's result, or the learned replica policy's plan (search/hrl_replicas.py) where it is
+    faster: exact could not prove its sub-space, so the policy's sample of a wider one may win."""
+    learned = search_hrl_replicas(sim, meta, cluster, cfg, train_cfg, calls=10 ** 9, deadline=deadline)
+    hetero["learned_replicas"] = {k: learned[k] for k in ("step_time_s", "calls", "time_s", "low_level", "decisions")}
+    mine = hetero["predicted"]["step_time_s"] if hetero["plan"] is not None else float("inf")
+    if learned["plan"] is None or learned["step_time_s"] >= mine:
+        return hetero
+    plan = learned["plan"]
+    predicted = predict_any_plan(plan, meta, cluster, sim=sim)
+    hetero.update(plan=plan, predicted=predicted, replicas=learned["replicas"],
+                  note=hetero["note"] + "; the plan is the learned replica policy's (search/hrl_replicas.py), "
+                                        "faster than the best found in the sub-space")
     return hetero
 
 
@@ -228,6 +260,8 @@ def hetero_info(hetero: Dict[str, Any]) -> Dict[str, Any]:
     keys = ("proven", "note", "sub_space", "rounds", "template_searches", "options", "time_s", "nproc_per_node",
             "out_of_time")
     out = {"ran": True, **{k: hetero[k] for k in keys}}
+    if "learned_replicas" in hetero:
+        out["learned_replicas"] = hetero["learned_replicas"]
     if "lost" in hetero:
         out["best_replica_plan"] = hetero["lost"]
     out["chosen"] = "heterogeneous replicas" if hetero.get("plan") is not None else \

@@ -15,6 +15,7 @@ Heterogeneous plans run on hrlplan's own executor (hrlplan.runtime.hetero), whic
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -22,6 +23,8 @@ from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import predict_any_plan
 from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
+from hrlplan.search.common import Scored, Tracker
+from hrlplan.search.exact import search_exact
 from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
 
 MODES = ("auto", "true", "false")
@@ -62,6 +65,55 @@ def same_tp_required(meta) -> bool:
     gradients through Hugging Face's layout) but cannot resume: a checkpoint keeps each block in one
     replica's layout. The planner keeps them at one tp, so every plan it writes can be resumed."""
     return meta.model_type == "gpt2"
+
+
+class OutOfTime(Exception):
+    pass
+
+
+class TimedSimulator:
+    """A simulator whose evaluations stop at a deadline: past it, `evaluate` raises OutOfTime, so a
+    search ends at once; the layouts it did simulate are kept (`tracker`) -- search_exact_until
+    returns their best. Everything else is the wrapped simulator's."""
+
+    def __init__(self, sim, deadline: float):
+        self._sim, self.deadline, self.tracker = sim, deadline, Tracker()
+
+    def __getattr__(self, name):
+        return getattr(self._sim, name)
+
+    @property
+    def evaluations(self) -> int:
+        return self._sim.evaluations
+
+    @evaluations.setter
+    def evaluations(self, value: int) -> None:
+        self._sim.evaluations = value
+
+    def evaluate(self, layout, detail: bool = False, contention=None):
+        if time.perf_counter() > self.deadline:
+            raise OutOfTime()
+        result = self._sim.evaluate(layout, detail=detail, contention=contention)
+        self.tracker.offer(Scored(layout, result))
+        return result
+
+
+def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_key: str) -> Dict[str, Any]:
+    """search_exact stopped at `deadline` (a 1024-GPU template search runs to its 20k simulations at
+    ~0.1 s each): then the best layout simulated so far, not proven, the note naming `budget_key`."""
+    t0 = time.perf_counter()
+    timed = TimedSimulator(sim, deadline)
+    own = space.sim
+    space.sim = timed
+    try:
+        return search_exact(timed, space, cfg)
+    except OutOfTime:
+        return {"tracker": timed.tracker, "evaluations": sim.evaluations, "proven_optimal": False,
+                "out_of_time": True, "time_s": time.perf_counter() - t0,
+                "note": f"gave up at {budget_key}; the best of the {len(timed.tracker.history)} feasible layouts "
+                        "simulated, not proven optimal"}
+    finally:
+        space.sim = own
 
 
 @dataclass(frozen=True)

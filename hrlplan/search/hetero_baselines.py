@@ -1,7 +1,8 @@
 """Baselines over the heterogeneous-replica space (hrlplan.search.hetero) at a given number of
-simulator calls: random search and simulated annealing. Both sample the space hetero_exact proves
-over, with any rows per replica (not only its grid) and random layer splits, and predict each plan
-in full (predict_any_plan). bench/hetero.py runs them at the exact search's simulator calls.
+simulator calls: random search, simulated annealing and successive halving. All sample the space
+hetero_exact proves over, with any rows per replica (not only its grid) and random layer splits,
+and predict each plan in full (predict_any_plan). bench/hetero.py runs them at the exact search's
+simulator calls, bench/hetero_hrl.py at the learned replica policy's.
 """
 from __future__ import annotations
 
@@ -163,4 +164,49 @@ def annealing(sampler: Sampler, calls: int, deadline: float = math.inf, t0: floa
                 state, cur = nxt, t
         if cur < best:
             best, best_plan = cur, plan
+    return best, best_plan
+
+
+def successive_halving(sampler: Sampler, calls: int, deadline: float = math.inf, eta: int = 2) -> Tuple[float, Any]:
+    """Successive halving over random replica plans: a population scored once, the better half kept
+    and each survivor improved by neighbour moves (first improvement) with twice the calls per
+    round, until the calls are spent."""
+    best, best_plan = math.inf, None
+    start = sampler.sim.evaluations
+
+    def left() -> int:
+        return calls - (sampler.sim.evaluations - start) if time.perf_counter() < deadline else 0
+
+    population = []
+    while len(population) < max(4, calls // 8) and left() > 0:
+        state = sampler.random_state()
+        if state is None:
+            sampler.sim.evaluations += 1
+            continue
+        t, plan = sampler.score(state)
+        population.append((t, state, plan))
+    moves = 1
+    while population and left() > 0:
+        population.sort(key=lambda x: x[0])
+        if population[0][0] < best:
+            best, best_plan = population[0][0], population[0][2]
+        population = population[:max(1, len(population) // eta)]
+        improved = []
+        for t, state, plan in population:
+            for _ in range(moves):
+                if left() <= 0:
+                    break
+                nxt = sampler.neighbour(state)
+                if nxt is None:
+                    sampler.sim.evaluations += 1
+                    continue
+                t2, plan2 = sampler.score(nxt)
+                if t2 < t:
+                    t, state, plan = t2, nxt, plan2
+            improved.append((t, state, plan))
+        population = improved
+        moves *= eta
+    for t, _, plan in population:
+        if t < best:
+            best, best_plan = t, plan
     return best, best_plan

@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from hrlplan.search.exact import search_exact
+from hrlplan.search.common import Scored
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
-from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
+from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required,
+                                  search_exact_until)
 
 DEFAULT_SHARE_STEPS = 16
 DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search included
@@ -73,6 +74,7 @@ class TemplateTable:
         self.train = dict(train_cfg) if isinstance(train_cfg, dict) else {
             k: getattr(train_cfg, k) for k in train_cfg.__dataclass_fields__}
         self.deadline = deadline
+        self.search_deadline = float("inf")
         self.bounds: Dict[tuple, float] = {}
         self.bottlenecks: Dict[tuple, float] = {}
         self.table: Dict[tuple, Tuple[float, Any]] = {}
@@ -117,12 +119,38 @@ class TemplateTable:
 
     def exact(self, key) -> Tuple[float, Any]:
         if key not in self.table:
-            out = search_exact(self.sim, self._space(key), self.cfg)
+            # one search takes at most a quarter of what is left, so that plans get assembled (an
+            # unfinished template is the best found, and the result unproven)
+            now = time.perf_counter()
+            out = search_exact_until(self.sim, self._space(key), self.cfg,
+                                     min(self.search_deadline, now + max(1.0, (self.search_deadline - now) / 4)),
+                                     "a quarter of what was left of planner.hetero_time_s")
+            self.out_of_time = self.out_of_time or time.perf_counter() > self.search_deadline
             self.searches += 1
             self.unproven += not out["proven_optimal"]
             best = out["tracker"].best
+            if best is None and out.get("out_of_time"):
+                best = self._quick(key)
             self.table[key] = (best.time, best.layout) if best is not None else (float("inf"), None)
         return self.table[key]
+
+    def _quick(self, key, tries: int = 3) -> Optional[Scored]:
+        """A template when the search ran out before simulating any that fits: the DP split of the
+        configurations with the best bounds (a plan to assemble, not a proof)."""
+        rs = self._space(key)
+
+        def bound(c):
+            shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)))
+            return c.num_microbatches * self.bottlenecks.get(shared, float("inf"))
+        for c in sorted((c for c in rs.configs() if bound(c) < float("inf")), key=bound)[:tries]:
+            tables = SplitTables(self.sim, rs, c)
+            spans = next(iter(tables.candidates()), None)
+            if spans is not None:
+                layout = rs.layout(c, spans, recompute=tables.recompute_of(spans))
+                result = self.sim.evaluate(layout)
+                if result.feasible:
+                    return Scored(layout, result, c)
+        return None
 
 
 def nproc_candidates(cluster) -> List[int]:
@@ -256,6 +284,7 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     # bounding every option gets half the budget (what is left then goes to templates and plans), so
     # that a large instance still assembles plans from the options bounded so far
     table = TemplateTable(sim, meta, cluster, planner_cfg, train_cfg, t0 + budget_s / 2)
+    table.search_deadline = t0 + budget_s   # a template search stops there (its best so far, unproven)
     tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= int(planner_cfg.get("max_tp", 8)) and meta.num_heads % tp == 0] \
         if same_tp_required(meta) else [TP_ANY]
     spaces = {n: HeteroSpace(cluster, n) for n in nproc_candidates(cluster)}
