@@ -293,9 +293,7 @@ class StageCostModel:
             # kept reduce-scatters under SP: only the all-gathers (half the volume) run again
             bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
         activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks, sp)
-        transient = transient + self._option_transient(tp, cp, tokens, n_blocks)
-        if recompute == "full" and o.dp_mode == "fsdp":
-            transient = transient + mem.reduce_scatter_buffer_bytes(max(meta.block_params or [0]) / tp, shards)
+        transient = transient + self._option_transient(tp, cp, shards, tokens, n_blocks, recompute)
         params = self.span_params(start, end, first, last, pp)
         per_rank = self.span_params(start, end, first, last, pp, tp)
         reshard = reshard_after_forward and shards > 1 and o.dp_mode == "fsdp"
@@ -307,28 +305,36 @@ class StageCostModel:
         dp_sync = all_reduce_time(sync_bytes, shards, dp_bw, dp_lat) if shards > 1 else 0.0
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
-        first_extra = last_extra = 0.0
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
         opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
         # DTensor parameters (FSDP's shards, tp's sharded linears) step as the sharded figure measured
         optimizer = opt_units * ov.optimizer_per_block(shards, tp)
-        if shards > 1:
-            # FSDP2: one collective per block and one for the stage root when it holds parameters of its
-            # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
-            units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
-            fwd += n_blocks * ov.dp_hook_fwd * lockstep
-            bwd += n_blocks * ov.dp_hook_bwd * lockstep
-            if o.dp_mode == "fsdp":
-                first_extra = (units * ov.dp_allgather + ov.dp_allgather_fixed) * lockstep
-            last_extra = (units * ov.dp_reduce + ov.dp_reduce_fixed) * lockstep
-            if reshard:
-                regather = self._regather_time(per_rank, n_blocks, shards, dp_bw, dp_lat) * lockstep
-                bwd += regather
-                fwd += regather * (microbatches - 1) / microbatches
+        fwd_dp, bwd_dp, first_extra, last_extra = self._data_parallel_time(
+            shards, n_blocks, own_units, reshard, per_rank, (dp_bw, dp_lat), microbatches, lockstep)
+        fwd, bwd = fwd + fwd_dp, bwd + bwd_dp
         return StageCost(fwd=fwd, bwd=bwd, compute_fwd=compute_fwd, tp_comm_fwd=tp_comm, send=0.0,
                          activation=activation, static_memory=static, dp_sync=dp_sync, params=params,
                          first_fwd_extra=first_extra, last_bwd_extra=last_extra, optimizer=optimizer,
                          tp_comm_bwd=tp_comm_bwd, memory=memory)
+
+    def _data_parallel_time(self, shards: int, n_blocks, own_units: int, reshard: bool, per_rank, dp_link,
+                            microbatches: int, lockstep: float):
+        """(forward, backward, before the first forward, in the last backward) seconds of FSDP's or
+        replicate's per-block hooks and collectives over `shards` ranks (dp x cp)."""
+        o, ov = self.opts, self.dev.overheads
+        if shards <= 1:
+            return 0.0, 0.0, 0.0, 0.0
+        # FSDP2: one collective per block and one for the stage root when it holds parameters of its
+        # own; replicate: one for the whole stage. Fixed costs measured by calibration, plus bandwidth.
+        units = n_blocks + (1 if own_units else 0) if o.dp_mode == "fsdp" else 1
+        fwd, bwd = n_blocks * ov.dp_hook_fwd * lockstep, n_blocks * ov.dp_hook_bwd * lockstep
+        first = (units * ov.dp_allgather + ov.dp_allgather_fixed) * lockstep if o.dp_mode == "fsdp" else 0.0
+        last = (units * ov.dp_reduce + ov.dp_reduce_fixed) * lockstep
+        if reshard:
+            regather = self._regather_time(per_rank, n_blocks, shards, *dp_link) * lockstep
+            bwd = bwd + regather
+            fwd = fwd + regather * (microbatches - 1) / microbatches
+        return fwd, bwd, first, last
 
     def _option_scale(self, group: Sequence[int]):
         """What train.compile and train.float8 make of the blocks' compute on the group's devices:
@@ -354,12 +360,16 @@ class StageCostModel:
         ring_f, ring_b = cpc.ring_exchange_s(self.meta, tokens, tp, cp, self.opts.bytes_per_value, bw, lat)
         return n_blocks * cpc.exposed(ring_f, core_fwd), n_blocks * cpc.exposed(ring_b, core_bwd)
 
-    def _option_transient(self, tp: int, cp: int, tokens, n_blocks):
+    def _option_transient(self, tp: int, cp: int, shards: int, tokens, n_blocks, recompute: str):
         """What the options add to a block's backward working set: the ring's in-flight K/V shards
-        (cp) and the fp8 casts of the widest linear's weight and operands (float8)."""
-        extra = cpc.ring_buffer_bytes(self.meta, tokens, tp, cp, self.opts.bytes_per_value)
+        (cp), the fp8 casts of the widest linear's weight and operands (float8), and FSDP's
+        reduce-scatter buffers beside a full-recomputation block (memory.reduce_scatter_buffer_bytes)."""
+        meta = self.meta
+        extra = cpc.ring_buffer_bytes(meta, tokens, tp, cp, self.opts.bytes_per_value)
         if self.opts.float8:
-            extra += mem.float8_cast_bytes(self.meta, tp, tokens)
+            extra += mem.float8_cast_bytes(meta, tp, tokens)
+        if recompute == "full" and self.opts.dp_mode == "fsdp":
+            extra += mem.reduce_scatter_buffer_bytes(max(meta.block_params or [0]) / tp, shards)
         return np.where(n_blocks > 0, extra, 0.0) if isinstance(n_blocks, np.ndarray) else (extra if n_blocks else 0.0)
 
     def _tp_comm(self, n_blocks, tp: int, act_msg, tokens, tp_bw: float, tp_lat: float, lockstep: float):
