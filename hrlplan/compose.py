@@ -62,7 +62,6 @@ def apply_family_recipe(cfg: Dict[str, Any], explicit: Iterable[str]) -> Dict[st
     return cfg
 
 
-apply_hrm_recipe = apply_family_recipe   # the name tests/test_config.py knows
 
 
 def _sync_hrm_loss(arch: Dict[str, Any]) -> None:

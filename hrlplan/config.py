@@ -435,7 +435,7 @@ TOP_LEVEL_ALIASES = {
 }
 
 # HRM's cfg_pretrain.yaml where it differs from our language-model defaults; applied when the
-# arch is HRM and neither the user nor a config file changed the key (see apply_hrm_recipe).
+# arch is HRM and neither the user nor a config file changed the key (see compose.apply_family_recipe).
 HRM_RECIPE = {"grad_clip": None, "warmup_steps": 2000, "min_lr_ratio": 1.0, "seed": 0, "checkpoint_every_eval": True}
 
 

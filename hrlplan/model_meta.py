@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import yaml
 
-from hrlplan.conf_tree import conf_dir, load_shipped_arch, shipped_archs  # noqa: F401 (conf_dir: tests' old home)
+from hrlplan.conf_tree import load_shipped_arch, shipped_archs
 from hrlplan.errors import one_line
 from hrlplan.families import GENERIC_HF, arch_family_for_model_type, family_of
 from hrlplan.model_record import SCHEMA_VERSION, ModelMeta, ModelResolutionError  # noqa: F401 (re-exported)

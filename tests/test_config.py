@@ -13,7 +13,7 @@ import yaml
 from hrlplan.compose import compose
 from hrlplan.config import HRM_RECIPE, TOP_LEVEL_ALIASES, DType, Schedule
 from hrlplan.errors import ConfigError
-from hrlplan.model_meta import conf_dir
+from hrlplan.conf_tree import conf_dir
 
 GROUPS = ["arch", "cluster", "planner", "train", "data", "logger", "experiment"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,12 +116,12 @@ def test_the_users_explicit_value_beats_the_hrm_recipe(override, key, value):
 
 
 def test_a_config_files_value_beats_the_hrm_recipe():
-    from hrlplan.compose import apply_hrm_recipe
+    from hrlplan.compose import apply_family_recipe
 
     # an experiment file moved warmup_steps off the language-model default: it stays
     cfg = {"arch": {"family": "hrm"}, "train": {"warmup_steps": 100, "min_lr_ratio": 0.1, "seed": 1234,
                                                 "grad_clip": 1.0}}
-    train = apply_hrm_recipe(cfg, explicit=[])["train"]
+    train = apply_family_recipe(cfg, explicit=[])["train"]
     assert train == {"warmup_steps": 100, "min_lr_ratio": 1.0, "seed": 0, "grad_clip": None}
     assert compose(["experiment=hrm-sudoku"])["train"]["warmup_steps"] == 2000
 

@@ -21,7 +21,7 @@ def sbatch_text(overrides, tmp_path, monkeypatch) -> str:
     from omegaconf import OmegaConf
 
     from hrlplan.compose import register_configs
-    from hrlplan.model_meta import conf_dir
+    from hrlplan.conf_tree import conf_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

@@ -127,7 +127,7 @@ def _hydra_launcher(*overrides):
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from hrlplan.compose import register_configs
-    from hrlplan.model_meta import conf_dir
+    from hrlplan.conf_tree import conf_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
@@ -153,7 +153,7 @@ def test_launcher_presets():
 
 
 def test_submitit_checkpoint_hook_only_flags_and_resubmits_with_resume():
-    from hrlplan.launch.slurm import SubmititTask
+    from hrlplan.launch.submitit_job import SubmititTask
 
     config = compose(["train.steps=3"])
     task = SubmititTask(config)

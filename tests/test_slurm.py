@@ -125,7 +125,7 @@ def pp2_config(root: Path, steps: int = STEPS, world: int = 2) -> dict:
 
 
 def submit(config: dict, folder: Path):
-    from hrlplan.launch.slurm import submit as slurm_submit
+    from hrlplan.launch.submitit_job import submit as slurm_submit
 
     return slurm_submit(config, folder, slurm_partition="debug", **JOB)
 
