@@ -215,3 +215,19 @@ def test_the_flash_curve_prices_fused_attention_only():
     unfused = kernels.block_times(k, meta, 12 * 4096 ** 2, 4096, 1, 2, 4.0 * meta.seq_len * 4096, False)[2]
     flat = 4096 * 4.0 * meta.seq_len * 4096 / (312e12 * kernels.ATTENTION_FRACTION)
     assert fused < flat < unfused
+
+
+def test_gpu_facts_match_whole_tokens_and_the_grand_teton_h100():
+    """A row's key is whole name tokens, the first row whose tokens the name has: Grand Teton's 96 GB
+    HBM2e H100 (torchtitan's published H100 runs) is 2.4 TB/s, the 80 GB SXM5 part 3.35; its fused
+    attention keeps the H100's FlashAttention-2 curve; an A10G is not an A10."""
+    from hrlplan.cost import kernels
+
+    assert kernels.gpu_facts("H100-96GB", 989e12) == (2.4e12, 132)
+    assert kernels.gpu_facts("NVIDIA H100 80GB HBM3", 989e12) == (3.35e12, 132)
+    assert kernels.flash_attention_fraction("H100-96GB", 4096) == kernels.flash_attention_fraction("H100", 4096)
+    assert not kernels.in_kernel_table("NVIDIA A10G")
+    cluster = preset("h100-gt-96gb", count=1)
+    assert {d.name for d in cluster.devices} == {"H100-96GB"}
+    hbm = {kernels.kernels_for(d, 989e12, measured=False).hbm for d in cluster.devices}
+    assert hbm == {2.4e12}

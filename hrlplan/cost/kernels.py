@@ -32,8 +32,10 @@ GEMM_K_HALF = 96             # K at which a tile's main loop is half its time
 ATTENTION_FRACTION = 0.45    # attention core without a measured curve (unfused, or a GPU FLASH2_FWD_BWD lacks)
 MEMORY_FRACTION = 0.80       # of HBM bandwidth reached by elementwise kernels
 KERNEL_LAUNCH_S = 4e-6
-# (HBM bytes/s, SMs) by a whole token of the device name (see docs/cost-model.md for the sources).
-GPU_FACTS = (("H200", 4.8e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
+# (HBM bytes/s, SMs) by the whole tokens of the device name, the first row whose tokens the name has
+# (see docs/cost-model.md for the sources). "H100 96GB": the HBM2e part of Meta's Grand Teton hosts,
+# 2.4 TB/s (pytorch/torchtitan docs/performance.md), before the 80 GB HBM3 SXM5 part.
+GPU_FACTS = (("H200", 4.8e12, 132), ("H100 96GB", 2.4e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
              ("A100", 2.04e12, 108), ("A800", 2.04e12, 108), ("V100", 0.9e12, 80), ("L40S", 0.86e12, 142),
              ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("T4", 0.32e12, 40), ("MI300X", 5.3e12, 304))
 
@@ -56,7 +58,7 @@ def flash_attention_fraction(name: str, seq_len: float) -> Optional[float]:
     sequence length (FLASH2_FWD_BWD, linear in log2 of the length, clamped to its ends); None for a
     GPU without a published curve."""
     entry = _table_entry(name)
-    curve = FLASH2_FWD_BWD.get(entry[0]) if entry else None
+    curve = FLASH2_FWD_BWD.get(entry[0].split()[0]) if entry else None   # its part's curve ("H100 96GB": H100's)
     if curve is None:
         return None
     peak, points = curve
@@ -78,7 +80,7 @@ def _table_entry(name: str) -> Optional[Tuple[str, float, int]]:
     A10G or an L40 is not taken for an A10 or an L4."""
     tokens = set(re.split(r"[\s\-_/]+", name.upper()))
     for key, bw, sms in GPU_FACTS:
-        if key in tokens:
+        if set(key.split()) <= tokens:
             return key, bw, sms
     return None
 
