@@ -128,6 +128,13 @@ class ScheduleSpec:
         work = 3.0 * m * v
         return idle / (work + idle)
 
+    def idle_share_of_1f1b(self, pp: int, m: int, stages_per_rank: int = 1) -> float:
+        """The idle time this schedule leaves over 1F1B's on the same stages with equal passes:
+        1 for GPipe and 1F1B, 1/v interleaved, 1/(3v) ZB-H1, 1/6 ZB-V and DualPipeV."""
+        if pp <= 1:
+            return 1.0
+        return _BUBBLE_PASSES[self.order](pp, m, stages_per_rank) / (3.0 * (pp - 1) * stages_per_rank)
+
 
 _BUBBLE_PASSES = {   # idle passes of a position, per order family
     Order.FILL_DRAIN: lambda p, m, v: 3.0 * (p - 1),
