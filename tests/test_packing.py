@@ -1,7 +1,8 @@
 """Document packing keeps documents apart, and the cost-aware dispatch never drops or duplicates one.
 
 The model tests run a small GPT-2 built by hrlplan's construction path, called directly with the 4-D
-block-diagonal mask and restarting positions (the stage forward does not carry them yet).
+block-diagonal mask and restarting positions (the stage forward's own packed path, which carries them
+through a pipeline, is tested in tests/test_packed_training.py).
 """
 import dataclasses
 import functools
