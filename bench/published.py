@@ -258,7 +258,8 @@ def report(s: Dict) -> str:
             continue
         lines.append(f"{r['model']:>8} {r['tp']:>2} {r['pp']:>3} {r['dp']:>3} {r['gpus']:>5} {r['microbatch']:>3} "
                      f"{r['microbatches']:>4} {r['virtual_stages']:>2} {'y' if r['sequence_parallel'] else 'n':>2} "
-                     f"{r['recompute'][:4]:>4} {r['ddp']:>5} {r['peak_memory_gib']:>7.1f}{'!' if r.get('over_memory') else ' '} "
+                     f"{r['recompute'][:4]:>4} {r['ddp']:>5} {r['peak_memory_gib']:>7.1f}"
+                     f"{'!' if r.get('over_memory') else ' '} "
                      f"{r['bubble']:>6.3f} "
                      f"{r['predicted_tflops']:>7.1f} {r['measured_tflops']:>7.1f} {r['ratio']:>6.3f}")
     t = s["targets"]

@@ -35,7 +35,8 @@ KERNEL_LAUNCH_S = 4e-6
 # (HBM bytes/s, SMs) by the whole tokens of the device name, the first row whose tokens the name has
 # (see docs/cost-model.md for the sources). "H100 96GB": the HBM2e part of Meta's Grand Teton hosts,
 # 2.4 TB/s (pytorch/torchtitan docs/performance.md), before the 80 GB HBM3 SXM5 part.
-GPU_FACTS = (("H200", 4.8e12, 132), ("H100 96GB", 2.4e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132), ("H20", 4.0e12, 78),
+GPU_FACTS = (("H200", 4.8e12, 132), ("H100 96GB", 2.4e12, 132), ("H100", 3.35e12, 132), ("H800", 3.35e12, 132),
+             ("H20", 4.0e12, 78),
              ("A100", 2.04e12, 108), ("A800", 2.04e12, 108), ("V100", 0.9e12, 80), ("L40S", 0.86e12, 142),
              ("A10", 0.6e12, 72), ("L4", 0.3e12, 58), ("T4", 0.32e12, 40), ("MI300X", 5.3e12, 304))
 
