@@ -65,8 +65,9 @@ def measure_compile_speedup(block: nn.Module, make_input: Callable[[], torch.Ten
 
     A copy of `block` is compiled as apply_compile compiles it (fullgraph); the first compiled call
     (the compile itself) is timed apart. Eager and compiled then alternate, `steps` calls each per
-    round, so both see the same load; the figure is the median of the rounds' eager/compiled
-    ratios (bench/compile.py's rule), with its min and max. `make_input` gives a fresh input of the
+    round, so both see the same load; each round compares the fastest call of each (another tenant's
+    burst only slows a call: on a shared 2-core VM single calls of one block spread 1.4-85 ms), and
+    the figure is the median of the rounds' eager/compiled ratios, with its min and max. `make_input` gives a fresh input of the
     block (a micro-batch's hidden states); `backend="eager"` exercises the logic without inductor."""
     compiled = copy.deepcopy(block)
     compiled.compile(fullgraph=True, backend=backend)
@@ -76,8 +77,8 @@ def measure_compile_speedup(block: nn.Module, make_input: Callable[[], torch.Ten
     _fwd_bwd_s(block, make_input)   # eager's warm-up (allocator, first-call dispatch)
     ratios = []
     for _ in range(rounds):
-        eager = statistics.median(_fwd_bwd_s(block, make_input) for _ in range(steps))
-        fast = statistics.median(_fwd_bwd_s(compiled, make_input) for _ in range(steps))
+        eager = min(_fwd_bwd_s(block, make_input) for _ in range(steps))
+        fast = min(_fwd_bwd_s(compiled, make_input) for _ in range(steps))
         ratios.append(eager / max(fast, 1e-12))
     block.zero_grad(set_to_none=True)
     return {SPEEDUP_KEY: statistics.median(ratios), "min": min(ratios), "max": max(ratios), "compile_s": compile_s}
