@@ -150,3 +150,15 @@ def test_loading_a_directory_or_binary_names_the_file(tmp_path):
     with pytest.raises(PlanError) as e:
         Plan.load(tmp_path / "garbage.yaml")
     assert str(e.value).startswith(str(tmp_path / "garbage.yaml"))
+
+
+def test_virtual_stages_are_placed_by_the_schedule_registry():
+    """stage_to_group asks hrlplan.schedules (V for the zero-bubble V schedule, looped otherwise);
+    an unknown schedule is a PlanError naming the field."""
+    from hrlplan.plan import stage_to_group
+
+    assert [stage_to_group(k, 4, 2, "zero_bubble") for k in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_to_group(k, 4, 2, "interleaved_1f1b") for k in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [stage_to_group(k, 3, 1, "1f1b") for k in range(3)] == [0, 1, 2]
+    with pytest.raises(PlanError, match=r"schedule: unknown schedule 'looped'"):
+        stage_to_group(1, 2, 2, "looped")
