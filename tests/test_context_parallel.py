@@ -212,3 +212,21 @@ def test_a_worker_refuses_a_cp_plan_in_one_line_before_building_its_mesh():
         with pytest.raises(UserError, match=r"^train\.context_parallel=2\b") as err:
             build_mesh(plan, device)
         assert "\n" not in str(err.value)
+
+
+def test_the_search_gives_layouts_a_cp_degree_where_space_knows_it():
+    """planner.max_cp > 1 on a CUDA cluster: the search enumerates cp (search/space.py with H3's diff)."""
+    from hrlplan.config import TrainConfig
+    from hrlplan.search.space import Config, SearchSpace
+    from test_cost import llama7b_meta
+
+    if "cp" not in Config.__dataclass_fields__:
+        pytest.skip("search/space.py without cp yet")
+    space = SearchSpace(llama7b_meta(8192), _h100_node(), {"max_cp": 4, "max_pp": 1}, TrainConfig(global_batch_size=8))
+    configs = list(space.configs())
+    assert {c.cp for c in configs} == {1, 2, 4}
+    two = next(c for c in configs if c.cp == 2)
+    lay = space.layout(two, [(0, 32)], recompute=["full"])
+    assert lay.cp == 2 and len(lay.groups[0]) == two.tp * two.dp * 2
+    plain = SearchSpace(llama7b_meta(8192), _h100_node(), {"max_pp": 1}, TrainConfig(global_batch_size=8))
+    assert {c.cp for c in plain.configs()} == {1}
