@@ -369,6 +369,8 @@ class DataConfig:
     # documents packed into seq_len rows, attention kept to each document; balanced: as document, with each
     # step's documents dispatched over micro-batches (and replicas) by their cost (hrlplan/data/dispatch.py)
     packing: Packing = Packing["concat"]
+    dispatch_budget_s: float = 0.25   # balanced: the dispatch solver's wall-clock seconds per step
+    dispatch_prefetch: int = 2        # balanced: steps dispatched ahead, in a background thread on rank 0
 
 
 @dataclass

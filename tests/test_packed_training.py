@@ -4,8 +4,8 @@ training through torch pipelining equals one process (and, at the first step, ea
 import pytest
 import torch
 
-from hrlplan.data.packed_stream import (PackedLMStream, StepLayout, build_packed_stream, packing_refusal,
-                                        to_wire)
+from hrlplan.data.packed_stream import PackedLMStream, StepLayout, build_packed_stream, to_wire
+from hrlplan.data.packing_options import packing_refusal
 from hrlplan.data.packing import (IGNORE_INDEX, PackedDocuments, next_fit, pack_micro_batches, predictions)
 from hrlplan.errors import UserError
 from hrlplan.models.documents import DOCUMENT_ATTENTION, document_spans
@@ -124,7 +124,7 @@ def test_validation_batches_are_packed_in_arrival_order():
 
 def test_refusals_are_one_line():
     assert packing_refusal("concat", "synthetic") is None
-    for args in [("document", "synthetic"), ("balanced", "code", "hrm")]:
+    for args in [("document", "synthetic"), ("balanced", "code", True)]:
         line = packing_refusal(*args)
         assert line.startswith(f"data.packing={args[0]}") and "\n" not in line
     from hrlplan.data.lm import build_lm_data

@@ -11,8 +11,8 @@ import torch
 
 from hrlplan.config import DataConfig, section
 from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus
-from hrlplan.data.packed_stream import (DEFAULT_DISPATCH_BUDGET_S, DEFAULT_PREFETCH_STEPS, StepLayout,
-                                        build_packed_stream, packing_refusal)
+from hrlplan.data.packed_stream import StepLayout, build_packed_stream
+from hrlplan.data.packing_options import packing_refusal
 from hrlplan.errors import UserError
 
 
@@ -84,9 +84,7 @@ def build_lm_data(data: DataConfig, vocab_size: int, seed: int, plan=None, train
                 raise UserError(f"data.packing={packing}: the corpus at {path} has no end-of-text token to cut "
                                 "documents at; rebuild it with a tokenizer that has one, or use data.packing=concat")
             layout = StepLayout.of_plan(plan) if plan is not None else None
-            # data.dispatch_budget_s / dispatch_prefetch: keys proposed to the lead (config.py); defaults until then
-            budget_s = float(getattr(data, "dispatch_budget_s", DEFAULT_DISPATCH_BUDGET_S))
-            prefetch = int(getattr(data, "dispatch_prefetch", DEFAULT_PREFETCH_STEPS))
+            budget_s, prefetch = float(data.dispatch_budget_s), int(data.dispatch_prefetch)
             return build_packed_stream(packing, corpus.train_tokens, corpus.val_tokens, int(corpus.eot_id),
                                        int(data.seq_len), seed, layout, time_budget_s=budget_s, prefetch=prefetch)
         return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data.seq_len), seed)

@@ -132,6 +132,9 @@ class PipelineTrainer(TrainAdapter):
         if self.device.type == "cuda":   # fp32 matmuls on TF32 unless train.tf32=false / HRLPLAN_TF32=0
             devices.set_tf32(devices.tf32_setting(self.train))
         self.recorder = timing.StepRecorder(self.device)
+        # before the engine: a packing the plan cannot run is refused before any stage is built
+        self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed), plan=plan,
+                                  train=self.train)
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
         if Engine is HeteroPipelineEngine:
@@ -151,7 +154,6 @@ class PipelineTrainer(TrainAdapter):
         self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
         self.lr = LRSchedule({f"stage{i}": o for i, o in self.optimizers.items()},
                              lr_lambda(self.train, int(self.train.steps)))
-        self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed))
         self.phase_times: List[Dict[str, float]] = []
         stop_after = self.train.stop_after
         self.stop_at = min(int(self.train.steps), int(stop_after)) if stop_after is not None else int(self.train.steps)
@@ -217,6 +219,9 @@ class PipelineTrainer(TrainAdapter):
         tokens_per_s = self.plan.global_batch_size * seq / out["step_time_s"]
         metrics = {"train/lm_loss": out["loss"], "train/lr": out["lr"], "train/grad_norm": out["grad_norm"],
                    "train/step_time_s": out["step_time_s"], "train/tokens_per_s": tokens_per_s}
+        useful = getattr(self.data, "last_useful_tokens", None)   # packed documents: padding left out
+        if useful is not None:
+            metrics["train/useful_tokens_per_s"] = useful / out["step_time_s"]
         utilization = mfu(self.mfu_basis.flops_per_token, tokens_per_s, self.mfu_basis.peak_flops) \
             if self.mfu_basis else None
         if utilization is not None:

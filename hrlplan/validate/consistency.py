@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from hrlplan import config as c
 from hrlplan.conf_tree import arch_options_by_schema
+from hrlplan.data.packing_options import packing_refusal
 from hrlplan.errors import ConfigError
 from hrlplan.families import FAMILIES, PUZZLE_DATA, by_schema_option, family_of
 from hrlplan.schedules import multi_stage_names
@@ -147,6 +148,11 @@ def check_together(config: Dict[str, Any], explicit: Sequence[str] = ()) -> None
     _check_stages_per_rank(train, planner)
     _check_microbatches(train)
     family = family_of(arch)
+    packing = str(data.get("packing") or "concat")
+    refused = packing_refusal(packing, str(data.get("name")), family.data_kind == PUZZLE_DATA,
+                              train=train)
+    if refused:
+        raise ConfigError("data.packing", packing, message=refused)
     if family.data_kind == PUZZLE_DATA:
         _check_puzzle_run(train, data, explicit)
     elif not arch.get("model_id"):

@@ -49,7 +49,7 @@ RULES = {
     "train.stop_after": _optional(POS_INT), "train.puzzle_emb_lr": POS, "train.puzzle_emb_weight_decay": NONNEG,
     "train.resume": ("none, auto or a checkpoint directory", lambda v: isinstance(v, str) and v.strip() != ""),
     "data.seq_len": POS_INT, "data.num_workers": NONNEG_INT, "data.synthetic_chains": POS_INT,
-    "data.vocab_size": POS_INT, "data.max_files": POS_INT,
+    "data.vocab_size": POS_INT, "data.max_files": POS_INT, "data.dispatch_budget_s": POS, "data.dispatch_prefetch": POS_INT,
     "cluster.nproc_per_node": AUTO_OR_POS_INT, "cluster.probe_matmul_n": POS_INT, "cluster.probe_p2p_mb": POS,
     "cluster.probe_repeats": POS_INT,
     "planner.max_pp": POS_INT, "planner.max_tp": POS_INT, "planner.memory_margin": MARGIN,
