@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hrlplan.errors import UserError
-from hrlplan.model_meta import ModelResolutionError
+from hrlplan.model_record import ModelResolutionError
 from hrlplan.models.documents import (document_attention_kwargs, is_packed_inputs, is_packed_targets,
                                       packed_micro_batch_loss, split_packed_inputs, use_document_attention)
 
@@ -345,7 +345,9 @@ class HFStage(nn.Module):
         super().__init__()
         layout = hf_layout(model)
         self.model_type = model.config.model_type
-        if self.model_type != "gpt2" and (layout.embed_names, layout.final_names) != (["embed_tokens"], ["norm"]):
+        # GPT-2's way in: token plus learned position embeddings (wte + wpe); Llama-style: tokens only
+        self.learned_positions = hasattr(layout.base, "wpe")
+        if not self.learned_positions and (layout.embed_names, layout.final_names) != (["embed_tokens"], ["norm"]):
             # _forward knows GPT-2's and Llama's ways in and out; the others introspect and plan only
             raise NotImplementedError(f"pipeline stages of {type(model).__name__} are not implemented: stages run "
                                       "GPT-2 and Llama-style models (embed_tokens, blocks, norm: Llama, Mistral, "
@@ -404,7 +406,7 @@ class HFStage(nn.Module):
             x, side = split_packed_inputs(x)
         positions, doc_ids = side[:, 0], side[:, 1]
         if self.first:
-            h = base.drop(base.wte(x) + base.wpe(positions)) if self.model_type == "gpt2" else base.embed_tokens(x)
+            h = base.drop(base.wte(x) + base.wpe(positions)) if self.learned_positions else base.embed_tokens(x)
         else:
             h = x
         rotary = base.rotary_emb(h, positions) if hasattr(base, "rotary_emb") else None
@@ -429,7 +431,7 @@ class HFStage(nn.Module):
                              f"divisible by it, got {seq}: set data.seq_len to a multiple of {self.sequence_shards}")
         positions = torch.arange(seq, device=x.device).unsqueeze(0)
         if self.first:
-            if self.model_type == "gpt2":
+            if self.learned_positions:
                 h = base.drop(base.wte(x) + base.wpe(positions))
             else:
                 h = base.embed_tokens(x)
