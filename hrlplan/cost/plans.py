@@ -205,7 +205,9 @@ def _replica_results(sim: Simulator, layouts: List[Layout], contention: Optional
     for lay in layouts:
         key = _replica_shape(sim.cluster, lay, contention)
         entry = cache.get(key) if key is not None else None
-        if entry is None:
+        if entry is not None:
+            sim.evaluations += 1   # counted as a call still: searches budget by calls (and must end)
+        else:
             entry = [lay, sim.evaluate(lay, detail=True, contention=contention), None]
             if key is not None and (entry[1].feasible or entry[1].reason.startswith("out of memory")):
                 cache[key] = entry   # not a wrapper's refusal (search.hetero.TimedSimulator: out of time)

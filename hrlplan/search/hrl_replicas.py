@@ -152,6 +152,7 @@ class ReplicaEnv:
         self.grid_unit = row_grid(self.B, share_steps)[0]
         self.low = LowLevel(sim, meta, cluster, planner_cfg, self.train, self.space)
         self.tp = None
+        self.deadline = math.inf   # past it, a decision's plan is not rebalanced (search_hrl_replicas sets it)
         if same_tp_required(meta):   # one tp across replicas (GPT-2): the generalist's favourite, 1
             self.tp = 1
         self.options: Dict[str, List[Tuple[int, int]]] = {}
@@ -202,7 +203,9 @@ class ReplicaEnv:
         """The plan of the chosen options: rows by FLOP/s, then once rebalanced by the templates' speed."""
         speeds = {t: self._type_flops(t) for t, _, _ in chosen}
         best = (math.inf, None, None)
-        for _ in range(2):
+        for attempt in range(2):
+            if attempt and time.perf_counter() > self.deadline:
+                break
             rows = self.rows_for(chosen, speeds)
             if rows is None:
                 return best
@@ -241,6 +244,7 @@ def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, 
     gen = torch.Generator().manual_seed(seed)
     start, t0 = sim.evaluations, time.perf_counter()
     env = ReplicaEnv(sim, meta, cluster, planner_cfg, train_cfg)
+    env.deadline = deadline
     best, seen, first = (math.inf, None, None), set(), True
     while sim.evaluations - start < calls and time.perf_counter() < deadline:
         with torch.no_grad():
