@@ -308,7 +308,7 @@ def timeout_minutes(train: Any, env: Dict[str, str]) -> Dict[str, float]:
 @dataclass
 class TrainConfig:
     schedule: Schedule = Schedule["1f1b"]
-    stages_per_rank: int = 1          # >1 only for interleaved_1f1b / zero_bubble
+    stages_per_rank: int = 1          # >1 only for multi-stage schedules (hrlplan.schedules; zbv/dualpipev take exactly 2)
     steps: int = 50
     global_batch_size: int = 8
     microbatches: Any = "auto"        # an int, or "auto" to let the planner choose

@@ -39,7 +39,7 @@ from hrlplan.runtime import memory as mem
 from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.mfu import mfu
 from hrlplan.runtime.hetero import HeteroPipelineEngine
-from hrlplan.runtime.torch_engine import SCHEDULES, TorchPipelineEngine, build_schedule  # noqa: F401  (re-exported)
+from hrlplan.runtime.torch_engine import TorchPipelineEngine
 from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, nonfinite_check,  # noqa: F401
                                         pick_device, raise_if_nonfinite, train_config, warmup_cosine)
 
@@ -309,6 +309,10 @@ class PipelineTrainer(TrainAdapter):
                     "analytic_bubble_fraction": timing.analytic_bubble(self.plan.schedule, self.plan.pp,
                                                                        self.plan.num_microbatches,
                                                                        self.plan.stages_per_rank),
+                    # the simulator's order run with this step's median action times: the order's own bubble
+                    "simulated_bubble_fraction": (timing.replayed_bubble(
+                        self.plan.schedule, self.plan.pp, self.plan.num_microbatches, self.plan.stages_per_rank,
+                        [e for g in gathered for e in g["events"]]) if runs_on_torch_schedules(self.plan) else None),
                     "memory_bytes_per_rank": [g["memory"] for g in gathered],
                     "memory_split_per_rank": [g["memory_split"] for g in gathered],
                     "memory_stats_per_rank": [g["memory_stats"] for g in gathered],
