@@ -28,7 +28,7 @@ from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, bui
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
-from hrlplan.schedules import SCHEDULES, ScheduleSpec, resolve_schedule  # noqa: F401  (SCHEDULES re-exported)
+from hrlplan.schedules import ScheduleSpec, resolve_schedule
 from hrlplan.validate.train_options import train_options_refusal
 
 
