@@ -19,6 +19,7 @@ from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.simulator import Simulator, _StepRun
 from hrlplan.errors import UserError
+from hrlplan.schedules import resolve_schedule
 
 
 # What each runtime the cost model can price does (planner.cost.runtime); a planner.cost key set
@@ -334,7 +335,7 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
             for st in predicted.get("stages") or [] for d in st["devices"]}
     out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(plan.world_size)]
     rebuilt = [False] * plan.world_size
-    zb = plan.schedule == "zero_bubble"
+    zb = resolve_schedule(plan.schedule, plan.stages_per_rank).split_backward
     for stages, ranks, dp, m, mbs in _stage_lists(plan):
         n = len(stages)
         for k, (stage, group) in enumerate(zip(stages, ranks)):
