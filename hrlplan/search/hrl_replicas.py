@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hrlplan import schedules
 from hrlplan.cluster import spec_from_preset
 from hrlplan.config import ExactPlannerConfig, TrainConfig, section
 from hrlplan.cost.simulator import Simulator
@@ -291,7 +292,7 @@ def training_instance(seed: int, max_gpus: int = 1024) -> Tuple[str, Dict[str, A
 def _env_for(seed: int, max_gpus: int) -> ReplicaEnv:
     arch, cfg, gbs = training_instance(seed, max_gpus)
     meta, cluster = load_meta(arch), spec_from_preset(cfg)
-    train = section(TrainConfig, dict(global_batch_size=gbs, schedule="1f1b", stages_per_rank=1,
+    train = section(TrainConfig, dict(global_batch_size=gbs, schedule=schedules.DEFAULT, stages_per_rank=1,
                                       microbatches="auto", dtype="bfloat16", dp_mode="fsdp"))
     planner = asdict(ExactPlannerConfig())
     sim = Simulator(meta, cluster, cost_options(planner, train))
