@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -287,19 +287,32 @@ GPU_P2P_SIZES_MB = (1.0, 16.0, 64.0)    # latency + bandwidth fitted over these 
 GPU_P2P_REPEATS = 10
 
 
-def cpu_quota_period(proc_cgroup: str = "/proc/self/cgroup", cpu_root: str = "/sys/fs/cgroup/cpu") -> Optional[float]:
-    """The CFS period in seconds when this process runs under a cgroup v1 CPU quota (a worker capped by
-    cluster.cpu_shares, or a container's limit), else None."""
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cpu_root: str = "/sys/fs/cgroup/cpu") -> Optional[Tuple[float, float]]:
+    """(CFS period in seconds, share of one core) when this process runs under a cgroup v1 CPU quota (a
+    worker capped by cluster.cpu_shares, or a container's limit), else None."""
     try:
         for line in Path(proc_cgroup).read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if "cpu" in controllers.split(","):
                 group = Path(cpu_root) / path.lstrip("/")
                 quota = int((group / "cpu.cfs_quota_us").read_text())
-                return int((group / "cpu.cfs_period_us").read_text()) / 1e6 if quota > 0 else None
+                period = int((group / "cpu.cfs_period_us").read_text())
+                return (period / 1e6, quota / period) if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         pass
     return None
+
+
+def cpu_quota_period(proc_cgroup: str = "/proc/self/cgroup", cpu_root: str = "/sys/fs/cgroup/cpu") -> Optional[float]:
+    """The CFS period in seconds under a cgroup v1 CPU quota, else None."""
+    found = cpu_quota(proc_cgroup, cpu_root)
+    return found[0] if found else None
+
+
+def cpu_device_name(quota: Optional[Tuple[float, float]]) -> str:
+    """'cpu', or 'cpu@0.33' under a third of a core: calibration fits compute per device name, so capped
+    and uncapped workers must not share one (the planner would take them for equals)."""
+    return "cpu" if quota is None else f"cpu@{quota[1]:.2g}"
 
 
 def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32") -> Dict[str, Any]:
@@ -329,7 +342,8 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
         a @ b
         sync_device(device)
         best = min(best, time.perf_counter() - t0)
-    period = cpu_quota_period()
+    quota = cpu_quota()
+    period = quota[0] if quota else None
     if period is not None:
         # Under a CPU quota (cluster.cpu_shares) a burst runs at full speed until the period's quota
         # is spent: only the rate over several periods shows the cap the worker trains at.
@@ -340,7 +354,7 @@ def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32")
         best = max(best, (time.perf_counter() - t0) / count)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world, 1)
-    return dict(kind="cpu", name="cpu", memory_bytes=int(mem), peak_flops=2 * n**3 / best,
+    return dict(kind="cpu", name=cpu_device_name(quota), memory_bytes=int(mem), peak_flops=2 * n**3 / best,
                 threads=torch.get_num_threads(), peak_dtype="fp32")
 
 

@@ -146,7 +146,7 @@ def test_workers_join_the_cgroup_the_launcher_lists_for_their_local_rank():
 def test_the_probe_reads_its_own_cpu_quota(tmp_path):
     """A capped worker's probe measures over several CFS periods (cluster._measure_device): it finds
     the quota of its own cgroup, and none where the group has no limit or cgroups are not there."""
-    from hrlplan.cluster import cpu_quota_period
+    from hrlplan.cluster import cpu_device_name, cpu_quota, cpu_quota_period
 
     group = tmp_path / "cpu" / "hrlplan-x" / "w1"
     group.mkdir(parents=True)
@@ -155,6 +155,24 @@ def test_the_probe_reads_its_own_cpu_quota(tmp_path):
     proc = tmp_path / "cgroup"
     proc.write_text("5:memory:/\n4:cpu,cpuacct:/hrlplan-x/w1\n")
     assert cpu_quota_period(str(proc), str(tmp_path / "cpu")) == 0.1
+    # calibration fits compute per device name: a capped worker is not an uncapped one's equal
+    assert cpu_device_name(cpu_quota(str(proc), str(tmp_path / "cpu"))) == "cpu@0.33"
+    assert cpu_device_name(None) == "cpu"
     (group / "cpu.cfs_quota_us").write_text("-1\n")
     assert cpu_quota_period(str(proc), str(tmp_path / "cpu")) is None
     assert cpu_quota_period(str(tmp_path / "missing"), str(tmp_path / "cpu")) is None
+
+
+def test_calibration_times_a_capped_block_at_its_sustained_rate():
+    """A short run under a quota bursts at full speed: calibrate/compute.measure_block scales the
+    median of short runs to the rate over several CFS periods, and leaves uncapped figures alone."""
+    from hrlplan.runtime.calibrate.compute import sustained_scale
+
+    clock = [0.0]
+
+    def run_once():   # what a capped worker sustains: 30 ms a run, though a burst times 10 ms
+        clock[0] += 0.03
+
+    assert sustained_scale(run_once, 0.01, None, lambda: clock[0]) == 1.0
+    assert sustained_scale(run_once, 0.01, 0.1, lambda: clock[0]) == pytest.approx(3.0)
+    assert sustained_scale(run_once, 0.05, 0.1, lambda: clock[0]) == 1.0   # never faster than measured

@@ -44,7 +44,7 @@ from hrlplan.search.instances import load_meta
 from hrlplan.search.splits import SplitTables
 
 FEATURES = 11
-POLICY_FILE = Path(__file__).resolve().parent / "hrl_replicas_policy.pth"
+POLICY_FILE = Path(__file__).resolve().parent / "hrl" / "pretrained" / "replicas.pth"
 OFF = (0, 0)
 INFEASIBLE_REWARD = -3.0
 

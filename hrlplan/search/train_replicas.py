@@ -3,7 +3,7 @@
     python -m hrlplan.search.train_replicas [--minutes 5] [--instances 24] [--max-gpus 256] [--out FILE]
 
 REINFORCE over generated heterogeneous clusters (hrl_replicas.training_instance); the default --out
-replaces the shipped weights (hrlplan/search/hrl_replicas_policy.pth) that the planner uses zero-shot.
+replaces the shipped weights (hrlplan/search/hrl/pretrained/replicas.pth) that the planner uses zero-shot.
 """
 from __future__ import annotations
 

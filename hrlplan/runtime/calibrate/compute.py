@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from hrlplan.cluster import cpu_quota_period
 from hrlplan.config import Config, TrainConfig, as_config, section
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import options_for_train
@@ -51,9 +52,25 @@ def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int
             if i:
                 fwd.append(f)
                 bwd.append(b)
-        out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
-                    "samples_s": [f + b for f, b in zip(fwd, bwd)]})
+        f, b = statistics.median(fwd), statistics.median(bwd)
+        scale = sustained_scale(lambda: timed_forward_backward(block, x, device), f + b, cpu_quota_period(),
+                                lambda: now(device))
+        out.append({"tokens": mbs * seq_len, "fwd_s": f * scale, "bwd_s": b * scale,
+                    "samples_s": [(f + b) * scale for f, b in zip(fwd, bwd)]})
     return out
+
+
+def sustained_scale(run_once, median_s: float, quota_period_s: Optional[float], clock, periods: int = 4) -> float:
+    """Under a CPU quota (cluster.cpu_shares) a short run bursts at full speed until the period's quota is
+    spent, so a median of short runs shows the uncapped speed: the rate over several CFS periods is the
+    speed the worker trains at. The factor that brings the median to it (1.0 without a quota)."""
+    if quota_period_s is None or median_s <= 0:
+        return 1.0
+    count, t0 = 0, clock()
+    while clock() - t0 < periods * quota_period_s or count < 2:
+        run_once()
+        count += 1
+    return max(1.0, (clock() - t0) / count / median_s)
 
 
 def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: float) -> Dict[str, float]:
