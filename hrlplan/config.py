@@ -146,6 +146,8 @@ class PlannerConfigBase:
     seed: int = 0
     max_pp: int = 64                 # upper bound on pipeline stages considered
     max_tp: int = 8                  # tp never crosses a node
+    # context parallelism searched up to this degree (1: train.context_parallel only); CUDA clusters only
+    max_cp: int = 1
     microbatch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     memory_margin: float = 0.9       # plan against this fraction of device memory
     dp_overlap: bool = True          # DP gradient all-reduce overlapped with backward
@@ -338,8 +340,9 @@ class TrainConfig:
     # Float8 training: torchao's float8 linears in the blocks (runtime/float8.py); CUDA compute capability >= 8.9
     # and `pip install 'hrlplan[float8]'`
     float8: bool = False
-    # context-parallel degree: each sequence sharded over this many ranks (runtime/context_parallel.py); a
-    # train key until the plan carries a cp field; > 1 needs CUDA (torch's context-parallel attention)
+    # context-parallel degree the planners use (plan.yaml's per-stage `cp`: each sequence sharded over this
+    # many ranks, runtime/context_parallel.py); a manual plan decides it (a different value typed is refused);
+    # > 1 needs CUDA (torch's context-parallel attention)
     context_parallel: int = 1
     # CPU-side (gloo) collectives that wait while rank 0 probes, calibrates, plans; null: $HRLPLAN_PLAN_TIMEOUT_MIN, else 60
     plan_timeout_min: Optional[float] = None

@@ -8,6 +8,9 @@ CALIBRATION_KEYS = {
                   "calibration): a calibration reused with a fresh probe keeps the speeds it measured",
     "half_saturation_tokens": "float, or {device name: float}: tokens per micro-batch at which a "
                               "device reaches half its sustained throughput",
+    "compile_speedup": "float: one block's forward + backward eager / regionally compiled (train.compile), "
+                       "measured by runtime/compile.measure_compile_speedup; the blocks' compute is divided by it "
+                       "when a run compiles and planner.cost.compile_speedup is null",
     "bandwidth_efficiency": "float: achieved fraction of the link bandwidths",
     "step_time_scale": "float: measured/predicted step time of a reference run (multiplies every time)",
     "workspace_bytes": "float, or {device name: float}: framework overhead per rank",

@@ -57,7 +57,15 @@ def options_for_train(train: TrainConfig, planner: Optional[Dict[str, Any]] = No
                        memory_margin=float(planner.get("memory_margin", 0.9)),
                        # as the runtime runs tp stages (train.vocab_parallel, default on)
                        vocab_parallel=bool(train.vocab_parallel), tf32=bool(train.tf32),
-                       **cost_settings(planner))
+                       compile=bool(train.compile), float8=bool(train.float8),
+                       compile_speedup=_compile_speedup(planner), **cost_settings(planner))
+
+
+def _compile_speedup(planner: Dict[str, Any]) -> Optional[float]:
+    """planner.cost.compile_speedup (None: the calibration's measured figure, else 1.0)."""
+    raw = (planner or {}).get("cost") or {}
+    value = raw.get("compile_speedup") if isinstance(raw, dict) else getattr(raw, "compile_speedup", None)
+    return None if value is None else float(value)
 
 
 def rank_devices(plan) -> List[int]:
@@ -72,7 +80,7 @@ def layout_of_plan(plan) -> Layout:
                   dp=plan.dp, microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                   schedule=plan.schedule, stages_per_rank=plan.stages_per_rank,
                   recompute=tuple(s.recompute for s in plan.stages), sequence_parallel=plan.sequence_parallel,
-                  reshard_after_forward=plan.resolved_reshard_after_forward())
+                  reshard_after_forward=plan.resolved_reshard_after_forward(), cp=plan.cp)
 
 
 def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:

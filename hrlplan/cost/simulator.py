@@ -136,7 +136,8 @@ class _StepRun:
         self.ov = sim.devices.overheads
         self.n = len(layout.spans)
         self.groups = [layout.groups[layout.stage_group(k)] for k in range(self.n)]
-        msg = sim.costs.activation_message(layout.microbatch_size, layout.tp if layout.sequence_parallel else 1)
+        msg = sim.costs.activation_message(layout.microbatch_size,
+                                           (layout.tp if layout.sequence_parallel else 1) * layout.cp)
         last = self.n - 1
         self.sends = [sim.costs.p2p(self.groups[k], self.groups[k + 1], msg, layout.schedule) if k < last else 0.0
                       for k in range(self.n)]
@@ -151,7 +152,8 @@ class _StepRun:
                                 lay.microbatch_size, lay.pp, links=sim.links(self.groups[k], lay.tp_of(k), lay.dp),
                                 contention=contention, shared_cores=shared_cores,
                                 recompute=lay.recompute_of(k), microbatches=lay.num_microbatches,
-                                sequence_parallel=lay.sequence_parallel, reshard_after_forward=lay.reshard_after_forward)
+                                sequence_parallel=lay.sequence_parallel, reshard_after_forward=lay.reshard_after_forward,
+                                cp=lay.cp)
                 for k, (start, end) in enumerate(lay.spans)]
 
     def durations(self, costs):
@@ -290,7 +292,8 @@ class _StepRun:
                 "devices": list(self.groups[k]), "device_type": self.sim.cluster.devices[self.groups[k][0]].name,
                 "tp": lay.tp_of(k), "recompute": lay.recompute_of(k),
                 "sequence_parallel": lay.sequence_parallel and lay.tp_of(k) > 1,
-                "reshard_after_forward": lay.reshard_after_forward and lay.dp > 1,
+                "reshard_after_forward": lay.reshard_after_forward and lay.dp * lay.cp > 1,
+                "cp": lay.cp,
                 "fwd_s": c.fwd * scale, "bwd_s": c.bwd * scale, "send_s": self.sends[k] * scale,
                 # the backward as the timeline runs it: zero-bubble's input (B) and weight (W) parts
                 "bwd_input_s": self.bwd[k] * scale, "bwd_weight_s": self.wgt[k] * scale,

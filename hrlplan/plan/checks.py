@@ -63,8 +63,11 @@ def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) 
     for i, s in enumerate(stages):
         if s.tp < 1 or s.dp < 1:
             raise err(f"{where}[{i}]", f"tp and dp must be >= 1, got tp={s.tp} dp={s.dp}")
-        if len(s.ranks) != s.tp * s.dp:
-            raise err(f"{where}[{i}].ranks", f"{len(s.ranks)} ranks listed but tp*dp = {s.tp}*{s.dp} = {s.tp * s.dp}")
+        if not isinstance(s.cp, int) or s.cp < 1:
+            raise err(f"{where}[{i}].cp", f"must be an integer >= 1, got {s.cp!r}")
+        if len(s.ranks) != s.tp * s.dp * s.cp:
+            raise err(f"{where}[{i}].ranks", f"{len(s.ranks)} ranks listed but tp*dp*cp = {s.tp}*{s.dp}*{s.cp} = "
+                      f"{s.tp * s.dp * s.cp}")
         if s.recompute not in RECOMPUTE_MODES:
             raise err(f"{where}[{i}].recompute", f"unknown mode {s.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
         if s.sequence_parallel and s.tp < 2:
@@ -167,7 +170,7 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
         raise err("stages", f"{len(plan.stages)} stages listed; pp={plan.pp} x stages_per_rank={plan.stages_per_rank} "
                   f"needs {plan.pp * plan.stages_per_rank}")
     # Groups may differ in size only where their stages' tp degrees differ (per-stage tensor parallel).
-    expected = {plan.stage_group(i): s.tp * s.dp for i, s in enumerate(plan.stages)}
+    expected = {plan.stage_group(i): s.tp * s.dp * s.cp for i, s in enumerate(plan.stages)}
     if any(len(g) != expected.get(i, len(g)) for i, g in enumerate(plan.device_groups)) \
             and len({len(g) for g in plan.device_groups}) != 1:
         raise err("device_groups", f"groups must have equal size (or tp*dp of their stages), got sizes "
@@ -182,6 +185,13 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
     dps = {s.dp for s in plan.stages}
     if len(dps) != 1:
         raise err("stages", f"stages have different dp degrees {sorted(dps)}; use per-stage tp so tp*dp is equal")
+    cps = [s.cp for s in plan.stages]
+    if len(set(cps)) != 1:
+        raise err(f"stages[{cps.index(max(cps))}].cp", f"stages have different cp degrees {sorted(set(cps))}; every "
+                  "stage shards the same sequence, so give them all one cp")
+    if cps[0] > 1 and not plan.uniform_tp:
+        raise err("stages", "context parallelism needs the same tp on every stage (unequal tp runs on hrlplan's own "
+                  "executor, which has no context parallelism); set cp 1 or make tp uniform")
     if not plan.uniform_tp and plan.stages_per_rank > 1:
         raise err("stages", "stages of unequal tp need one stage per rank (stages_per_rank: 1)")
     if not plan.uniform_tp and not spec.heterogeneous:
@@ -220,6 +230,9 @@ def _validate_heterogeneous(plan: Plan, err) -> None:
             if s.sequence_parallel:
                 raise err(f"{where}.stages[{i}].sequence_parallel", "heterogeneous pipelines run on hrlplan's own "
                           "executor, which has no sequence parallelism; set it false")
+            if s.cp != 1:
+                raise err(f"{where}.stages[{i}].cp", "heterogeneous pipelines run on hrlplan's own executor, which "
+                          "has no context parallelism; remove the key")
         _check_stage_layers(pipe.stages, plan.n_layer, f"{where}.stages", err)
         if pipe.num_microbatches < 1 or pipe.batch_size < 1:
             raise err(f"{where}.num_microbatches", "num_microbatches and batch_size must be >= 1")

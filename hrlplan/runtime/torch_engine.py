@@ -24,7 +24,8 @@ from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import Plan
 from hrlplan.runtime.compile import apply_compile
 from hrlplan.runtime.float8 import apply_float8
-from hrlplan.runtime.parallel import TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, rank_coords
+from hrlplan.runtime.parallel import (TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, fsdp_mesh,
+                                     rank_coords)
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage
@@ -47,7 +48,7 @@ def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
 
 def stage_group_ranks(plan: Plan, pp_group, coords: Dict[str, int]) -> Dict[int, int]:
     """Stage index -> rank within `pp_group` of the rank that runs it in this (dp, tp) lane."""
-    pos = coords["dp"] * plan.stages[0].tp + coords["tp"]
+    pos = (coords["dp"] * plan.cp + coords["cp"]) * plan.stages[0].tp + coords["tp"]
     return {k: dist.get_group_rank(pp_group, plan.device_groups[plan.stage_group(k)][pos])
             for k in range(plan.num_stages)}
 
@@ -122,9 +123,9 @@ class TorchPipelineEngine:
             if train.compile:   # each block on its own, around its checkpoint, inside FSDP's hooks
                 apply_compile(part)
             blocks = getattr(part.base, part.blocks_attr)
-            if mp_dtype is not None and (self.mesh["dp"].size() == 1 or train.dp_mode != "fsdp"):
+            if mp_dtype is not None and (fsdp_mesh(self.mesh).size() == 1 or train.dp_mode != "fsdp"):
                 part.autocast_dtype = mp_dtype   # FSDP's MixedPrecisionPolicy casts only what it shards
-            self.parts[i] = apply_data_parallel(part, self.mesh["dp"], str(train.dp_mode), blocks, mp_dtype,
+            self.parts[i] = apply_data_parallel(part, fsdp_mesh(self.mesh), str(train.dp_mode), blocks, mp_dtype,
                                                 reshard_after_forward=self.reshard_after_forward)
         del all_parts
         self.tie_sync.bind(self.parts, plan)

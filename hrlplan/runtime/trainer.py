@@ -329,7 +329,7 @@ class PipelineTrainer(TrainAdapter):
         timing.write_plan_info(self.run_dir, predicted, measured, timeline)
         rows = mem.compare([g["memory_split"] for g in gathered],
                            predicted.get("memory_bytes_per_rank") if split else None)
-        mem.add_to_plan_info(self.run_dir, rows, split, measured["memory_kind"])
+        mem.add_to_plan_info(self.run_dir, rows, split, measured["memory_kind"], mem.rank_options(self.plan, self.train))
         if self.logger is not None and any(r["measured_bytes"] for r in rows):
             reserve = f"; the plan adds {split[0]['workspace'] / 2**30:.2g} GiB workspace per rank" if split else ""
             self.logger.note(f"peak memory ({measured['memory_kind']}): {mem.describe(rows)}{reserve}")

@@ -51,6 +51,8 @@ def layout_summary(layout: Any) -> str:
         extras.append("sequence parallel")
     if getattr(layout, "reshard_after_forward", False) and layout.dp > 1:
         extras.append("FSDP reshards after forward")
+    if getattr(layout, "cp", 1) > 1:
+        extras.append(f"context parallel {layout.cp}")
     return (f"{layout_text(layout.pp, layout.tp, layout.dp, layout.num_microbatches, layout.microbatch_size, layout.schedule)}"
             f", layers/stage=[{spans}]" + "".join(f", {e}" for e in extras))
 
@@ -75,6 +77,8 @@ def plan_options(plan: Plan) -> List[str]:
     `FSDP reshards after forward` / `FSDP keeps weights gathered` where reshard_after_forward is
     written (unwritten: torchtitan's default, true without pipelining, false under it)."""
     out = ["sequence parallel"] if not plan.heterogeneous and plan.sequence_parallel else []
+    if plan.cp > 1:
+        out.append(f"context parallel {plan.cp}")
     if plan.reshard_after_forward is not None:
         out.append("FSDP reshards after forward" if plan.reshard_after_forward else "FSDP keeps weights gathered")
     return out

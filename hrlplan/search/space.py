@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
+from hrlplan.cost.context_parallel import context_parallel_degrees
 from hrlplan.cost.model import Layout
 from hrlplan.errors import UserError
 from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan
@@ -51,6 +52,8 @@ class Config:
     node_order: Tuple[int, ...] = ()
     # FSDP2's reshard_after_forward (SearchSpace.reshard_options: searched where it can save memory)
     reshard_after_forward: bool = False
+    # context parallelism: each group holds tp * dp * cp devices (SearchSpace.degrees_with_cp)
+    cp: int = 1
 
     @property
     def n_stages(self) -> int:
@@ -166,6 +169,20 @@ class SearchSpace:
                     continue
                 yield pp, tp, group // tp
 
+    def context_parallel_degrees(self, pool: Pool, tp: int, group: int) -> List[int]:
+        """cp degrees of a layout with `group` devices per position at tp: train.context_parallel, or
+        with planner.max_cp > 1 every degree up to it that runs (cost.context_parallel_degrees)."""
+        kinds = sorted({self.cluster.devices[d].kind for n in pool.nodes for d in self.node_devices[n][:pool.nproc]})
+        requested, max_cp = int(self.train.context_parallel or 1), int(self.cfg.get("max_cp", 1))
+        return [cp for cp in context_parallel_degrees(self.meta.seq_len, group, tp, kinds, requested, search=max_cp > 1)
+                if cp <= max(max_cp, requested)]
+
+    def degrees_with_cp(self, pool: Pool) -> Iterator[Tuple[int, int, int, int]]:
+        """(pp, tp, dp, cp): parallel_degrees' groups of tp * dp devices split into dp * cp."""
+        for pp, tp, dp in self.parallel_degrees(pool):
+            for cp in self.context_parallel_degrees(pool, tp, tp * dp):
+                yield pp, tp, dp // cp, cp
+
     def microbatchings(self, pp: int, dp: int, schedule: str, stages_per_rank: int = 1) -> List[Tuple[int, int]]:
         if self.global_batch % dp:
             return []
@@ -193,14 +210,14 @@ class SearchSpace:
     def configs(self) -> Iterator[Config]:
         for pool in self.pools:
             for order, node_order in self.orders(pool):
-                for pp, tp, dp in self.parallel_degrees(pool):
+                for pp, tp, dp, cp in self.degrees_with_cp(pool):
                     for schedule in self.schedules:
                         v = self.stages_per_rank_of(schedule, pp)
                         if v * pp > self.meta.n_layer:
                             continue
                         for mb, m in self.microbatchings(pp, dp, schedule, v):
-                            for reshard in self.reshard_options(pp, dp):
-                                yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order, reshard)
+                            for reshard in self.reshard_options(pp, dp * cp):   # FSDP shards over dp * cp
+                                yield Config(pool, order, pp, tp, dp, mb, m, schedule, v, node_order, reshard, cp)
 
     def reshard_options(self, pp: int, dp: int) -> Tuple[bool, ...]:
         """FSDP2's reshard_after_forward, both ways for FSDP over dp > 1 without pipelining (where
@@ -220,7 +237,7 @@ class SearchSpace:
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
         devs = self.ordered_devices(c.pool, c.type_order, c.node_order)
-        size = c.tp * c.dp
+        size = c.tp * c.dp * c.cp
         return tuple(tuple(devs[g * size:(g + 1) * size]) for g in range(c.pp))
 
     def layout(self, c: Config, spans: Sequence[Tuple[int, int]],
@@ -232,7 +249,8 @@ class SearchSpace:
         return Layout(spans=spans, groups=groups, tp=c.tp, dp=c.dp, microbatch_size=c.microbatch_size,
                       num_microbatches=c.num_microbatches, schedule=c.schedule, stages_per_rank=c.stages_per_rank,
                       recompute=tuple(recompute) if any(m != "none" for m in recompute) else (),
-                      sequence_parallel=self.sequence_parallel(c), reshard_after_forward=c.reshard_after_forward)
+                      sequence_parallel=self.sequence_parallel(c), reshard_after_forward=c.reshard_after_forward,
+                      cp=c.cp)
 
     def choose_recompute(self, c: Config, spans, groups) -> Tuple[str, ...]:
         """Each stage's cheapest recomputation mode whose memory fits (none, selective, full: each
@@ -337,14 +355,14 @@ def _compact_plan(meta, cluster, layout: Layout, result, planner_meta: Dict[str,
                             schedule=layout.schedule, stages_per_rank=layout.stages_per_rank, meta=plan_meta,
                             rank_order=rank_order, recompute=list(layout.recompute) or None,
                             sequence_parallel=layout.sequence_parallel,
-                            reshard_after_forward=_reshard_field(layout)), rank_of
+                            reshard_after_forward=_reshard_field(layout), cp=layout.cp), rank_of
 
 
 def _reshard_field(layout: Layout) -> Optional[bool]:
     """The plan's reshard_after_forward: null where it is the default (or no FSDP over dp > 1 runs),
     else the layout's choice written out."""
     default = len(layout.spans) == 1
-    if layout.dp == 1 or layout.reshard_after_forward == default:
+    if layout.dp * layout.cp == 1 or layout.reshard_after_forward == default:
         return None
     return layout.reshard_after_forward
 

@@ -48,7 +48,8 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
         path = str(cluster["spec_file"])
         spec = refuse_on("cluster.spec_file", path, lambda: _load_cluster_spec(path))
     if str(planner.get("name")) == "manual":
-        check_manual_plan(config, _explicit(config, overrides), shape, spec, launching)
+        plan = check_manual_plan(config, _explicit(config, overrides), shape, spec, launching)
+        train = dict(train, context_parallel=plan.cp)   # the plan decides cp: the device check below refuses it
     if train.get("device") == "cuda":
         import torch   # why: composing and checking a config never needs torch (`--help`, completion)
 

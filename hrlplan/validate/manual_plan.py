@@ -11,15 +11,18 @@ from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
 # plan field -> the train key that means the same; a manual plan decides these, so a different value
 # typed on the command line would be silently ignored
 PLAN_TRAIN_KEYS = {"global_batch_size": "train.global_batch_size", "schedule": "train.schedule",
-                   "stages_per_rank": "train.stages_per_rank", "num_microbatches": "train.microbatches"}
+                   "stages_per_rank": "train.stages_per_rank", "num_microbatches": "train.microbatches",
+                   "cp": "train.context_parallel"}
 
 
 def check_manual_plan(config: Dict[str, Any], explicit: set, shape: Dict[str, Any], spec: Any,
-                      launching: bool) -> None:
+                      launching: bool) -> Any:
     """config: plain; explicit: the keys the user set; shape: the model's n_layer (model_files.model_shape);
-    spec: the cluster.spec_file's ClusterSpec or None; launching: this job starts its own workers."""
+    spec: the cluster.spec_file's ClusterSpec or None; launching: this job starts its own workers. Returns
+    the plan."""
     plan = _check_plan_file(config["planner"].get("plan_file"))
     _check_plan_against_run(plan, config, explicit, shape, spec, launching)
+    return plan
 
 
 def _check_plan_file(plan_file: Any) -> Any:

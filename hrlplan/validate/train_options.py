@@ -58,10 +58,8 @@ def context_parallel_refusal(cp: int, device_type: str, num_stages: int = 1) -> 
     if device_type != "cuda":
         return (f"{CP_KEY}={cp}: cp > 1 needs CUDA: torch's context-parallel attention runs only SDPA's CUDA "
                 f"kernels (flash, efficient, cuDNN), not its CPU kernel; set {CP_KEY}=1 on CPU")
-    if num_stages > 1:
-        return f"{CP_KEY}={cp}: context parallelism runs one-stage plans only; set {CP_KEY}=1 or use one stage"
-    return (f"{CP_KEY}={cp}: the runtime shards sequences over cp ranks only once plan.yaml carries a cp degree "
-            f"(a cp mesh dimension beside pp, dp, tp), which it does not yet; set {CP_KEY}=1")
+    return (f"{CP_KEY}={cp} (plan.yaml's stages' cp): the engine does not enter torch's context_parallel yet, so "
+            f"cp ranks would train unsharded sequences; plan with {CP_KEY}=1 (cp: 1 on every stage)")
 
 
 def train_options_refusal(train: Mapping[str, Any], device_type: str, capability: Optional[Tuple[int, int]] = None,
