@@ -149,3 +149,26 @@ def test_the_cost_model_divides_the_blocks_compute_by_the_speedup():
     cal.calibration = dict(cal.calibration or {}, compile_speedup=1.5)
     measured = StageCostModel(llama7b_meta(), cal, CostOptions(bytes_per_value=2, compile=True))
     assert measured.dev.overheads.compile_speedup == 1.5
+
+
+def test_a_compiling_run_calibrates_its_own_speedup(monkeypatch):
+    """A run with train.compile has its own calibration (the cache key holds compile) and its record
+    gains compile_speedup from one block (calibrate/compute.measure_compile), which cost/ reads."""
+    import torch
+
+    from hrlplan.compose import compose
+    from hrlplan.launch.plan_cache import CALIBRATION_TRAIN_KEYS, PLAN_TRAIN_KEYS
+    from hrlplan.runtime import compile as compile_module
+    from hrlplan.runtime.calibrate import compute
+
+    assert "compile" in CALIBRATION_TRAIN_KEYS and {"compile", "float8", "context_parallel"} <= set(PLAN_TRAIN_KEYS)
+    seen = {}
+
+    def fake(block, make_input, **kw):
+        seen["shape"] = tuple(make_input().shape)
+        return {compile_module.SPEEDUP_KEY: 1.25}
+
+    monkeypatch.setattr(compute, "measure_compile_speedup", fake)
+    arch = compose(["arch=gpt2-tiny", "arch.n_layer=2"])["arch"]
+    out = compute.measure_compile(arch, 16, 2, torch.device("cpu"))
+    assert out["compile_speedup"] == 1.25 and seen["shape"][:2] == (2, 16)

@@ -36,7 +36,8 @@ from hrlplan.config import Config, as_dict
 from hrlplan.plan import Plan, PlanError
 
 # The training settings make_plan reads (see hrlplan.search.make_plan).
-PLAN_TRAIN_KEYS = ("global_batch_size", "schedule", "stages_per_rank", "microbatches", "dtype", "dp_mode")
+PLAN_TRAIN_KEYS = ("global_batch_size", "schedule", "stages_per_rank", "microbatches", "dtype", "dp_mode", "compile",
+                   "float8", "context_parallel")
 CACHE_ENV = "HRLPLAN_PLAN_CACHE"
 CALIBRATION_CACHE_ENV = "HRLPLAN_CALIBRATION_CACHE"
 
@@ -82,7 +83,8 @@ def cache_key(config: Config, spec) -> str:
 
 # The training settings calibrate_in_job reads: micro-batch sizes from the global batch, the dtype it
 # computes in, the optimizer and FSDP figures.
-CALIBRATION_TRAIN_KEYS = ("global_batch_size", "dtype", "dp_mode", "weight_decay", "beta1", "beta2", "grad_clip")
+CALIBRATION_TRAIN_KEYS = ("global_batch_size", "dtype", "dp_mode", "weight_decay", "beta1", "beta2", "grad_clip",
+                          "compile")   # a compiling run measures compile_speedup too
 
 
 def calibration_key(config: Config, spec) -> str:

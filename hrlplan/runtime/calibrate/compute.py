@@ -31,6 +31,7 @@ from hrlplan.data.lm import build_lm_data
 from hrlplan.measure import least_squares_line, median_time, now, sync_device, timed_forward_backward, timed_samples
 from hrlplan.models.hf import HFStage, build_hf_model, causal_lm_loss, hf_config_from_arch
 from hrlplan.runtime.calibrate.blocks import REPEATS, block_stage
+from hrlplan.runtime.compile import measure_compile_speedup
 from hrlplan.runtime.parallel import clip_grad_norm
 from hrlplan.runtime.tensor_parallel import parallelize_stage
 from hrlplan.runtime.timing import StepRecorder, instrument_pipeline_stage, median_step_time
@@ -58,6 +59,12 @@ def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int
         out.append({"tokens": mbs * seq_len, "fwd_s": f * scale, "bwd_s": b * scale,
                     "samples_s": [(f + b) * scale for f, b in zip(fwd, bwd)]})
     return out
+
+
+def measure_compile(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device) -> Dict[str, float]:
+    """train.compile's speed-up of one block on this device (runtime/compile.measure_compile_speedup)."""
+    block, hidden = block_stage(arch, device)
+    return measure_compile_speedup(block, lambda: torch.randn(microbatch_size, seq_len, hidden, device=device))
 
 
 def sustained_scale(run_once, median_s: float, quota_period_s: Optional[float], clock, periods: int = 4) -> float:

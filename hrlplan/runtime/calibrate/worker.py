@@ -20,7 +20,7 @@ from hrlplan.runtime.calibrate.collectives import (DP_SCALING_BLOCKS, allreduce_
                                                    measure_data_parallel, pool_allreduce_passes)
 from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_p2p, measure_pipeline_hop, measure_tensor_parallel,
                                             pool_hop_passes)
-from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_contention,
+from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_compile, measure_contention,
                                                measure_optimizer, measure_pipeline_ops, measure_step,
                                                measure_tp_optimizer, measure_zb_split)
 from hrlplan.runtime.calibrate.record import (assess, calibration_samples, fit_calibration, fit_reference_step,
@@ -323,6 +323,8 @@ def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_
     the blocks timed alone (medians: a shared machine's load drifts between two measurements)."""
     seq = int(config.data.seq_len)
     cal = fit_calibration(spec, meta, gathered, p2p, msg)
+    if config.train.compile:   # compiling a block takes 6-26 s on a CPU: measured only for a run that compiles
+        cal["compile_speedup"] = measure_compile(config.arch, seq, min(block_sizes), device)["compile_speedup"]
     if step_batch < 1:
         cal["step_overhead_s"] = 0.0   # the whole model does not fit one device: no reference step
         cal["measurements"] = measurements(meta, seq, config.train, gathered, msg, p2p, one_process_step_s=None)
