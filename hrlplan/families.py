@@ -127,6 +127,11 @@ def family_of_meta(meta: Any) -> Family:
     return family_for(meta.family, meta.model_type)
 
 
+def is_language_model(meta: Any) -> bool:
+    """A ModelMeta of a token-sequence model (embedding, blocks, vocabulary head), not HRM's puzzles."""
+    return family_of_meta(meta).data_kind == LM_DATA
+
+
 def arch_family_for_model_type(model_type: Any) -> str:
     """arch.family for a config file that names only its model_type."""
     return next((f.arch_family for f in FAMILIES if f.covers(model_type)), GENERIC_HF.arch_family)

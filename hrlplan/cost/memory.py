@@ -28,6 +28,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from hrlplan.plan import RECOMPUTE_MODES  # noqa: F401 (one list of modes: the plan's)
+from hrlplan.families import is_language_model
 # Mixed-precision AdamW keeps fp32 parameters, fp32 gradients and two fp32 moments per parameter.
 STATE_BYTES_PER_PARAM = 16
 # Gradients FSDP2 accumulates unsharded between micro-batches: in its reduce dtype (float32 here).
@@ -38,7 +39,7 @@ def block_activation_terms(meta) -> Tuple[float, float, float]:
     """(replicated, sharded, scores) bytes per token of one block, 16-bit values, mean over blocks."""
     n = max(len(meta.block_activation_bytes_per_token), 1)
     total = sum(meta.block_activation_bytes_per_token) / n
-    if meta.family != "hf":
+    if not is_language_model(meta):
         return 0.0, total, 0.0
     h = float(meta.hidden_size)
     scores = 5.0 * meta.num_heads * meta.seq_len
@@ -63,7 +64,7 @@ def held_per_token(meta, tp: int, recompute: str, fused_attention: bool = True,
     if recompute == "full":
         return 2.0 * meta.hidden_size / (tp if sp else 1)
     none = _held_without_recompute(meta, tp, fused_attention, sp)
-    if recompute == "selective" and meta.family == "hf":
+    if recompute == "selective" and is_language_model(meta):
         return min(op_sac_saved_per_token(meta, tp, sp), none)
     return none   # another family's blocks: nothing claimed for the op policy
 
@@ -109,7 +110,7 @@ def float8_flops_share(meta) -> float:
     """The share of a block's forward FLOPs in the linears train.float8 swaps (block_matmuls)."""
     flops = sum(meta.block_flops_fwd_per_token) / max(len(meta.block_flops_fwd_per_token), 1)
     fp8 = sum(2.0 * i * o for i, o, _ in block_matmuls(meta) if float8_swaps(i, o))
-    return min(fp8 / flops, 1.0) if flops > 0 and meta.family == "hf" else 0.0
+    return min(fp8 / flops, 1.0) if flops > 0 and is_language_model(meta) else 0.0
 
 
 def op_sac_saved_per_token(meta, tp: int, sp: bool) -> float:
@@ -134,7 +135,7 @@ def op_sac_recomputed_fraction(meta) -> float:
     matmuls (the cheap ops it also reruns are not counted; the attention kernel's output is kept)."""
     flops = sum(meta.block_flops_fwd_per_token) / max(len(meta.block_flops_fwd_per_token), 1)
     rerun = sum(2.0 * i * o for i, o, _ in block_matmuls(meta)[1::2])
-    return min(rerun / flops, 1.0) if flops > 0 and meta.family == "hf" else 1.0
+    return min(rerun / flops, 1.0) if flops > 0 and is_language_model(meta) else 1.0
 
 
 def live_per_token(meta, tp: int, fused_attention: bool = True, sequence_parallel: bool = False) -> float:
@@ -183,7 +184,7 @@ def weight_gradient_temporary(meta, tp: int) -> float:
 
 def loss_backward_per_token(meta, vocab_tp: int) -> float:
     """Bytes per token the loss's backward holds at once (fp32): LOSS_BACKWARD_FP32_TENSORS x vocab."""
-    return 4.0 * LOSS_BACKWARD_FP32_TENSORS * meta.vocab_size / vocab_tp if meta.family == "hf" else 0.0
+    return 4.0 * LOSS_BACKWARD_FP32_TENSORS * meta.vocab_size / vocab_tp if is_language_model(meta) else 0.0
 
 
 def stage_transient(meta, tp: int, vocab_tp: int, tokens: float, scale: float, recompute: str, n_blocks,
@@ -266,7 +267,7 @@ def receive_buffer_bytes(message_bytes: float, microbatches: int, first: bool, l
 
 def attention_core_flops_per_token(meta) -> float:
     """Forward FLOPs per token of one block's attention core (Q K^T and A V), as model_meta counts them."""
-    return 4.0 * meta.seq_len * meta.hidden_size if meta.family == "hf" else 0.0
+    return 4.0 * meta.seq_len * meta.hidden_size if is_language_model(meta) else 0.0
 
 
 def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, microbatches: int,

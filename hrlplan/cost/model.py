@@ -23,6 +23,7 @@ from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners
 from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
 from hrlplan.devices import peak_flops
 from hrlplan.plan import stage_to_group
+from hrlplan.families import is_language_model
 
 log = logging.getLogger(__name__)
 _WARNED: set = set()
@@ -132,7 +133,7 @@ class StageCostModel:
         # numpy copies: `stage` accepts arrays of starts/ends and costs every span in one call
         self._pf_arr, self._pa_arr, self._pp_arr = (np.array(x, dtype=float) for x in (self._pf, self._pa, self._pp))
         # shape-aware kernels for uncalibrated GPUs of a model whose blocks are alike (kernels.py)
-        uniform = len(set(meta.block_matmul_params)) <= 1 and meta.family == "hf"
+        uniform = len(set(meta.block_matmul_params)) <= 1 and is_language_model(meta)
         self.kernels = [None if self.dev.flat_compute or not uniform else
                         kernels.kernels_for(d, matmul_peak(d, opts.bytes_per_value, opts.tf32), self.dev.measured)
                         for d in cluster.devices]
@@ -184,7 +185,7 @@ class StageCostModel:
         logits for the loss, sharded over tp when vocabulary-parallel (a loss over sharded logits)."""
         meta = self.meta
         act = meta.head_activation_bytes_per_token
-        if self.vocab_tp(tp) == 1 or meta.family != "hf":
+        if self.vocab_tp(tp) == 1 or not is_language_model(meta):
             return act
         norm_in = 2.0 * meta.hidden_size
         return norm_in + max(act - norm_in, 0.0) / tp

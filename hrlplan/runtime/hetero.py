@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
+from hrlplan.families import GENERIC_HF, family_for
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
 from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype, unit_order
@@ -55,6 +56,11 @@ def schedule_ops(schedule: str, n_stages: int, stage: int, m: int) -> List[Tuple
         ops += [("F", warm + i), ("B", i)]
     return ops + [("B", j) for j in range(m - warm, m)]
 
+
+
+def per_degree_layout(full_model) -> bool:
+    """The family stores a block under tp in a layout of that degree (GPT-2's fused c_attn)."""
+    return family_for(GENERIC_HF.arch_family, full_model.config.model_type).tp_layout_per_degree
 
 class P2P(NamedTuple):
     """One point-to-point message: send or recv, the peer rank, "act" or "grad", the micro-batch."""
@@ -160,7 +166,7 @@ class HeteroPipelineEngine:
         # tensor_parallel.py stores GPT-2 under tp in a tp-specific layout, and one holder writes each
         # parameter to a checkpoint: replicas at other tp degrees could not load it back
         self.resume_refusal = ""
-        if full_model.config.model_type == "gpt2" and any(
+        if per_degree_layout(full_model) and any(
                 len({self.pipes[p].stages[s].tp for p, s in hs}) > 1 for u, hs in holders.items() if u.startswith("block")):
             self.resume_refusal = ("this plan's GPT-2 replicas hold a block at different tp degrees, whose "
                                    "checkpoints do not load back yet")
@@ -194,7 +200,7 @@ class HeteroPipelineEngine:
         (self.recv_fwd_from, self.send_fwd_to, self.recv_bwd_from,
          self.send_bwd_to) = stage_links(self.pipe.stages, s, self.tp_index)
         self.loss_reporter = self.last and self.tp_index == 0
-        gpt2 = full_model.config.model_type == "gpt2"
+        gpt2 = per_degree_layout(full_model)
         self.reducer.attach(self._unit_params(), self.me, self.tp_index, self.stage.tp, self.pipe.num_microbatches,
                             lambda name: gpt2_layout(name, self.stage.tp, self.hidden) if gpt2 else None)
 

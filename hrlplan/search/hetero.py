@@ -26,6 +26,7 @@ from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.exact import search_exact
 from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
+from hrlplan.families import family_of_meta
 
 MODES = ("auto", "true", "false")
 
@@ -64,7 +65,7 @@ def same_tp_required(meta) -> bool:
     """GPT-2 replicas holding a block at different tp degrees train (runtime/hetero_sync.py maps their
     gradients through Hugging Face's layout) but cannot resume: a checkpoint keeps each block in one
     replica's layout. The planner keeps them at one tp, so every plan it writes can be resumed."""
-    return meta.model_type == "gpt2"
+    return family_of_meta(meta).tp_layout_per_degree
 
 
 class OutOfTime(Exception):
