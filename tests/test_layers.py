@@ -29,14 +29,6 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 # Known upward imports nobody has fixed yet, (importer, imported): each says why it is still there.
 ALLOWED: Set[Tuple[str, str]] = set()
 
-# Imports inside a function that still close a circle, (importer, imported): each is broken by the
-# change its comment names in a file another helper owns; the test says when one is fixed.
-CYCLES_TO_BREAK: Set[Tuple[str, str]] = {
-    # plan/__init__.py reads YAML through hrlplan.validate: from hrlplan.yaml_budget instead, then
-    # validate/manual_plan.py imports hrlplan.plan at its top
-    ("hrlplan.validate.manual_plan", "hrlplan.plan"),
-}
-
 # Inside hrlplan.runtime.calibrate: the measuring helpers at the bottom, the orchestration on top;
 # each module imports only lower ranks (none its own rank, so no cycles), none the package itself.
 CALIBRATE = "hrlplan.runtime.calibrate"
@@ -189,12 +181,9 @@ def test_no_import_inside_a_function_holds_a_circle_together():
     """A circle of imports among our modules is a design to fix (move the code to where it belongs),
     not an import to tuck inside a function; lazy imports of heavy libraries (torch, transformers,
     wandb) and of our modules that bring them stay allowed -- they close no circle."""
-    found = _closed_circles(MODULES)
-    held = sorted(found - CYCLES_TO_BREAK)
+    held = sorted(_closed_circles(MODULES))
     assert not held, "imports inside functions that hold a circle together (importer -> imported):\n" + \
         "\n".join(f"  {a} -> {b}" for a, b in held)
-    fixed = sorted(CYCLES_TO_BREAK - found)
-    assert not fixed, f"no longer circles, take them off CYCLES_TO_BREAK: {fixed}"
 
 
 def test_the_circle_check_sees_a_circle_through_a_package(tmp_path):

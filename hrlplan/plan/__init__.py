@@ -17,7 +17,7 @@ from hrlplan import schedules
 from hrlplan.errors import ConfigError, one_line
 from hrlplan.plan.checks import (  # noqa: F401 (re-exported: hrlplan.plan names every plan fact)
     HETERO_SCHEDULES, MULTI_STAGE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, PlanError, check_fits, validate)
-from hrlplan.validate import YamlBudgetError, parse_yaml_limited
+from hrlplan.yaml_budget import YamlBudgetError, parse_yaml_limited
 
 SCHEMA_VERSION = 1
 # Keys a heterogeneous plan derives from its first pipeline (for tools that know one pipeline) and

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from hrlplan.errors import ConfigError
+from hrlplan.plan import Plan
 from hrlplan.validate.files import load_yaml_text, read_file, refuse_on
 
 # plan field -> the train key that means the same; a manual plan decides these, so a different value
@@ -28,10 +29,6 @@ def check_manual_plan(config: Dict[str, Any], explicit: set, shape: Dict[str, An
 def _check_plan_file(plan_file: Any) -> Any:
     if not plan_file:
         raise ConfigError("planner.plan_file", None, "the path of a plan.yaml (planner=manual trains that plan)")
-    # why here: a cycle while plan/__init__.py reads its YAML through hrlplan.validate; at the top once it
-    # imports hrlplan.yaml_budget (tests/test_layers.py's CYCLES_TO_BREAK)
-    from hrlplan.plan import Plan
-
     path = str(plan_file)
     text = read_file("planner.plan_file", path)
     data = load_yaml_text(text, path, "planner.plan_file")
