@@ -20,12 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hrlplan import schedules  # noqa: E402
 from hrlplan.errors import UserError  # noqa: E402
 from hrlplan.search import make_plan  # noqa: E402
 from hrlplan.search.config import ExactPlannerConfig, HRLPlannerConfig, RandomPlannerConfig  # noqa: E402
 from hrlplan.search.instances import load_cluster, load_meta  # noqa: E402
 
-# (arch, cluster preset, global batch, schedule, stages per rank)
+EVERY_SCHEDULE = tuple(schedules.SCHEDULES)   # one space holding every registry schedule (planner.schedules)
+
+# (arch, cluster preset, global batch, schedule or schedules, stages per rank)
 INSTANCES = [
     ("gpt2", "a100x8-1n", 64, "1f1b", 1),
     ("gpt2", "a100x8-2n", 128, "gpipe", 1),
@@ -35,7 +38,11 @@ INSTANCES = [
     ("gpt2-medium", "h800-h20-mix", 160, "1f1b", 1),
     ("gpt2-xl", "a100x8-2n", 128, "1f1b", 1),
     ("gpt2-xl", "a100-v100-mix", 256, "1f1b", 1),
-    ("gpt2-xl", "h100x8-4n", 256, "zero_bubble", 1),
+    ("gpt2-xl", "h100x8-4n", 256, "interleaved_zero_bubble", 1),
+    ("gpt2-medium", "a100x8-2n", 128, "zbv", 2),
+    ("gpt2-medium", "a100x8-1n", 64, "dualpipev", 2),
+    ("gpt2", "a100x8-1n", 64, "interleaved_zero_bubble", 2),
+    ("gpt2", "a100x8-1n", 64, EVERY_SCHEDULE, 2),
     ("gpt2-xl", "three-type-mix", 192, "1f1b", 1),
     ("gpt2-xl", "h800-h20-mix", 320, "gpipe", 1),
     ("llama-7b", "a100x8-1n", 64, "1f1b", 1),
@@ -59,15 +66,19 @@ INSTANCES = [
 def run(instance, train_steps: int, samples: int, seed: int) -> dict:
     arch, preset, gbs, schedule, v = instance
     meta, cluster = load_meta(arch), load_cluster(preset)
-    train = dict(global_batch_size=gbs, schedule=schedule, stages_per_rank=v, microbatches="auto",
-                 dtype="bfloat16", dp_mode="fsdp")
+    several = isinstance(schedule, tuple)
+    space = {"schedules": list(schedule)} if several else {}
+    train = dict(global_batch_size=gbs, schedule=schedules.DEFAULT if several else schedule, stages_per_rank=v,
+                 microbatches="auto", dtype="bfloat16", dp_mode="fsdp")
     row = {"arch": arch, "cluster": preset, "gpus": cluster.world_size, "types": len(cluster.device_types()),
-           "schedule": schedule, "global_batch": gbs}
+           "schedule": "every" if several else schedule, "global_batch": gbs}
     t = time.perf_counter()
-    exact, _ = make_plan(meta, cluster, asdict(ExactPlannerConfig()), train)
+    exact, _ = make_plan(meta, cluster, dict(asdict(ExactPlannerConfig()), **space), train)
     row.update(exact_s=exact.meta["predicted"]["step_time_s"], exact_time_s=time.perf_counter() - t,
                exact_proven=exact.meta["planner"]["proven_optimal"], exact_layout=exact.layout())
-    hrl_cfg = dict(asdict(HRLPlannerConfig()), train_steps=train_steps, samples=samples, seed=seed, progress=False)
+    hrl_cfg = dict(asdict(HRLPlannerConfig()), train_steps=train_steps, samples=samples, seed=seed, progress=False,
+                   **space)
+    row["chosen_schedule"] = exact.schedule
     t = time.perf_counter()
     hrl, _ = make_plan(meta, cluster, hrl_cfg, train)
     p = hrl.meta["planner"]
@@ -75,7 +86,8 @@ def run(instance, train_steps: int, samples: int, seed: int) -> dict:
                hrl_train_s=p["train_time_s"], hrl_infer_s=p["inference_time_s"], evaluations=p["evaluations"],
                hrl_layout=hrl.layout())
     try:
-        rnd, _ = make_plan(meta, cluster, dict(asdict(RandomPlannerConfig()), samples=p["evaluations"], seed=seed), train)
+        rnd, _ = make_plan(meta, cluster, dict(asdict(RandomPlannerConfig()), samples=p["evaluations"], seed=seed,
+                                               **space), train)
         row["random_s"] = rnd.meta["predicted"]["step_time_s"]
     except UserError:  # random found no feasible plan at all
         row["random_s"] = float("inf")

@@ -162,13 +162,19 @@ class SplitTables:
         every stage before it, then runs its m forwards and backwards one after another, and after
         its last backward the gradient still travels back through the earlier stages:
             makespan >= sum_{k<j} chain_k + m * busy_j.
-        Interleaved ranks run all their virtual stages' work: makespan >= m * sum of their busy.
+        Multi-stage ranks (looped or V) run all their virtual stages' work after the first micro-batch
+        has passed the stages before their first one (stage pos: position pos's lowest), and their
+        last operation is that stage's backward (every higher stage's backward of a micro-batch comes
+        before it), whose gradient then travels back: makespan >= sum_{k<pos} chain_k + m * sum of
+        their busy.
         Partial splits carry the max over their stages so far, which only grows, and a bound on
         any completion (`_completion`): the last stage's term over the least the remaining stages
         can add, and m times the least bottleneck of the remaining blocks."""
         n, L, m = self.n, self.L, self.m
         load = [0.0] * (max(self.positions) + 1)
-        chain_to_last, bottleneck = self._completion()
+        before = [0.0] * len(load)   # per position: the chain of the stages before its first one
+        chain_to_last, bottleneck, busy_to_last = self._completion()
+        n_positions = len(load)
 
         def rest(k: int, start: int, prefix: float) -> float:
             """No completion of stages k.. from block `start` on beats this."""
@@ -189,7 +195,10 @@ class SplitTables:
                     continue
                 if self.interleaved:
                     pos = self.positions[k]
-                    b = max(bound, m * (load[pos] + busy))
+                    b = max(bound, (prefix if k == pos else before[pos]) + m * (load[pos] + busy))
+                    # the positions share the whole work: one of them runs at least its mean
+                    rest_busy = busy_to_last[k + 1, e] if k < n - 1 else 0.0
+                    b = max(b, m * (sum(load) + busy + rest_busy) / n_positions)
                 else:
                     b = max(bound, prefix + m * busy)
                 b = max(b, rest(k + 1, e, prefix + float(self.chain[k, start, e])))
@@ -200,6 +209,8 @@ class SplitTables:
                     break
                 pos = self.positions[k]
                 load[pos] += busy
+                if k == pos:
+                    before[pos] = prefix
                 spans.append((start, e))
                 yield from extend(k + 1, e, prefix + float(self.chain[k, start, e]), b, spans)
                 spans.pop()
@@ -208,17 +219,21 @@ class SplitTables:
         yield from extend(0, 0, 0.0, 0.0, [])
 
     def _completion(self):
-        """Per (stage k, start block): the least chain_k + ... + chain_{n-2} + m * busy_{n-1} and
-        the least bottleneck over every split of blocks [start, L) into stages k..n-1."""
+        """Per (stage k, start block): the least chain_k + ... + chain_{n-2} + m * busy_{n-1}, the
+        least bottleneck and the least total busy over every split of blocks [start, L) into stages
+        k..n-1."""
         n, L, m = self.n, self.L, self.m
         chain_to_last = np.full((n + 1, L + 1), INF)
         bottleneck = np.full((n + 1, L + 1), INF)
+        busy_to_last = np.full((n + 1, L + 1), INF)
         chain_to_last[n - 1] = m * self.time[n - 1, :, L]
         bottleneck[n - 1] = self.time[n - 1, :, L]
+        busy_to_last[n - 1] = self.time[n - 1, :, L]
         for k in range(n - 2, -1, -1):
             chain_to_last[k] = np.min(self.chain[k] + chain_to_last[k + 1][None, :], axis=1)
             bottleneck[k] = np.min(np.maximum(self.time[k], bottleneck[k + 1][None, :]), axis=1)
-        return chain_to_last, bottleneck
+            busy_to_last[k] = np.min(self.time[k] + busy_to_last[k + 1][None, :], axis=1)
+        return chain_to_last, bottleneck, busy_to_last
 
     def even_split(self) -> List[Tuple[int, int]]:
         b = [round(i * self.L / self.n) for i in range(self.n + 1)]
