@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from hrlplan import schedules
 from hrlplan.errors import ConfigError, UserError
 
 
@@ -37,13 +38,12 @@ class Choice(str, Enum):
 
 
 def _choice(name: str, *values: str) -> type:
-    # The functional form allows names such as "1f1b"; module/qualname keep members picklable (spawn).
+    # The functional form allows names that start with a digit (a schedule's 1f1b); module/qualname keep members picklable (spawn).
     return Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
 
 
 DType = _choice("DType", "float32", "bfloat16")
-Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "interleaved_zero_bubble",
-                   "dualpipev")
+Schedule = _choice("Schedule", *schedules.names())   # the registry's names and aliases
 DPMode = _choice("DPMode", "fsdp", "replicate")
 Device = _choice("Device", "auto", "cpu", "cuda")
 LoggerMode = _choice("LoggerMode", "offline", "online", "disabled")
@@ -309,7 +309,7 @@ def timeout_minutes(train: Any, env: Dict[str, str]) -> Dict[str, float]:
 # ---------------------------------------------------------------- train / data / logger
 @dataclass
 class TrainConfig:
-    schedule: Schedule = Schedule["1f1b"]
+    schedule: Schedule = Schedule[schedules.DEFAULT]
     stages_per_rank: int = 1          # >1 only for multi-stage schedules (hrlplan.schedules; zbv/dualpipev take exactly 2)
     steps: int = 50
     global_batch_size: int = 8

@@ -158,20 +158,13 @@ def test_analytic_bubble_is_the_simulated_idle_of_a_uniform_plan(name, pp, v, m)
     assert idle == pytest.approx(spec.bubble(pp, m, v), abs=1e-9)
 
 
-# Files whose schedule names other helpers are moving to the registry this round (not checked yet).
-PENDING = {"config.py", "runtime/torch_engine.py", "runtime/timing.py", "runtime/timeline_plot.py",
-           "runtime/hetero.py", "runtime/template.py", "runtime/calibrate/comm.py", "runtime/calibrate/compute.py",
-           "doctor.py", "cost/plans.py", "validate/consistency.py",
-           "search/hrl_replicas.py"}   # its train section's schedule: schedules.DEFAULT
-
-
 def test_no_schedule_name_is_spelled_outside_the_registry():
     root = Path(hrlplan.__file__).resolve().parent
     quoted = re.compile(r"""["'](%s)["']""" % "|".join(re.escape(n) for n in schedules.names()))
     offenders = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel == "schedules.py" or rel in PENDING:
+        if rel == "schedules.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if quoted.search(line):
