@@ -117,9 +117,11 @@ class ScheduleSpec:
     def bubble(self, pp: int, m: int, stages_per_rank: int = 1) -> float:
         """Idle fraction of a position with equal stages, free communication and one pass per F, B
         and W (a whole backward is B + W), counted in passes of one virtual stage: GPipe and 1F1B
-        (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); ZB-H1 a third of that; torch's ZB-V and DualPipeV
-        orders leave p-1 passes over 6 m of work ((p-1)(F&B+B-3W) of the DualPipe paper, torch 2.13
-        running F&B as F then B+W), ZB-V 2(2p-1-m) with fewer than 2p-1 micro-batches. The simulator's
+        (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); ZB-H1 a third of that; torch's ZB-V order leaves
+        p-1 passes over 6 m of work, 2(2p-1-m) with fewer than 2p-1 micro-batches; DualPipeV 2(p-1):
+        torch 2.13 runs each F&B pair as F then B+W and sends the F's output only once the pair has
+        run (measured: the next stage's forward starts after the pair's backward), which doubles the
+        (p-1) of the DualPipe paper's overlapped pairs. The simulator's
         timeline on such a plan reproduces each (tests/test_schedule_registry.py)."""
         p, v = pp, stages_per_rank
         if p <= 1 or m <= 0:
@@ -130,7 +132,7 @@ class ScheduleSpec:
 
     def idle_share_of_1f1b(self, pp: int, m: int, stages_per_rank: int = 1) -> float:
         """The idle time this schedule leaves over 1F1B's on the same stages with equal passes:
-        1 for GPipe and 1F1B, 1/v interleaved, 1/(3v) ZB-H1, 1/6 ZB-V and DualPipeV."""
+        1 for GPipe and 1F1B, 1/v interleaved, 1/(3v) ZB-H1, 1/6 ZB-V, 1/3 DualPipeV."""
         if pp <= 1:
             return 1.0
         return _BUBBLE_PASSES[self.order](pp, m, stages_per_rank) / (3.0 * (pp - 1) * stages_per_rank)
@@ -141,7 +143,7 @@ _BUBBLE_PASSES = {   # idle passes of a position, per order family
     Order.ONE_F_ONE_B: lambda p, m, v: 3.0 * (p - 1),
     Order.ZERO_BUBBLE_H1: lambda p, m, v: 1.0 * (p - 1),
     Order.ZBV: lambda p, m, v: float(max(p - 1, 2 * (2 * p - 1 - m))),
-    Order.DUALPIPEV: lambda p, m, v: 1.0 * (p - 1),
+    Order.DUALPIPEV: lambda p, m, v: 2.0 * (p - 1),
 }
 _MULTI_CLASS_NAMES = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble", "DualPipeV")
 

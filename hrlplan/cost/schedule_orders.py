@@ -201,6 +201,7 @@ class _DualPipeVRank:
         self.ops: List[Op] = []
         self.next_mb: dict = {}
         self.weights: List[Tuple[int, int]] = []
+        self.pairs: List[Tuple[Op, Op]] = []
 
     def add(self, kind: int, stage: int) -> None:
         counter = B if kind == BW else kind    # a whole backward counts on the input-gradient counter
@@ -210,19 +211,25 @@ class _DualPipeVRank:
         if kind == B:
             self.weights.append((stage, j))
 
+    def add_pair(self, forward_stage: int, backward_stage: int) -> None:
+        """One OVERLAP_F_B action: torch sends the forward's output after the whole pair."""
+        self.add(F, forward_stage)
+        self.add(BW, backward_stage)
+        self.pairs.append((self.ops[-2], self.ops[-1]))
+
     def weight_if_pending(self) -> None:
         if self.weights:
             stage, j = self.weights.pop(0)
             self.ops.append((W, stage, j))
 
 
-def _dualpipev_orders(pp: int, m: int) -> List[List[Op]]:
+def _dualpipev_orders(pp: int, m: int) -> Tuple[List[List[Op]], List[Tuple[Op, Op]]]:
     """torch's ScheduleDualPipeV (DeepSeek's DualPipe folded into a V): per position, forwards of the
     down leg, then of both legs, then up-leg B/W/F, then the main F0B1-F1B0 pairs -- a forward of
     one micro-batch and a whole backward of another in one OVERLAP_F_B action, which torch 2.13
     runs one after the other unless a custom overlap function is registered, so F then BW here --,
     then whole backwards and, in the second half of the cool-down, split B with the W's deferred."""
-    orders = []
+    orders, pairs = [], []
     for rank in range(pp):
         r = _DualPipeVRank()
         s0, s1 = rank, 2 * pp - 1 - rank
@@ -236,14 +243,15 @@ def _dualpipev_orders(pp: int, m: int) -> List[List[Op]]:
             r.weight_if_pending()
             r.add(F, s1)
         for i in range(m - pp * 2 + rank + 1):
-            r.add(F, s0)    # (torch runs the last position's first pair apart, the same order here)
-            r.add(BW, s1)
-            r.add(F, s1)
-            r.add(BW, s0)
+            if i == 0 and rank == pp - 1:   # torch runs the last position's first pair as two actions
+                r.add(F, s0)
+                r.add(BW, s1)
+            else:
+                r.add_pair(s0, s1)
+            r.add_pair(s1, s0)
         for _ in range(pp - rank - 1):
             r.add(BW, s1)
-            r.add(F, s1)
-            r.add(BW, s0)
+            r.add_pair(s1, s0)
         split = False
         for i in range(rank + 1):
             if i == (rank + 1) // 2 and rank % 2 == 1:
@@ -258,7 +266,8 @@ def _dualpipev_orders(pp: int, m: int) -> List[List[Op]]:
         for _ in range(rank + 1):
             r.weight_if_pending()
         orders.append(r.ops)
-    return orders
+        pairs.extend(r.pairs)
+    return orders, pairs
 
 
 def _megatron_ops(spec, pp: int, v: int, m: int, pos: int, warmup: int) -> List[Op]:
@@ -301,11 +310,17 @@ class Structure:
     """The cached, duration-independent part of a schedule."""
     position_ops: Tuple[Tuple[Op, ...], ...]
     order: Tuple[Tuple[int, int, int, int], ...]   # (position, kind, stage, micro-batch), topological
+    # ((forward op, the op whose end sends it), ...): a forward paired with a backward in one action
+    # (DualPipeV's OVERLAP_F_B), whose output torch sends only once the whole pair has run
+    sent_after: Tuple[Tuple[Op, Op], ...] = ()
 
 
-def _topological(position_ops: Sequence[Sequence[Op]], n_stages: int) -> List[tuple] | None:
+def _topological(position_ops: Sequence[Sequence[Op]], n_stages: int,
+                 sent_after: Sequence[Tuple[Op, Op]] = ()) -> List[tuple] | None:
     """Every operation in an order that respects its inputs (None: the orders deadlock). A BW
-    provides what a B does."""
+    provides what a B does; a forward in `sent_after` provides its output once its partner has run."""
+    held = {f for f, _ in sent_after}
+    releases = {partner: f for f, partner in sent_after}
     done = set()
     ptr = [0] * len(position_ops)
     order = []
@@ -323,16 +338,19 @@ def _topological(position_ops: Sequence[Sequence[Op]], n_stages: int) -> List[tu
                     dep = (B, k, j)
                 if dep is not None and dep not in done:
                     break
-                done.add((B if kind == BW else kind, k, j))
+                if (kind, k, j) not in held:
+                    done.add((B if kind == BW else kind, k, j))
+                if (kind, k, j) in releases:
+                    done.add(releases[(kind, k, j)])
                 order.append((pos, kind, k, j))
                 ptr[pos] += 1
                 progress = True
     return order if all(p == len(ops) for p, ops in zip(ptr, position_ops)) else None
 
 
-def _executable(ops: Sequence[Sequence[Op]], n_stages: int) -> Structure | None:
-    order = _topological(ops, n_stages) if ops else None
-    return None if order is None else Structure(tuple(tuple(o) for o in ops), tuple(order))
+def _executable(ops: Sequence[Sequence[Op]], n_stages: int, sent_after: Sequence[Tuple[Op, Op]] = ()) -> Structure | None:
+    order = _topological(ops, n_stages, sent_after) if ops else None
+    return None if order is None else Structure(tuple(tuple(o) for o in ops), tuple(order), tuple(sent_after))
 
 
 def _looped_structure(spec, pp: int, v: int, m: int) -> Structure | None:
@@ -371,7 +389,8 @@ def _one_f_one_b_structure(spec, pp: int, v: int, m: int) -> Structure | None:
 
 
 def _dualpipev_structure(spec, pp: int, v: int, m: int) -> Structure | None:
-    return _executable(_dualpipev_orders(pp, m), 2 * pp)
+    orders, pairs = _dualpipev_orders(pp, m)
+    return _executable(orders, 2 * pp, pairs)
 
 
 # One order generator per order family of the registry (hrlplan.schedules.Order): (spec, pp, v, m) -> Structure.

@@ -37,8 +37,11 @@ class _Ledger:
     each position's clock, busy time, activations held and final backward."""
 
     def __init__(self, pp: int, n: int, m: int, split_backward: bool, activation: Sequence[float], fill: Optional[float],
-                 trace: Optional[List[Tuple[int, int, int, int, float, float]]]):
+                 trace: Optional[List[Tuple[int, int, int, int, float, float]]], sent_after=()):
         self.f_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
+        # a forward paired with a backward in one action is sent when the pair ends (Structure.sent_after)
+        self.held_forwards = {f for f, _ in sent_after}
+        self.releases = {partner: f for f, partner in sent_after}
         self.b_end: List[List[Optional[float]]] = [[fill] * m for _ in range(n)]
         self.free, self.busy, self.held, self.peak, self.last_b = ([0.0] * pp for _ in range(5))
         self.peak_pre, self.peak_post, self.backed = [0.0] * pp, [0.0] * pp, [False] * pp
@@ -58,8 +61,12 @@ class _Ledger:
         self.busy[pos] += dur
         if self.trace is not None:
             self.trace.append((pos, kind, k, j, start, end))
+        if (kind, k, j) in self.releases:
+            _, fk, fj = self.releases[(kind, k, j)]
+            self.f_end[fk][fj] = end
         if kind == F:
-            self.f_end[k][j] = end
+            if (F, k, j) not in self.held_forwards:
+                self.f_end[k][j] = end
         elif kind in (B, BW):
             self.b_end[k][j] = end
             self.held[pos] -= self.activation[k] * (1.0 if kind == BW else 1.0 - self.keep)
@@ -96,7 +103,7 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     n = pp * stages_per_rank
     last = n - 1
     split = schedules.get(schedule, stages_per_rank).split_backward
-    book = _Ledger(pp, n, m, split, activation, 0.0, trace)
+    book = _Ledger(pp, n, m, split, activation, 0.0, trace, st.sent_after)
     f_end, b_end, free = book.f_end, book.b_end, book.free
     # the operation that finishes a micro-batch's weight gradients (where the last one's reduce goes)
     completes = (W, BW) if split else (B,)
@@ -156,7 +163,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     total = float(all_ranks if all_ranks is not None else sum(ranks))
     split = schedules.get(schedule, stages_per_rank).split_backward
     run = _SharedCoresRun(schedule, pp, stages_per_rank, m, (fwd, bwd, wgt), send_fwd, send_bwd, first_fwd_extra,
-                          recv_handshake, _Ledger(pp, pp * stages_per_rank, m, split, activation, None, trace))
+                          recv_handshake, _Ledger(pp, pp * stages_per_rank, m, split, activation, None, trace,
+                                                  structure(schedule, pp, stages_per_rank, m).sent_after))
     now = 0.0
     while True:
         run.start_ready(now)
