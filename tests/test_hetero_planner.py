@@ -85,13 +85,19 @@ def test_sub_space_optimum_matches_brute_force(cluster_fn, gbs):
     assert all(step >= slowest * (1 - 1e-9) for slowest, step in pairs)
 
 
-def test_emitted_plan_validates_round_trips_and_predicts_the_same():
+def _fast_slow_search():
+    """search_hetero on one fast and one slow node, 6 layers, a batch of 8: (its result, simulator, meta,
+    cluster)."""
     meta = toy_meta(n_layer=6)
     cluster = fast_slow(1, 1)
     train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
     cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
     sim = Simulator(meta, cluster, cost_options(cfg, train))
-    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"))
+    return search_hetero(sim, meta, cluster, cfg, train, float("inf")), sim, meta, cluster
+
+
+def test_emitted_plan_validates_round_trips_and_predicts_the_same():
+    out, sim, meta, cluster = _fast_slow_search()
     plan = out["plan"]
     validate(plan)
     again = Plan.from_yaml(plan.to_yaml())
@@ -185,12 +191,7 @@ def test_cross_replica_reduce_overlaps_the_last_backward():
 
 
 def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
-    meta = toy_meta(n_layer=6)
-    cluster = fast_slow(1, 1)
-    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
-    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
-    sim = Simulator(meta, cluster, cost_options(cfg, train))
-    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"))
+    out, sim, meta, cluster = _fast_slow_search()
     predicted = out["predicted"]
     b = predicted["breakdown"]
     assert b["cross_replica_reduce_s"] > 0
