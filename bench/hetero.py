@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -264,12 +265,20 @@ def main(argv=None) -> int:
     if args.quick:
         instances = instances[:3] + instances[-3:]
     instances = [i for i in instances if args.only in i[1]["name"]]
-    rows = []
-    out = Path(args.out)
+    run_and_report(instances, lambda arch, cfg, gbs: run(arch, cfg, gbs, args.budget_s, args.baseline_s,
+                                                         args.reference_s), table, headline, args.out)
+    return 0
+
+
+def run_and_report(instances, run_one, table, headline, out_path: str) -> List[Dict[str, Any]]:
+    """Each instance's row as it is done (a line of the table; the JSON rewritten), then the table and
+    the headline."""
+    rows: List[Dict[str, Any]] = []
+    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     for arch, cfg, gbs in instances:
         t = time.perf_counter()
-        row = run(arch, cfg, gbs, args.budget_s, args.baseline_s, args.reference_s)
+        row = run_one(arch, cfg, gbs)
         row["bench_time_s"] = time.perf_counter() - t
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
@@ -277,8 +286,7 @@ def main(argv=None) -> int:
     print()
     print(table(rows))
     print(json.dumps(headline(rows), indent=1))
-    return 0
-
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,6 @@ Times are the simulator's predicted step times (x = the other's step / hrl's ste
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -106,18 +105,9 @@ def main(argv=None) -> int:
     instances = [(a, load_preset_config(p), b) for a, p, b in bench_hetero.PRESETS[:7]]
     instances += [bench_hetero.generated(s) for s in range(args.generated)]
     instances = [i for i in instances if args.only in i[1]["name"]]
-    rows = []
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for arch, cfg, gbs in instances:
-        rows.append(run(arch, cfg, gbs, args.calls, args.exact_s))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-        out.write_text(json.dumps({"rows": rows, "headline": headline(rows)}, indent=1, default=str))
-    print()
-    print(table(rows))
-    print(json.dumps(headline(rows), indent=1))
+    bench_hetero.run_and_report(instances, lambda arch, cfg, gbs: run(arch, cfg, gbs, args.calls, args.exact_s),
+                                table, headline, args.out)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
