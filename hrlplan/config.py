@@ -185,6 +185,7 @@ class ExactPlannerConfig(PlannerConfigBase):
     name: str = "exact"
     max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
     max_simulations: int = 20_000      # simulator calls of the layer-split branch-and-bound; likewise
+    max_search_s: Optional[float] = 120.0   # wall-clock seconds of the branch and bound (null: none); likewise
     # planner.heterogeneous (search/hetero_exact.py): the whole planning time, the single-template search
     # included; the batch-share grid (B/steps); integer-program rounds; simulator calls per replica template
     hetero_time_s: float = 45.0

@@ -48,6 +48,8 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
     t0 = time.perf_counter()
     budget = int(planner_cfg.get("max_evaluations", DEFAULTS.max_evaluations))
     sim_budget = int(planner_cfg.get("max_simulations", DEFAULTS.max_simulations))
+    time_budget = float(planner_cfg.get("max_search_s", DEFAULTS.max_search_s) or float("inf"))
+    deadline = t0 + time_budget
     configs = list(space.configs())
     L = sim.meta.n_layer
     planned_cells = sum(c.n_stages * L * (L + 1) // 2 for c in configs)
@@ -67,6 +69,15 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
     def incumbent_in_table_units() -> float:
         return float("inf") if tracker.best is None else tracker.best.time / scale - step_floor
 
+    def threshold() -> float:
+        """The incumbent; past the deadline -inf, which ends the split enumeration at once (its
+        partial splits can run long between two simulations: V-shaped schedules' weaker bounds)."""
+        nonlocal gave_up
+        if time.perf_counter() > deadline and tracker.best is not None:
+            gave_up = gave_up or f"max_search_s={time_budget:g} s of branch and bound"
+            return float("-inf")
+        return incumbent_in_table_units()
+
     def offer(c, spans, tables) -> None:
         nonlocal simulations
         simulations += 1
@@ -76,6 +87,9 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
     for c in configs:
         if cells >= budget:
             gave_up = f"max_evaluations={budget:,} DP cells (all configurations need up to {planned_cells:,})"
+            break
+        if time.perf_counter() > deadline and tracker.best is not None:   # past it: keep the first plan found
+            gave_up = gave_up or f"max_search_s={time_budget:g} s of branch and bound"
             break
         tables = SplitTables(sim, space, c)
         cells += tables.cells
@@ -91,7 +105,7 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
             offer(c, spans, tables)
         if simulations >= sim_budget:
             continue   # out of simulations: the remaining configurations get their DP splits only
-        for spans in tables.splits_below(incumbent_in_table_units):
+        for spans in tables.splits_below(threshold):
             if simulations >= sim_budget:
                 gave_up = (f"max_simulations={sim_budget:,} simulator calls in the layer-split search "
                            "(later configurations were scored at their DP splits only)")

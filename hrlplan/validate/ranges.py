@@ -57,7 +57,7 @@ RULES = {
                                  lambda v: isinstance(v, list) and bool(v) and all(_int(x) and x > 0 for x in v)),
     "planner.samples": POS_INT, "planner.train_steps": NONNEG_INT, "planner.batch_size": POS_INT,
     "planner.lr": POS, "planner.max_evaluations": POS_INT, "planner.refine_evaluations": NONNEG_INT,
-    "planner.greedy_configs": NONNEG_INT, "planner.max_simulations": POS_INT, "planner.hidden": POS_INT,
+    "planner.greedy_configs": NONNEG_INT, "planner.max_simulations": POS_INT, "planner.max_search_s": _optional(POS), "planner.hidden": POS_INT,
     "planner.hetero_time_s": POS, "planner.hetero_share_steps": POS_INT, "planner.hetero_max_rounds": POS_INT,
     "planner.hetero_template_simulations": POS_INT,
     "planner.entropy_coef": NONNEG,
