@@ -109,9 +109,9 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
         try:
             # proven_optimal is the single-template claim (the replica search proves its own sub-space:
             # tests/test_hetero_planner.py), so exact searches that space alone here
-            # (an instance exact cannot prove in 5 s -- V-shaped schedules on 60 layers -- is left out)
+            # (an instance exact cannot prove in 2 s -- V-shaped schedules on 60 layers -- is left out)
             exact, _ = make_plan(inst.meta, inst.cluster,
-                                 dict(asdict(ExactPlannerConfig()), heterogeneous=False, max_search_s=5.0, **extra),
+                                 dict(asdict(ExactPlannerConfig()), heterogeneous=False, max_search_s=2.0, **extra),
                                  train)
         except UserError:
             continue
