@@ -138,7 +138,8 @@ class StageCostModel:
                         kernels.kernels_for(d, matmul_peak(d, opts.bytes_per_value, opts.tf32), self.dev.measured)
                         for d in cluster.devices]
         self._kernel_cache: Dict[tuple, Tuple[float, float, float]] = {}
-        self.guessed = guessed_device_facts(cluster, any(k is not None for k in self.kernels), opts.bytes_per_value > 2)
+        self.guessed = guessed_device_facts(cluster, any(k is not None for k in self.kernels), opts.bytes_per_value > 2,
+                                            opts.fused_attention)
         # the flat model's FLOP/s are a device's 16-bit figure: float32 runs at its datasheet ratio
         # (a calibration measured in the run's dtype already)
         self.dtype_scale = [1.0 if self.dev.flat_compute or d.kind != "cuda" else
@@ -447,6 +448,8 @@ _GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
     "kernel_table_missing": ("hrlplan/cost/kernels.py GPU_FACTS", "HBM bandwidth and SM count are guessed"),
     "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
     "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
+    "attention_curve_missing": ("hrlplan/cost/kernels.py FLASH2_FWD_BWD (published FlashAttention-2 rates)",
+                                "fused attention runs at ATTENTION_FRACTION of its peak"),
 }
 
 
@@ -458,15 +461,17 @@ def fp8_speedup(device, bytes_per_value: int, tf32: bool) -> float:
     return fp8 / base if fp8 and base else 1.0
 
 
-def guessed_device_facts(cluster, shape_aware: bool, float32: bool) -> Dict[str, list]:
+def guessed_device_facts(cluster, shape_aware: bool, float32: bool, fused_attention: bool = True) -> Dict[str, list]:
     """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS), float32 ratio
-    (hrlplan.devices.PEAKS) or bf16 path (V100, T4) the tables lack, so the cost model guesses; each
-    warned of once."""
+    (hrlplan.devices.PEAKS), bf16 path (V100, T4) or fused-attention rate (a published curve) the
+    tables lack, so the cost model guesses; each warned of once."""
     gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
     out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
            "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)}),
            "bf16_missing": [n for n in gpus if not float32 and peak_flops(n, "bf16") is None
-                            and peak_flops(n, "fp16") is not None]}
+                            and peak_flops(n, "fp16") is not None],
+           "attention_curve_missing": [n for n in gpus if shape_aware and fused_attention and not float32
+                                       and kernels.flash_attention_fraction(n, 2048) is None]}
     for key, names in out.items():
         for name in names:
             if (key, name) not in _WARNED:
