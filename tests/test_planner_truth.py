@@ -5,6 +5,7 @@ from dataclasses import asdict
 
 import pytest
 
+from hrlplan import schedules
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.plan import homogeneous_plan
@@ -91,7 +92,8 @@ def test_idle_ranks_placement_round_trips():
 # same on every machine) without proving the optimum: the loop below would skip them after the
 # search, and 900011's search alone was half of this test's time. Drop a seed from here if exact
 # ever proves it.
-EXACT_GIVES_UP = {900011}
+# instances exact takes over 5 s on (interleaved or gpipe on 46-64 layers): left out to keep the suite short
+EXACT_GIVES_UP = {900011, 900013, 900018, 900019, 900020, 900023}
 
 
 def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
@@ -100,19 +102,21 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
     from hrlplan.search.hrl.generate import HELD_OUT_SEEDS, random_instance
 
     checked = 0
-    for seed in list(HELD_OUT_SEEDS)[:18]:
+    for seed in list(HELD_OUT_SEEDS)[:24]:
         if seed in EXACT_GIVES_UP:
             continue
         inst = random_instance(seed, max_gpus=16)
+        # V-shaped schedules' weaker bounds keep exact enumerating for minutes on these 60-layer models
+        # (it then stops at planner.max_search_s, unproven): left out by schedule, not by a clock
+        if schedules.get(str(inst.train["schedule"]), int(inst.train.get("stages_per_rank", 1))).v_shape:
+            continue
         extra = [dict(dp_overlap=True), dict(dp_overlap=False), {}][seed % 3]
         train = dict(inst.train, dp_mode="replicate") if seed % 3 == 2 else inst.train
         try:
             # proven_optimal is the single-template claim (the replica search proves its own sub-space:
             # tests/test_hetero_planner.py), so exact searches that space alone here
-            # (an instance exact cannot prove in 2 s -- V-shaped schedules on 60 layers -- is left out)
             exact, _ = make_plan(inst.meta, inst.cluster,
-                                 dict(asdict(ExactPlannerConfig()), heterogeneous=False, max_search_s=2.0, **extra),
-                                 train)
+                                 dict(asdict(ExactPlannerConfig()), heterogeneous=False, **extra), train)
         except UserError:
             continue
         if not exact.meta["planner"]["proven_optimal"]:
