@@ -27,6 +27,7 @@ STOP_TIMEOUT_S later are killed, and a second Ctrl-C (or SIGTERM) kills them at 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -319,6 +320,14 @@ def _log_dir(args: tuple, log_dir: Optional[str]) -> str:
     return tempfile.mkdtemp(prefix="hrlplan-workers-")
 
 
+def _launch_config(**options) -> LaunchConfig:
+    """torch's LaunchConfig with the options this torch knows. CUDA builds often lag the CPU one
+    (torch 2.11 has no shutdown_timeout: its agent then waits its own 30 s before SIGKILL), and a
+    GPU node must not fail on a refinement of the stop path."""
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return LaunchConfig(**{k: v for k, v in options.items() if k in known})
+
+
 def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name: str = "hrlplan",
                    log_dir: Optional[str] = None, cpu_shares: Optional[Sequence[Optional[float]]] = None
                    ) -> Dict[int, Any]:
@@ -335,7 +344,7 @@ def launch_workers(entrypoint: Callable[..., Any], args: tuple, nproc: int, name
     Path(logs).mkdir(parents=True, exist_ok=True)
     quiet = {r: Std.ALL for r in range(1, nproc)}   # rank 0 keeps the terminal
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    config = LaunchConfig(
+    config = _launch_config(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": RDZV_TIMEOUT_S},
         max_restarts=0, monitor_interval=0.1, start_method=WorkerStart.method(entrypoint),
