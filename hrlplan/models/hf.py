@@ -361,6 +361,9 @@ class HFStage(nn.Module):
         # Sequence parallelism (runtime/tensor_parallel.py) hands a later stage 1/sequence_shards of
         # the positions; its rotary positions still span the whole sequence.
         self.sequence_shards = 1
+        # Context parallelism (runtime/context_parallel.sharded_step) sets this rank's positions of the
+        # whole sequence, (1, seq/cp), for a step: its tokens are not 0..seq/cp-1.
+        self.position_ids: Optional[torch.Tensor] = None
         self.attention_kind: Optional[str] = None   # packed documents: "sdpa" (per document) or "eager" (mask)
         base = nn.Module()
         if first:
@@ -386,6 +389,9 @@ class HFStage(nn.Module):
         """x: token ids (first stage) or activations; side: the packed documents' positions and ids
         (data.packing=document|balanced), which the first stage finds inside its packed input."""
         packed = side is not None or (self.first and is_packed_inputs(x))
+        if packed and self.position_ids is not None:
+            raise UserError("data.packing: packed documents do not run with context parallelism (the ring attention "
+                            "takes no per-document mask); use data.packing=concat or a plan with cp: 1")
         run, args = (self._forward_packed, (x, side)) if packed else (self._forward, (x,))
         if self.autocast_dtype is None:
             return run(*args)
@@ -429,7 +435,7 @@ class HFStage(nn.Module):
         if self.first and seq % self.sequence_shards:
             raise ValueError(f"sequence parallelism over tp={self.sequence_shards} needs a sequence length "
                              f"divisible by it, got {seq}: set data.seq_len to a multiple of {self.sequence_shards}")
-        positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        positions = self._positions(seq, x.device)
         if self.first:
             if self.learned_positions:
                 h = base.drop(base.wte(x) + base.wpe(positions))
@@ -448,6 +454,16 @@ class HFStage(nn.Module):
             norm = base.ln_f if hasattr(base, "ln_f") else base.norm
             h = self.lm_head(norm(h))
         return h
+
+    def _positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """The position ids of this rank's `seq` tokens: 0..seq-1, or context parallelism's shard of
+        the whole sequence's (on x's device: older torch infers stage shapes on meta)."""
+        if self.position_ids is None:
+            return torch.arange(seq, device=device).unsqueeze(0)
+        if self.position_ids.shape[-1] != seq:
+            raise ValueError(f"context parallelism gave this stage {self.position_ids.shape[-1]} position ids for "
+                             f"{seq} tokens: the batch was not sharded with the same positions")
+        return self.position_ids.to(device)
 
 
 def build_stage_modules(model, spans: List[tuple]) -> List[HFStage]:

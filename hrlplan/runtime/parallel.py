@@ -24,11 +24,11 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The plan's mesh. A cp > 1 plan is refused here too (the launcher refuses it before workers
-    start): the engine does not yet enter torch's context_parallel, and cp ranks training unsharded
-    sequences would be silently wrong."""
-    if plan.cp > 1:
-        raise UserError(context_parallel_refusal(plan.cp, device_type, plan.num_stages))
+    """The plan's mesh. A cp > 1 plan on a device without torch's ring attention (CPU) is refused
+    here too, in one line (the launcher refuses it before workers start)."""
+    refused = context_parallel_refusal(plan.cp, device_type)
+    if refused:
+        raise UserError(refused)
     tp = plan.stages[0].tp
     layout = torch.tensor(plan.device_groups, dtype=torch.int).reshape(plan.pp, plan.dp, plan.cp, tp)
     return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIMS)

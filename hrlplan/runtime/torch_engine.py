@@ -1,9 +1,12 @@
 """The homogeneous plan on torch.distributed.pipelining: every schedule of the registry (hrlplan.schedules),
 built from its torch class and placed as its stage_ranks say.
 
-A (pp, dp, tp) mesh with the plan's own rank layout; each stage is tensor-parallel over its tp
-sub-mesh (DTensor), then data-parallel over its dp sub-mesh (FSDP2 or replicate), then wrapped in a
-PipelineStage whose p2p group is the pp sub-mesh of this rank's (dp, tp) lane.
+A (pp, dp, cp, tp) mesh with the plan's own rank layout; each stage is tensor-parallel over its tp
+sub-mesh (DTensor), then data-parallel over its dp (x cp) sub-mesh (FSDP2 or replicate), then wrapped
+in a PipelineStage whose p2p group is the pp sub-mesh of this rank's (dp, cp, tp) lane. Under context
+parallelism (cp > 1) every step runs inside runtime/context_parallel.sharded_step: ring attention
+over the cp sub-mesh, and this rank's share of each sequence (inputs, labels and position ids), so
+activations cross stage boundaries sequence-sharded, to the next stage's rank of the same cp index.
 
 The pp sub-mesh's process group numbers its ranks in ascending global order (torch sorts a new
 group's ranks), while torch's schedules assume stage k sits on group rank k: a plan whose groups are
@@ -11,6 +14,7 @@ not in rank order (stage 0 on rank 1, as a link-aware planner lays out) maps bot
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List
 
 import torch
@@ -22,6 +26,7 @@ from hrlplan.config import TrainConfig, section
 from hrlplan.errors import UserError
 from hrlplan.models.hf import build_stage_modules, materialize
 from hrlplan.plan import Plan
+from hrlplan.runtime import context_parallel as cp
 from hrlplan.runtime.compile import apply_compile
 from hrlplan.runtime.float8 import apply_float8
 from hrlplan.runtime.parallel import (TiedEmbeddingSync, apply_data_parallel, build_mesh, clip_grad_norm, fsdp_mesh,
@@ -78,13 +83,13 @@ def sequence_parallel(plan: Plan) -> bool:
     return chosen.pop()
 
 
-def check_device_options(train: TrainConfig, device: torch.device, num_stages: int) -> None:
-    """train.compile / float8 / context_parallel on the device this worker really got (the launcher
+def check_device_options(train: TrainConfig, device: torch.device, plan: Plan) -> None:
+    """train.compile / float8 and the plan's cp on the device this worker really got (the launcher
     checked its own host's already; a SLURM node may differ)."""
     cuda = device.type == "cuda"
-    options = {"compile": train.compile, "float8": train.float8, "context_parallel": train.context_parallel}
+    options = {"compile": train.compile, "float8": train.float8, "context_parallel": plan.cp}
     refused = train_options_refusal(options, device.type, torch.cuda.get_device_capability(device) if cuda else None,
-                                    torch.cuda.get_device_name(device) if cuda else "", num_stages)
+                                    torch.cuda.get_device_name(device) if cuda else "", plan.num_stages)
     if refused:
         raise UserError(refused[1])
 
@@ -95,10 +100,11 @@ class TorchPipelineEngine:
     def __init__(self, plan: Plan, train: TrainConfig, device: torch.device, full_model, recorder: StepRecorder):
         train = section(TrainConfig, train)
         self.plan, self.device, self.recorder = plan, device, recorder
-        check_device_options(train, device, plan.num_stages)
+        check_device_options(train, device, plan)
         self.rank = dist.get_rank()
         self.coords = rank_coords(plan, self.rank)
         self.mesh = build_mesh(plan, device.type)
+        self.cp_mesh = self.mesh["cp"] if plan.cp > 1 else None
         self.pp_group = self.mesh["pp"].get_group()
         self.stage_ids = plan.stages_of_rank(self.rank)
         self.tied = bool(getattr(full_model.config, "tie_word_embeddings", False))
@@ -157,18 +163,28 @@ class TorchPipelineEngine:
         return self.forward_backward(inputs, targets, train=False)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it)."""
+        """Runs the schedule; returns this rank's share of the global loss (a sum over ranks gives it).
+        Under context parallelism each rank's loss is the mean over its equal share of the tokens."""
         losses: List[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        with loss_context(self.parts.values()):   # a vocabulary-parallel head's loss, forward and backward
+        # a vocabulary-parallel head's loss, forward and backward; the sequences' cp shards
+        with loss_context(self.parts.values()), self.sequence_shards(targets.shape[1]) as positions:
+            if positions is not None:
+                inputs, targets = cp.take_positions(inputs, positions), cp.take_positions(targets, positions)
             if self.has_first:
                 run(inputs, target=targets, losses=losses)
             else:
                 run(target=targets, losses=losses)
         loss = torch.zeros(1, device=self.device)
         if self.loss_reporter:
-            loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / self.plan.dp
+            loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / (self.plan.dp * self.plan.cp)
         return loss
+
+    def sequence_shards(self, seq_len: int):
+        """cp > 1: torch's context_parallel around the step, yielding this rank's position ids; else nothing."""
+        if self.cp_mesh is None:
+            return nullcontext(None)
+        return cp.sharded_step(self.cp_mesh, seq_len, self.device, self.parts.values())
 
     def sync_and_clip(self, max_norm: float) -> torch.Tensor:
         self.tie_sync.sync_grads()

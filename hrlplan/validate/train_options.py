@@ -1,6 +1,7 @@
 """The training options a device must support -- train.compile, train.float8, train.context_parallel --
 as pure refusals (one line naming the key, or None), so the launcher says them before any worker
-starts (host.py) and the engines again on the device they really got (runtime/torch_engine.py)."""
+starts (host.py) and the engines again on the device they really got (runtime/torch_engine.py);
+and the settings context parallelism does not run beside (context_parallel_combination_refusal)."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +11,8 @@ COMPILE_KEY = "train.compile"
 FLOAT8_KEY = "train.float8"
 CP_KEY = "train.context_parallel"
 FLOAT8_MIN_CAPABILITY = (8, 9)
+# where torch runs context-parallel (ring) attention; CPU tests that stand in for the ring add "cpu"
+CONTEXT_PARALLEL_DEVICES = ("cuda",)
 
 
 def compile_refusal(device_type: str, which=shutil.which, has_triton: Optional[bool] = None) -> Optional[str]:
@@ -49,27 +52,39 @@ def float8_refusal(device_type: str, capability: Optional[Tuple[int, int]] = Non
             f"Blackwell) and this is {where}: set {FLOAT8_KEY}=false")
 
 
+def context_parallel_runs_on(device_type: str) -> bool:
+    """Whether torch's context-parallel (ring) attention runs on this device type: SDPA's CUDA
+    kernels (flash, efficient, cuDNN) have its sharding rules; its CPU kernel has none in torch 2.13."""
+    return device_type in CONTEXT_PARALLEL_DEVICES
+
+
 def context_parallel_refusal(cp: int, device_type: str, num_stages: int = 1) -> Optional[str]:
-    """One line saying why cp > 1 cannot run here, or None (cp == 1 always runs). torch 2.13 runs
-    context-parallel attention only through SDPA's CUDA kernels: on CPU SDPA dispatches
-    _scaled_dot_product_flash_attention_for_cpu, which has no sharding rule."""
-    if cp <= 1:
+    """One line saying why cp > 1 cannot run on this device type, or None (cp == 1 always runs)."""
+    if cp <= 1 or context_parallel_runs_on(device_type):
         return None
-    if device_type != "cuda":
-        return (f"{CP_KEY}={cp}: cp > 1 needs CUDA: torch's context-parallel attention runs only SDPA's CUDA "
-                f"kernels (flash, efficient, cuDNN), not its CPU kernel; set {CP_KEY}=1 on CPU")
-    return (f"{CP_KEY}={cp} (plan.yaml's stages' cp): the engine does not enter torch's context_parallel yet, so "
-            f"cp ranks would train unsharded sequences; plan with {CP_KEY}=1 (cp: 1 on every stage)")
+    return (f"{CP_KEY}={cp}: cp > 1 needs CUDA: torch's context-parallel attention runs only SDPA's CUDA "
+            f"kernels (flash, efficient, cuDNN), not its CPU kernel; set {CP_KEY}=1 on CPU")
+
+
+def context_parallel_combination_refusal(cp: int, compile: bool = False) -> Optional[str]:
+    """One line naming a train setting that does not run with cp > 1, or None. torch.compile would
+    trace the ring's patched SDPA, which is not tested here: refused rather than trusted. (Packed
+    documents: data/packing_options.py; heterogeneous plans: plan/checks.py.)"""
+    if cp > 1 and compile:
+        return (f"{COMPILE_KEY}=true with context parallelism ({CP_KEY}={cp}) is not supported: compiled blocks "
+                f"would trace torch's ring attention; set {COMPILE_KEY}=false or plan with cp: 1")
+    return None
 
 
 def train_options_refusal(train: Mapping[str, Any], device_type: str, capability: Optional[Tuple[int, int]] = None,
                           device_name: str = "", num_stages: int = 1) -> Optional[Tuple[str, str]]:
     """(key, one line) of the first refusal among the train section's compile, float8 and
-    context_parallel, or None."""
+    context_parallel (on this device, then beside compile), or None."""
+    cp = int(train.get("context_parallel") or 1)
     checks = (("compile", lambda: compile_refusal(device_type)),
               ("float8", lambda: float8_refusal(device_type, capability, device_name)),
-              ("context_parallel", lambda: context_parallel_refusal(int(train.get("context_parallel") or 1),
-                                                                    device_type, num_stages)))
+              ("context_parallel", lambda: context_parallel_refusal(cp, device_type, num_stages)),
+              ("context_parallel", lambda: context_parallel_combination_refusal(cp, bool(train.get("compile")))))
     for key, refusal in checks:
         why = train.get(key) and refusal()
         if why:
