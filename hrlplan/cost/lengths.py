@@ -12,10 +12,14 @@ on which documents it holds: its sum of squared lengths. This module
 - turns one step's per-micro-batch squares into per-(stage, micro-batch) work multipliers against the
   fixed-length micro-batch the simulator costs (`micro_batch_multipliers`), from the planner's own
   FLOP counts (ModelMeta.block_flops_fwd_per_token: 2 per weight + 4 * seq * query width per token);
-- walks the schedule's operation order with those per-micro-batch durations (`pipeline_step`), the
-  recurrence of cost/timeline.py's simulate_timeline without its FSDP extras and rendezvous
-  handshake: the simulator's timeline takes one duration per stage, the same for every micro-batch
-  (the hook that would let it take these multipliers is in H5's report).
+- costs a step through the simulator: Simulator.evaluate(layout, micro_batch_work=multipliers) runs
+  its timeline with stage k's durations times multipliers[k][j] for micro-batch j (`simulator_step_of`,
+  `packed_step_times`), so fill, drain and the lock-step of a pipeline whose micro-batches differ
+  are in the predicted step;
+- gives the dispatch the same step to minimise (`dispatch_step_of`: a bin's time back to its squares,
+  then the simulated step);
+- walks measured per-(stage, micro-batch) forward and backward times through a schedule's order
+  (`pipeline_step`, equal to the simulator's timeline without its FSDP extras and handshake: tested).
 """
 from __future__ import annotations
 
@@ -75,10 +79,12 @@ class PackedStep:
 
 
 def sample_steps(distribution: LengthDistribution, rows: int, packing: str, steps: int, seed: int = 0,
-                 stages: Optional[int] = None) -> List[PackedStep]:
+                 stages: Optional[int] = None, step_of: Optional[D.StepOf] = None,
+                 time_budget_s: float = 0.05) -> List[PackedStep]:
     """Steps drawn as PackedDocuments draws them (pieces at random, taken in arrival order while they
     fit next-fit), packed as `packing` would: arrival order, or the dispatch's greedy (its integer
-    program only improves on it, within its time budget)."""
+    program only improves on it, within its time budget); given step_of (the dispatch's pipeline
+    step, in units of squared tokens: see dispatch_step_of), the dispatch refined for it."""
     rng = random.Random(seed)
     budget = distribution.budget
     out = []
@@ -89,9 +95,12 @@ def sample_steps(distribution: LengthDistribution, rows: int, packing: str, step
         if packing == "balanced":
             bins = D.micro_batch_bins(rows, budget)
             bins = [D.Bin(b.capacity, b.speed, b.replica, float(budget)) for b in bins]
-            works = [float(n * n) for n in lengths]
-            greedy = D.lpt(lengths, works, bins, stages)
-            assignment = greedy if greedy is not None else arrival
+            if step_of is None:
+                greedy = D.lpt(lengths, [float(n * n) for n in lengths], bins, stages)
+                assignment = greedy if greedy is not None else arrival
+            else:
+                assignment = D.dispatch_bins(lengths, bins, 0.0, 1.0, time_budget_s, fallback=arrival, stages=stages,
+                                             ilp_min_gain=0.01, step_of=step_of).assignment
         elif packing == "document":
             assignment = arrival
         else:
@@ -126,13 +135,39 @@ def stage_flops(meta, spans: Sequence[Tuple[int, int]], budget: int) -> List[Tup
 
 def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int,
                             square_sums: Sequence[float]) -> List[List[float]]:
-    """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens (one
-    document filling it), the micro-batch the simulator costs."""
+    """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens a row
+    (one document filling each row), the micro-batch the simulator costs; square_sums[j]: micro-batch
+    j's sum of squared document lengths; every row pays its linear work (fixed shapes). One row a
+    micro-batch (micro_batch_multipliers_rows for more)."""
+    return micro_batch_multipliers_rows(meta, spans, budget, square_sums, 1)
+
+
+def micro_batch_multipliers_rows(meta, spans: Sequence[Tuple[int, int]], budget: int, square_sums: Sequence[float],
+                                 rows_per_micro_batch: int) -> List[List[float]]:
+    """micro_batch_multipliers for micro-batches of `rows_per_micro_batch` rows of `budget` tokens."""
     out = []
     for linear, attention in stage_flops(meta, spans, budget):
         full = linear + attention
-        out.append([(linear + attention * s / (budget * budget)) / full for s in square_sums])
+        out.append([(linear + attention * s / (rows_per_micro_batch * budget * budget)) / full for s in square_sums])
     return out
+
+
+def simulator_step_of(sim, layout) -> Callable[[List[List[float]]], float]:
+    """step_of(multipliers) for packed_step_times: the simulator's step of `layout` with its
+    [stage][micro-batch] work multipliers (Simulator.evaluate's micro_batch_work)."""
+    return lambda work: sim.evaluate(layout, micro_batch_work=work).step_time_s
+
+
+def dispatch_step_of(step_of_work: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
+                     budget: int, quadratic: float = 1.0) -> D.StepOf:
+    """The dispatch's step_of (its bins in micro-batch order, one row each, fixed shapes) from a step
+    costed by work multipliers: each bin's time, minus its base work, over `quadratic` is its
+    micro-batch's sum of squared lengths (the dispatch costs a piece quadratic * L**2 under fixed shapes)."""
+    def step_of(times: Sequence[float], bins: Sequence[D.Bin]) -> float:
+        squares = [max(t * b.speed - b.base_work, 0.0) / quadratic for t, b in zip(times, bins)]
+        return step_of_work(micro_batch_multipliers(meta, spans, budget, squares))
+
+    return step_of
 
 
 def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]],
@@ -166,10 +201,13 @@ def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -
 
 def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
                       distribution: LengthDistribution, micro_batches: int, packing: str, steps: int = 20,
-                      seed: int = 0) -> List[float]:
-    """The predicted step of `steps` steps sampled from the distribution and packed as `packing`:
-    step_of(multipliers) costs one step given its [stage][micro-batch] work multipliers -- the
-    simulator's `lambda w: sim.evaluate(layout, micro_batch_work=w).step_time` once its timeline takes
-    them, or pipeline_step over fixed-length stage times (bench/mixed_length.py)."""
-    return [step_of(micro_batch_multipliers(meta, spans, distribution.budget, step.square_sums))
-            for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans))]
+                      seed: int = 0, order_aware: bool = True) -> List[float]:
+    """The predicted step of `steps` steps sampled from the distribution and packed as `packing`
+    (micro-batches of one row): step_of(multipliers) costs one step given its [stage][micro-batch]
+    work multipliers -- simulator_step_of(sim, layout), or a timeline over fixed-length stage times
+    (bench/mixed_length.py). `balanced` is dispatched for that same step (order_aware; else min-max)."""
+    budget = distribution.budget
+    dispatch_of = dispatch_step_of(step_of, meta, spans, budget) if order_aware and packing == "balanced" else None
+    return [step_of(micro_batch_multipliers(meta, spans, budget, step.square_sums))
+            for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans),
+                                     step_of=dispatch_of)]

@@ -3,7 +3,7 @@ reason it cannot run (naming the device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from hrlplan import schedules
 from hrlplan.cost import memory as mem
@@ -71,12 +71,15 @@ class Simulator:
                 t += ov.allreduce(2, tied, small if ov.tied_allreduce is None else ov.tied_allreduce)
         return t
 
-    def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None) -> SimResult:
+    def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None,
+                 micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> SimResult:
         """`contention` sets one compute slowdown for the whole step (hetero plans pass the world's
         mean field). Default, where ranks outnumber cores: each operation slowed by the ranks busy
-        while it runs (simulate_shared_timeline)."""
+        while it runs (simulate_shared_timeline). micro_batch_work[k][j]: model stage k's compute for
+        micro-batch j over the fixed-length micro-batch it costs (packed documents of mixed length:
+        cost/lengths.py); None, every micro-batch alike."""
         self.evaluations += 1
-        run = _StepRun(self, layout)
+        run = _StepRun(self, layout, micro_batch_work)
         run.simulate_pipeline(contention)
         totals = run.position_totals()
         step, finish, exposed = run.step_time(totals)
@@ -131,8 +134,8 @@ class _PositionTotals:
 class _StepRun:
     """One evaluation's working state: stage costs, the durations the timeline runs, the timeline."""
 
-    def __init__(self, sim: Simulator, layout: Layout):
-        self.sim, self.layout = sim, layout
+    def __init__(self, sim: Simulator, layout: Layout, micro_batch_work: Optional[Sequence[Sequence[float]]] = None):
+        self.sim, self.layout, self.work = sim, layout, micro_batch_work
         self.ov = sim.devices.overheads
         self.n = len(layout.spans)
         self.groups = [layout.groups[layout.stage_group(k)] for k in range(self.n)]
@@ -177,7 +180,8 @@ class _StepRun:
         lay = self.layout
         return simulate_timeline(lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches,
                                  fwd, bwd, wgt, self.sends, self.sends, [c.activation for c in costs],
-                                 [c.first_fwd_extra for c in costs], [0.0] * self.n, self.handshake)
+                                 [c.first_fwd_extra for c in costs], [0.0] * self.n, self.handshake,
+                                 micro_batch_work=self.work)
 
     def simulate_pipeline(self, contention: Optional[float]) -> None:
         """Sets stage_costs, the (fwd, bwd, wgt) durations and the timeline tl."""
@@ -208,7 +212,7 @@ class _StepRun:
             lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches, self.fwd, self.bwd, self.wgt,
             self.sends, self.sends, [c.activation for c in costs], [c.first_fwd_extra for c in costs],
             self.handshake, ranks=[len(g) for g in lay.groups], contention=ov.contention,
-            all_ranks=max(self.sim.cluster.world_size, sum(len(g) for g in lay.groups)))
+            all_ranks=max(self.sim.cluster.world_size, sum(len(g) for g in lay.groups)), micro_batch_work=self.work)
 
     def position_totals(self) -> _PositionTotals:
         lay = self.layout
@@ -264,7 +268,9 @@ class _StepRun:
             "step_time_s": step,
             "pipeline_s": tl.makespan * scale,
             "pipeline_end_s": max(finish) * scale,
-            "compute_s": sum(3 * m * costs[k].compute_fwd for k in crit_stages) * scale,
+            # with per-micro-batch work, its sum over the micro-batches stands for m
+            "compute_s": sum(3 * (m if self.work is None else sum(self.work[k])) * costs[k].compute_fwd
+                             for k in crit_stages) * scale,
             "tp_comm_s": sum(m * (costs[k].tp_comm_fwd + costs[k].tp_comm_bwd) for k in crit_stages) * scale,
             "p2p_comm_s": 2 * sum(self.sends) * scale,
             "dp_comm_s": max(t.sync) * scale,

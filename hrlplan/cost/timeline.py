@@ -82,13 +82,27 @@ class _Ledger:
                               peak_with_grads=self.peak_post)
 
 
+def _work_table(micro_batch_work: Optional[Sequence[Sequence[float]]], n: int, m: int) -> Optional[List[List[float]]]:
+    """micro_batch_work checked against the step's n model stages and m micro-batches."""
+    if micro_batch_work is None:
+        return None
+    rows = [list(map(float, row)) for row in micro_batch_work]
+    if len(rows) != n or any(len(row) != m for row in rows):
+        raise ValueError(f"micro_batch_work must be [stage][micro-batch], {n} x {m}; got "
+                         f"{len(rows)} x {sorted({len(r) for r in rows})}")
+    if any(x < 0 or x != x for row in rows for x in row):
+        raise ValueError("micro_batch_work holds a negative or NaN multiplier")
+    return rows
+
+
 def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[float],
                       send_fwd: Sequence[float], send_bwd: Sequence[float],
                       activation: Sequence[float], first_fwd_extra: Optional[Sequence[float]] = None,
                       last_bwd_extra: Optional[Sequence[float]] = None,
                       recv_handshake: Optional[Sequence[float]] = None,
-                      trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None) -> TimelineResult:
+                      trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None,
+                      micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
     """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
     activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
     bytes one micro-batch keeps on k until its backward. first_fwd_extra[k] lengthens stage k's
@@ -98,9 +112,12 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     from another position starts no sooner than this long after its position gets to it, even when
     the message was sent long before (the receive's notice has to reach the sender, which then sends);
     a send that is late still arrives send_* after it was made. `trace`, when given, gets one
-    (position, kind, stage, micro-batch, start, end) per operation, in execution order."""
+    (position, kind, stage, micro-batch, start, end) per operation, in execution order.
+    micro_batch_work[k][j] (mixed-length data: cost/lengths.py) multiplies stage k's fwd/bwd/wgt for
+    micro-batch j, which then differ from one micro-batch to the next; None: every one alike."""
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
+    work = _work_table(micro_batch_work, n, m)
     last = n - 1
     split = schedules.get(schedule, stages_per_rank).split_backward
     book = _Ledger(pp, n, m, split, activation, 0.0, trace, st.sent_after)
@@ -115,7 +132,7 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     for pos, kind, k, j in st.order:
         if kind == F:
             ready = f_end[k - 1][j] + send_fwd[k - 1] if k > 0 else 0.0
-            dur = fwd[k]
+            dur = fwd[k] if work is None else fwd[k] * work[k][j]
             if f_extra is not None and not seen_f[k]:
                 seen_f[k] = True
                 dur += f_extra[k]
@@ -123,9 +140,11 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
         elif kind in (B, BW):
             ready = b_end[k + 1][j] + send_bwd[k] if k < last else f_end[k][j]
             dur = bwd[k] if kind == B else bwd[k] + wgt[k]
+            if work is not None:
+                dur *= work[k][j]
         else:
             ready = b_end[k][j]
-            dur = wgt[k]
+            dur = wgt[k] if work is None else wgt[k] * work[k][j]
         if b_extra is not None and kind in completes:
             done_b[k] += 1
             if done_b[k] == m:
@@ -146,7 +165,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
                              recv_handshake: Optional[Sequence[float]] = None,
                              ranks: Optional[Sequence[int]] = None, contention: float = 1.0,
                              all_ranks: Optional[int] = None,
-                             trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None) -> TimelineResult:
+                             trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None,
+                             micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
     """simulate_timeline for positions that share too few cores: the durations are each operation's
     time with one rank alone on the cores, and while operations run their work progresses at
     1 / slowdown, the slowdown linear in the ranks busy between the two points calibration measures
@@ -156,7 +176,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     the mean-field busy share predicted -10..-14% of the step time, ideal processor sharing
     (contention x busy / all ranks, i.e. no other tenants) +11..+15%, this -2..-4% and +2%. Same
     operations, orders, inputs and handshake as simulate_timeline (equal to it when nothing is
-    slowed); event-driven, so slower: the simulator uses it only when ranks outnumber cores."""
+    slowed); event-driven, so slower: the simulator uses it only when ranks outnumber cores.
+    micro_batch_work as in simulate_timeline."""
     ranks = list(ranks) if ranks is not None else [1] * pp
     # `contention` was measured with `all_ranks` busy (the whole job): a plan that leaves ranks
     # idle never reaches it
@@ -164,7 +185,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     split = schedules.get(schedule, stages_per_rank).split_backward
     run = _SharedCoresRun(schedule, pp, stages_per_rank, m, (fwd, bwd, wgt), send_fwd, send_bwd, first_fwd_extra,
                           recv_handshake, _Ledger(pp, pp * stages_per_rank, m, split, activation, None, trace,
-                                                  structure(schedule, pp, stages_per_rank, m).sent_after))
+                                                  structure(schedule, pp, stages_per_rank, m).sent_after),
+                          _work_table(micro_batch_work, pp * stages_per_rank, m))
     now = 0.0
     while True:
         run.start_ready(now)
@@ -189,13 +211,13 @@ class _SharedCoresRun:
     and the running one (op, work left, start)."""
 
     def __init__(self, schedule, pp, stages_per_rank, m, durations, send_fwd, send_bwd, first_fwd_extra,
-                 recv_handshake, book: "_Ledger"):
+                 recv_handshake, book: "_Ledger", work: Optional[List[List[float]]]):
         self.ops = structure(schedule, pp, stages_per_rank, m).position_ops
         self.pp, self.last = pp, pp * stages_per_rank - 1
         self.fwd, self.bwd, self.wgt = durations
         self.send_fwd, self.send_bwd = send_fwd, send_bwd
         self.first_fwd_extra, self.recv_handshake = first_fwd_extra, recv_handshake
-        self.book = book
+        self.book, self.work = book, work
         self.seen_f = [False] * (pp * stages_per_rank)
         self.nxt = [0] * pp
         self.pending: List[Optional[Tuple[float, Tuple[int, int, int], float]]] = [None] * pp
@@ -220,6 +242,8 @@ class _SharedCoresRun:
             work = self.bwd[k] if kind == B else self.bwd[k] + self.wgt[k]
         else:
             ready, work = b_end[k][j], self.wgt[k]
+        if self.work is not None:
+            work *= self.work[k][j]
         if ready is None:
             return
         if kind == F and self.first_fwd_extra is not None and not self.seen_f[k]:

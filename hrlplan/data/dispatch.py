@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hrlplan.data.dispatch_pipeline import StepOf, one_f_one_b  # noqa: F401 (one_f_one_b: the default step_of)
 from hrlplan.solver import quiet_highs
 
 DEFAULT_TIME_BUDGET_S = 0.5
@@ -83,9 +84,9 @@ class Dispatch:
     assignment: List[List[int]]   # per bin, the piece indices it holds (in the caller's order)
     times: List[float]            # per bin, work / speed
     method: str                   # ilp-optimal, ilp-time-limit, greedy, fallback (-optimal: proven), empty
-    lower_bound: float            # no assignment's step_time can be smaller
+    lower_bound: float            # no assignment's step_time (the min-max objective's, not step_of's) can be smaller
     seconds: float                # wall time the dispatch took
-    step_time: float              # what was minimised (see step_time)
+    step_time: float              # what was minimised (see step_time; step_of's when given)
 
     @property
     def slowest(self) -> float:
@@ -307,15 +308,79 @@ def ilp(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin], tim
     return assignment, status == highspy.HighsModelStatus.kOptimal
 
 
+def refine_for_step(lengths: Sequence[int], works: Sequence[float], bins: Sequence[Bin],
+                    assignment: Sequence[Sequence[int]], step_of: StepOf, deadline: float) -> List[List[int]]:
+    """Local search on step_of from `assignment` until no move helps or the deadline: swap two
+    interchangeable bins' contents (the order of micro-batches), move a piece to another bin, swap two
+    pieces of different bins; each kept when the step shrinks. The same pieces, within capacities."""
+    best = [list(g) for g in assignment]
+    load = [b.base_work + sum(works[i] for i in g) for g, b in zip(best, bins)]
+    room = [b.capacity - sum(lengths[i] for i in g) for g, b in zip(best, bins)]
+    times = [w / b.speed for w, b in zip(load, bins)]
+    value = step_of(times, bins)
+    groups = _symmetry_groups(bins, stages=1)
+    tolerance = 1e-12 * max(value, 1e-300)
+
+    def attempt(a: int, b: int, out_a: List[int], out_b: List[int]) -> bool:
+        nonlocal value
+        moved_to_b = sum(works[i] for i in out_a) - sum(works[i] for i in out_b)
+        tokens_to_b = sum(lengths[i] for i in out_a) - sum(lengths[i] for i in out_b)
+        if tokens_to_b > room[b] or -tokens_to_b > room[a]:
+            return False
+        trial = list(times)
+        trial[a], trial[b] = (load[a] - moved_to_b) / bins[a].speed, (load[b] + moved_to_b) / bins[b].speed
+        got = step_of(trial, bins)
+        if got >= value - tolerance:
+            return False
+        for i in out_a:
+            best[a].remove(i)
+            best[b].append(i)
+        for i in out_b:
+            best[b].remove(i)
+            best[a].append(i)
+        load[a], load[b] = load[a] - moved_to_b, load[b] + moved_to_b
+        room[a], room[b] = room[a] + tokens_to_b, room[b] - tokens_to_b
+        times[:], value = trial, got
+        return True
+
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for a in range(len(bins)):
+            for b in range(a + 1, len(bins)):
+                if groups[a] == groups[b] and bins[a].base_work == bins[b].base_work:
+                    if attempt(a, b, list(best[a]), list(best[b])):   # the two micro-batches trade places
+                        improved = True
+        for a in range(len(bins)):
+            for b in range(len(bins)):
+                if a == b or time.perf_counter() >= deadline:
+                    continue
+                for i in list(best[a]):
+                    if attempt(a, b, [i], []):
+                        improved = True
+                for i in list(best[a]):
+                    for k in list(best[b]) if a < b else []:
+                        if i in best[a] and k in best[b] and attempt(a, b, [i], [k]):
+                            improved = True
+    for g in best:
+        g.sort()
+    return best
+
+
 def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, quadratic: float,
                   time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_ilp_variables: int = DEFAULT_MAX_ILP_VARIABLES,
                   fallback: Optional[Sequence[Sequence[int]]] = None, stages: Optional[int] = None,
-                  fixed_shapes: bool = False, ilp_min_gain: float = 0.0) -> Dispatch:
+                  fixed_shapes: bool = False, ilp_min_gain: float = 0.0, step_of: Optional[StepOf] = None) -> Dispatch:
     """Assign pieces of `lengths` tokens to `bins`, minimising step_time: the slowest bin's work / speed
     (stages None) or the slowest replica's pipeline step of `stages` stages. fixed_shapes: every bin
     computes its whole budget's linear work (padding included; its base_work), pieces only attention.
     ilp_min_gain: the integer program runs only when the greedy's step is more than this fraction
-    above the lower bound (it cannot gain more; a trainer's solver thread then leaves the cores alone)."""
+    above the lower bound (it cannot gain more; a trainer's solver thread then leaves the cores alone).
+    step_of (one_f_one_b(pp), or the simulator's: cost/lengths.simulated_step_of): the pipeline's
+    step given each bin's time in micro-batch order; the min-max result is then refined for it
+    (refine_for_step: the order of micro-batches, pieces moved or swapped) with the integer program
+    given half of what is left of the budget, and step_time is step_of's. The pieces stay the same:
+    a step holds the same documents whatever the objective."""
     begin = time.perf_counter()
     if not bins:
         raise ValueError("a dispatch needs at least one micro-batch")
@@ -340,15 +405,25 @@ def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, qu
         best, method = [list(g) for g in fallback], "fallback"
     left = time_budget_s - (time.perf_counter() - begin)
     value = step_time(best, works, bins, stages)
+    ilp_share = left if step_of is None else left / 2
     if len(lengths) * len(bins) <= max_ilp_variables and left > 0 and value > bound * (1 + max(ilp_min_gain, 1e-9)):
-        solved, optimal = ilp(lengths, works, bins, left, cutoff=value, stages=stages)
+        solved, optimal = ilp(lengths, works, bins, ilp_share, cutoff=value, stages=stages)
         if solved is not None and step_time(solved, works, bins, stages) <= value:
             best, method = solved, "ilp-optimal" if optimal else "ilp-time-limit"
         elif solved is None and optimal:
             method += "-optimal"   # the integer program proved nothing beats it
+    value = step_time(best, works, bins, stages)
+    if step_of is not None:
+        start = best
+        if fallback is not None and step_of(bin_times(fallback, works, bins), bins) < step_of(
+                bin_times(best, works, bins), bins):
+            start = [list(g) for g in fallback]
+        refined = refine_for_step(lengths, works, bins, start, step_of, begin + 0.9 * time_budget_s)
+        value = step_of(bin_times(refined, works, bins), bins)
+        if refined != best:
+            best, method = refined, method + "+pipeline"
     check_assignment(best, lengths, bins)
-    return Dispatch(best, bin_times(best, works, bins), method, bound, time.perf_counter() - begin,
-                    step_time(best, works, bins, stages))
+    return Dispatch(best, bin_times(best, works, bins), method, bound, time.perf_counter() - begin, value)
 
 
 def dispatch(lengths: Sequence[int], micro_batches: int, capacity: int, linear: float = 1.0, quadratic: float = 0.0,
