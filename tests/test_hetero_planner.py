@@ -35,8 +35,8 @@ def fast_slow(fast_nodes=1, slow_nodes=1, per_node=2, fast_memory=8, fast_per_no
 
 
 def brute_force(meta, cluster, cfg, train, steps):
-    """Every selection of the sub-space: per type none or (size, count, rows on the grid) with the
-    exact template for (type, size, rows); rows summing to B. Returns (best step, [(max T, step)])."""
+    """Every selection of the sub-space: per type none or (shape, count, rows on the grid) with the
+    exact template for (type, shape, rows); rows summing to B. Returns (best step, [(max T, step)])."""
     train = section(TrainConfig, train)
     sim = Simulator(meta, cluster, cost_options(cfg, train))
     space = HeteroSpace(cluster, max(cluster.node_sizes()))
@@ -46,20 +46,20 @@ def brute_force(meta, cluster, cfg, train, steps):
     per_type = []
     for t in space.types:
         choices = [None]
-        for size in space.replica_sizes(t):
-            for k in space.replica_counts(t, size):
+        for shape in space.replica_shapes(t):
+            for k in space.shape_counts(t, shape):
                 for rows in grid:
-                    key = (space.nproc, t, size, rows, TP_ANY)
+                    key = (space.nproc, t, shape, rows, TP_ANY)
                     if k * rows <= train.global_batch_size and table.exact(key)[1] is not None:
-                        choices.append((t, size, k, rows, key))
+                        choices.append((t, shape, k, rows, key))
         per_type.append(choices)
     best, pairs = float("inf"), []
     for combo in itertools.product(*per_type):
         chosen = [c for c in combo if c is not None]
         if not chosen or sum(k * rows for _, _, k, rows, _ in chosen) != train.global_batch_size:
             continue
-        replicas = [Replica(t, place(table.exact(key)[1], space.replica_devices(t, size, i)))
-                    for t, size, k, rows, key in chosen for i in range(k)]
+        replicas = [Replica(t, place(table.exact(key)[1], space.shape_devices(t, shape, i)))
+                    for t, shape, k, rows, key in chosen for i in range(k)]
         _, predicted = hetero_plan(meta, cluster, replicas, train.schedule, {}, sim=sim)
         if predicted["feasible"]:
             best = min(best, predicted["step_time_s"])

@@ -117,17 +117,23 @@ def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_
         space.sim = own
 
 
-@dataclass(frozen=True)
-class ReplicaShape:
-    """k replicas of `size` devices each, of one device type, on whole nodes."""
-    device_type: str
-    size: int
-    count: int
-    nproc: int
+@dataclass(frozen=True, order=True)
+class Shape:
+    """A replica's devices: `per_node` devices (a divisor of nproc-per-node) on each of `nodes` nodes
+    of one type. (nproc, j) is j whole nodes, (q, 1) a slice of one node; (q, j) with q < nproc and
+    j > 1 is a slice across nodes -- the nproc/q replicas of a node group then hold each stage on the
+    same nodes, so their gradient all-reduce stays inside a node, as a single template's dp peers do."""
+    per_node: int
+    nodes: int
 
     @property
-    def devices(self) -> int:
-        return self.size * self.count
+    def size(self) -> int:
+        return self.per_node * self.nodes
+
+    def label(self, nproc: int) -> str:
+        if self.nodes == 1:
+            return f"{self.per_node}"
+        return f"{self.size}" if self.per_node == nproc else f"{self.size} ({self.per_node}/node)"
 
 
 class HeteroSpace:
@@ -151,34 +157,64 @@ class HeteroSpace:
     def launchable_devices(self) -> int:
         return sum(len(v) for v in self.node_devices.values())
 
-    def replica_sizes(self, device_type: str) -> List[int]:
-        """Slices of a node (divisors of nproc), then whole-node multiples up to the type's node
-        count (every one on small types; powers of two and the full count beyond max_node_multiples)."""
+    def _node_multiples(self, device_type: str) -> List[int]:
         nodes = len(self.type_nodes[device_type])
-        multiples = list(range(2, nodes + 1))
         if nodes > self.max_node_multiples:
-            multiples = sorted({2 ** i for i in range(1, nodes.bit_length()) if 2 ** i <= nodes} | {nodes})
-        return _divisors(self.nproc) + [self.nproc * j for j in multiples]
+            return sorted({2 ** i for i in range(1, nodes.bit_length()) if 2 ** i <= nodes} | {nodes})
+        return list(range(2, nodes + 1))
+
+    def replica_shapes(self, device_type: str, sliced: bool = True) -> List[Shape]:
+        """Slices of a node, whole-node multiples (every count on small types; powers of two and the
+        full count beyond max_node_multiples), then with `sliced` the same node counts at a slice of
+        each node (the replicas of a node group side by side on its nodes)."""
+        shapes = [Shape(q, 1) for q in _divisors(self.nproc)]
+        multiples = self._node_multiples(device_type)
+        shapes += [Shape(self.nproc, j) for j in multiples]
+        if sliced:
+            shapes += [Shape(q, j) for j in multiples for q in reversed(_divisors(self.nproc)[:-1])]
+        return shapes
+
+    def replica_sizes(self, device_type: str) -> List[int]:
+        """The sizes of the node slices and whole-node multiples (replica_shapes without sliced ones)."""
+        return [s.size for s in self.replica_shapes(device_type, sliced=False)]
+
+    def shape_of(self, size: int) -> Shape:
+        return Shape(size, 1) if size <= self.nproc else Shape(self.nproc, size // self.nproc)
+
+    def shape_counts(self, device_type: str, shape: Shape) -> List[int]:
+        """How many replicas of `shape` fill whole nodes of the type (1..all its nodes)."""
+        nodes = len(self.type_nodes[device_type])
+        if shape.nodes == 1:
+            return [used * self.nproc // shape.per_node for used in range(1, nodes + 1)
+                    if (used * self.nproc) % shape.per_node == 0]
+        return [groups * self.nproc // shape.per_node for groups in range(1, nodes // shape.nodes + 1)]
 
     def replica_counts(self, device_type: str, size: int) -> List[int]:
-        """How many replicas of `size` fill whole nodes of the type (1..all its nodes)."""
-        nodes = len(self.type_nodes[device_type])
-        out = []
-        for used_nodes in range(1, nodes + 1):
-            if (used_nodes * self.nproc) % size == 0:
-                out.append(used_nodes * self.nproc // size)
-        return out
+        return self.shape_counts(device_type, self.shape_of(size))
+
+    def shape_devices(self, device_type: str, shape: Shape, index: int) -> Tuple[int, ...]:
+        """The devices of the type's index-th replica of `shape`: node group index // (nproc/q), slice
+        index % (nproc/q) of each of its nodes; node order, then local rank."""
+        nodes = self.type_nodes[device_type]
+        if shape.nodes == 1 or shape.per_node == self.nproc:   # consecutive devices in node order
+            flat = [d for n in nodes for d in self.node_devices[n]]
+            return tuple(flat[index * shape.size:(index + 1) * shape.size])
+        side = self.nproc // shape.per_node
+        group, part = divmod(index, side)
+        lo = part * shape.per_node
+        return tuple(d for n in nodes[group * shape.nodes:(group + 1) * shape.nodes]
+                     for d in self.node_devices[n][lo:lo + shape.per_node])
 
     def replica_devices(self, device_type: str, size: int, index: int) -> Tuple[int, ...]:
-        """The devices of the type's index-th replica of `size`: node order, then local rank."""
-        flat = [d for n in self.type_nodes[device_type] for d in self.node_devices[n]]
-        return tuple(flat[index * size:(index + 1) * size])
+        return self.shape_devices(device_type, self.shape_of(size), index)
+
+    def shape_pool(self, device_type: str, shape: Shape) -> Pool:
+        """The first replica's pool: its nodes, `per_node` devices on each (the first ones)."""
+        nodes = self.type_nodes[device_type]
+        return Pool(tuple(nodes[:shape.nodes]), shape.per_node, f"{shape.label(self.nproc)} of {device_type}")
 
     def first_replica_pool(self, device_type: str, size: int) -> Pool:
-        nodes = self.type_nodes[device_type]
-        if size <= self.nproc:
-            return Pool((nodes[0],), size, f"{size} of {device_type}")
-        return Pool(tuple(nodes[:size // self.nproc]), self.nproc, f"{size} of {device_type}")
+        return self.shape_pool(device_type, self.shape_of(size))
 
 
 class ReplicaSpace(SearchSpace):

@@ -1,14 +1,15 @@
 """Exact over a stated sub-space of heterogeneous-replica plans (hrlplan.search.hetero).
 
 The sub-space ("replicas grouped by device type"): every device type trains k_t >= 0 replicas of
-one size s_t (a slice of a node or whole nodes of that type, filling whole nodes), all with one
-template and b_t rows of the global batch each (b_t on a grid of B/steps rows), sum_t k_t b_t = B.
+one shape s_t (q devices on each of j nodes of that type, q a divisor of nproc-per-node: a slice of a
+node, whole nodes, or a slice across nodes, the replicas filling whole nodes), all with one template
+and b_t rows of the global batch each (b_t on a grid of B/steps rows), sum_t k_t b_t = B.
 
-1. For each type, replica size and row count b on the grid, the replica's template is the exact
+1. For each type, replica shape and row count b on the grid, the replica's template is the exact
    planner's optimum (search_exact over ReplicaSpace: dp 1 on the first replica's devices -- every
    replica of a type has identical devices and links on a preset) for a batch of b rows: the
    replica's own step time T(t, s, b).
-2. An integer program (HiGHS) picks at most one (size, count, rows) option per type, rows summing
+2. An integer program (HiGHS) picks at most one (shape, count, rows) option per type, rows summing
    to B, minimising max T: a lower bound on every plan of the sub-space it has not excluded (the
    simulator's step of a plan waits for its slowest replica, then adds the cross-replica gradient
    reduce). Each solution is assembled and predicted in full (predict_any_plan, sync included), then
@@ -27,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hrlplan.search.common import Scored
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
-from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required,
+from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place, same_tp_required,
                                   search_exact_until)
 
 DEFAULT_SHARE_STEPS = 16
@@ -35,12 +36,13 @@ DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search in
 DEFAULT_MAX_ROUNDS = 300
 DEFAULT_TEMPLATE_SIMS = 400
 TP_ANY = 0
+STATE_BYTES_PER_PARAM = 16.0   # a replica's state per parameter at dp 1 (cost/memory.state_split)
 
 
 @dataclass(frozen=True)
 class Option:
     device_type: str
-    size: int
+    shape: Shape
     count: int
     rows: int       # per replica
     tp: int         # TP_ANY unless the model needs one tp across replicas
@@ -48,8 +50,12 @@ class Option:
     nproc: int
 
     @property
+    def size(self) -> int:
+        return self.shape.size
+
+    @property
     def key(self) -> tuple:
-        return (self.nproc, self.device_type, self.size, self.rows, self.tp)
+        return (self.nproc, self.device_type, self.shape, self.rows, self.tp)
 
 
 def row_grid(global_batch: int, steps: int) -> List[int]:
@@ -83,10 +89,10 @@ class TemplateTable:
         self.out_of_time = False
 
     def _space(self, key) -> ReplicaSpace:
-        nproc, device_type, size, rows, tp = key
+        nproc, device_type, shape, rows, tp = key
         space = self._spaces[nproc]
         train = dict(self.train, global_batch_size=rows, microbatches="auto")
-        rs = ReplicaSpace(self.meta, self.cluster, self.cfg, train, space.first_replica_pool(device_type, size),
+        rs = ReplicaSpace(self.meta, self.cluster, self.cfg, train, space.shape_pool(device_type, shape),
                           tp=tp or None)
         rs.sim = self.sim
         return rs
@@ -102,6 +108,9 @@ class TemplateTable:
             self.out_of_time = True
             return None
         sim = self.sim
+        if not self.may_hold_state(key):
+            self.bounds[key] = float("inf")
+            return self.bounds[key]
         scale, floor = sim.devices.time_scale, min(0.0, sim.devices.overheads.step)
         best = float("inf")
         rs = self._space(key)
@@ -116,6 +125,16 @@ class TemplateTable:
             best = min(best, (c.num_microbatches * self.bottlenecks[shared] + floor) * scale)
         self.bounds[key] = best
         return best
+
+    def may_hold_state(self, key) -> bool:
+        """False when the replica's devices together cannot hold its training state: at dp 1 every
+        parameter is held at least once with 16 bytes (fp32 weights and gradients, two fp32 moments:
+        cost/memory.state_split), whatever the split -- a proof that no configuration fits, found
+        without bounding any (a 70B model's one-node slices cost minutes of split tables)."""
+        nproc, device_type, shape, _, _ = key
+        devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
+        capacity = sum(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices)
+        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) <= capacity
 
     def exact(self, key) -> Tuple[float, Any]:
         if key not in self.table:
@@ -167,22 +186,22 @@ def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: in
     grid = row_grid(global_batch, steps)
     todo = []
     for t in space.types:
-        for s_rank, size in enumerate(space.replica_sizes(t)):
-            counts = space.replica_counts(t, size)
+        for s_rank, shape in enumerate(space.replica_shapes(t)):
+            counts = space.shape_counts(t, shape)
             for tp in tps:
-                if tp != TP_ANY and (size % tp or tp > space.nproc):
+                if tp != TP_ANY and (shape.size % tp or tp > shape.per_node):
                     continue
                 for r_rank, rows in enumerate(grid):
                     fitting = [k for k in counts if k * rows <= global_batch]
                     if fitting:
-                        todo.append(((s_rank + r_rank, rows, t, tp), (t, size, tp, rows, fitting)))
+                        todo.append(((s_rank + r_rank, rows, t, tp), (t, shape, tp, rows, fitting)))
     out = []
-    for _, (t, size, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
-        bound = table.bound((space.nproc, t, size, rows, tp))
+    for _, (t, shape, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
+        bound = table.bound((space.nproc, t, shape, rows, tp))
         if bound is None:
             break
         if bound < float("inf"):
-            out.extend(Option(t, size, k, rows, tp, bound, space.nproc) for k in fitting)
+            out.extend(Option(t, shape, k, rows, tp, bound, space.nproc) for k in fitting)
     return out
 
 
@@ -260,9 +279,9 @@ def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: Te
     out = []
     for o in options:
         space = spaces[o.nproc]
-        _, layout = table.table[(o.nproc, o.device_type, o.size, o.rows, o.tp)]
+        _, layout = table.table[o.key]
         for k in range(o.count):
-            out.append(Replica(o.device_type, place(layout, space.replica_devices(o.device_type, o.size, k))))
+            out.append(Replica(o.device_type, place(layout, space.shape_devices(o.device_type, o.shape, k))))
     return out
 
 
@@ -334,8 +353,9 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
         lower_bound = min(lower_bound, best_s)
     proven = not gave_up and table.unproven == 0
     grid = row_grid(global_batch, steps)
-    sub_space = (f"replicas grouped by device type (per type: k replicas of one size -- a node slice or whole "
-                 f"nodes -- one template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
+    sub_space = (f"replicas grouped by device type (per type: k replicas of one shape -- q devices on each of j "
+                 f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
+                 f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
                  f"one nproc-per-node out of {sorted(spaces)}" +
                  ("; one tp degree across replicas (GPT-2)" if tps != [TP_ANY] else "") +
                  "; each template the exact planner's optimum for its replica")
