@@ -14,7 +14,7 @@ from hrlplan.plan import Plan, validate
 from hrlplan.search import make_plan
 from hrlplan.search.common import cost_options
 from hrlplan.search.config import ExactPlannerConfig
-from hrlplan.search.hetero import HeteroSpace, Replica, hetero_plan, place, wants_hetero
+from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, row_grid, search_hetero
 from tests.test_cost import toy_meta
 
@@ -217,3 +217,36 @@ def test_learned_replica_policy_plans_within_its_calls_and_its_rows_sum_to_the_b
     assert 40 <= out["calls"] < 40 + 8
     validate(out["plan"])
     assert out["step_time_s"] == pytest.approx(predict_any_plan(out["plan"], meta, cluster)["step_time_s"])
+
+
+def test_sliced_shapes_place_replicas_side_by_side_on_their_nodes():
+    """q devices on each of j nodes: the nproc/q replicas of a node group share its nodes, slice by
+    slice, and the first one's devices are its pool's (what the template was searched on)."""
+    cluster = fast_slow(1, 4, per_node=2)
+    space = HeteroSpace(cluster, 2)
+    shapes = space.replica_shapes("slow")
+    assert Shape(1, 2) in shapes and Shape(2, 2) in shapes and Shape(1, 1) in shapes
+    assert space.replica_sizes("slow") == [s.size for s in shapes if s.per_node == 2 or s.nodes == 1]
+    assert space.shape_counts("slow", Shape(1, 2)) == [2, 4]
+    nodes = space.type_nodes["slow"]
+    per = [space.shape_devices("slow", Shape(1, 2), i) for i in range(4)]
+    assert per[0] == (space.node_devices[nodes[0]][0], space.node_devices[nodes[1]][0])
+    assert per[1] == (space.node_devices[nodes[0]][1], space.node_devices[nodes[1]][1])
+    assert len({d for p in per for d in p}) == 8
+    pool = space.shape_pool("slow", Shape(1, 2))
+    assert pool.nodes == tuple(nodes[:2]) and pool.nproc == 1
+
+
+def test_a_replica_that_cannot_hold_its_state_is_out_without_split_tables():
+    meta = toy_meta(n_layer=6)
+    cluster = fast_slow(1, 1, per_node=2)
+    train = section(TrainConfig, TRAIN)
+    cfg = dict(asdict(ExactPlannerConfig()))
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({2: space})
+    key = (2, "fast", Shape(1, 1), 4, TP_ANY)
+    assert table.may_hold_state(key)
+    meta.total_params = int(8 * 2 ** 30)   # 128 GiB of state against one 8 GB device
+    assert not table.may_hold_state(key) and table.bound(key) == float("inf") and not table.bottlenecks
