@@ -1,16 +1,25 @@
 """Does the planner pick the fastest layout on emulated heterogeneous workers? (issue 35)
 
-    python bench/hetero_pick.py [--rounds 3] [--steps 12] [--shares 1,0.33,0.33] [--out bench/results/hetero_pick.json]
+    python bench/hetero_pick.py [--rounds 3] [--steps 20] [--shares 1,0.33,0.33] [--out bench/results/hetero_pick.json]
+                                [--only LAYOUT,...] [--actions]
 
 Three local workers, one uncapped and two capped to a third of a core (cluster.cpu_shares,
 launch/cpu_quota.py), gpt2-tiny at global batch 12. Each round calibrates the capped workers afresh,
 asks exact with planner.heterogeneous=true for its pick and with =false for the best single
 template, then trains every layout once -- the pick, the single template and the hand-written ones
 (heterogeneous among them) -- round-robin, so a shared host's drift hits every layout alike, each
-predicted from the same calibration. Reported: the measured median per layout with its min-max
-spread, Spearman(predicted, measured) over the layouts' medians, and the pick's measured rank
-(target: the fastest, or within the fastest's spread). The load average is recorded: on a busy
-host a cap of a third of a core may not bind (the uncapped worker then gets no more than the capped).
+predicted from the same calibration. A layout's measured figure is its mean step (the measured
+steps' total over their count: a capped worker stalls once every few steps when its quota runs out,
+which a median step leaves out); the median step is kept beside it. Reported: the measured figure per
+layout over the rounds (median, min-max), Spearman(predicted, measured) over the layouts' medians,
+and the pick's measured rank (target: the fastest, or within the fastest's spread).
+
+Diagnosis (--actions; always in the json, under runs[].ranks): per rank the simulator's forward and
+backward of its stage beside the median wall and CPU time of the ones it ran, and a capped
+worker's cgroup throttling counts (over the whole worker: start-up included). Where CPU time agrees
+with the prediction and wall exceeds it, the rank waited (throttled, cores shared); where CPU time
+is off, compute is mis-costed. The load average is recorded per layout and round: on a busy host a
+cap of a third of a core may not bind (the uncapped worker then gets no more than the capped).
 """
 from __future__ import annotations
 
@@ -81,8 +90,10 @@ def same_layout(a, b) -> bool:
 
 
 def train_capped(plan, config, shares: List[Optional[float]], run_dir: Path) -> Dict[str, Any]:
-    """Train `plan` on its used workers, each keeping its job rank's CPU share."""
+    """Train `plan` on its used workers, each keeping its job rank's CPU share. The summary gains
+    `used` (the job rank of each trained rank) and `throttling` (each capped worker's cgroup cpu.stat)."""
     from hrlplan.config import as_config
+    from hrlplan.launch import cpu_quota
     from hrlplan.launch.local import launch_workers
     from hrlplan.launch.local_run import _worker
     from hrlplan.search.placement import compact
@@ -92,25 +103,72 @@ def train_capped(plan, config, shares: List[Optional[float]], run_dir: Path) -> 
     cfg = as_config(config)
     cfg.run_dir = str(run_dir)
     threads_for(trained.world_size)
-    return launch_workers(_worker, (cfg, trained.to_yaml(), False), trained.world_size, name="hetero-pick",
-                          cpu_shares=[shares[r] for r in used])[0]
+    summary = launch_workers(_worker, (cfg, trained.to_yaml(), False), trained.world_size, name="hetero-pick",
+                             cpu_shares=[shares[r] for r in used])[0]
+    return dict(summary, used=used, throttling={used[i]: s for i, s in enumerate(cpu_quota.last_job_throttling) if s})
+
+
+def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """Per job rank: the simulator's forward / backward / send of the stage it runs (its device's
+    name) beside the median wall and CPU time of the forwards and backwards it ran (the trainer's
+    recorded actions, every measured step): where wall exceeds CPU the rank waited inside the action
+    (a quota's throttling, cores shared); where CPU exceeds the prediction the compute is mis-costed."""
+    from hrlplan.runtime.timing import action_medians
+
+    events = (summary.get("measured") or {}).get("events") or []
+    used = summary.get("used") or []
+    out: Dict[int, Dict[str, Any]] = {}
+    for st in predicted_stages:
+        for rank in st["devices"]:
+            out[rank] = {"device": st["device_type"], "layers": st["layers"], "predicted_fwd_ms": st["fwd_s"] * 1e3,
+                         "predicted_bwd_ms": st["bwd_s"] * 1e3, "predicted_send_ms": st["send_s"] * 1e3,
+                         "predicted_busy_ms": st["busy_s"] * 1e3}
+    for trained_rank, job_rank in enumerate(used):
+        mine = [dict(e, stage=0) for e in events if e.get("rank") == trained_rank]
+        wall, cpu = action_medians(mine).get(0, {}), action_medians(mine, cpu=True).get(0, {})
+        row = out.setdefault(job_rank, {})
+        for kind in ("F", "B"):
+            if kind in wall:
+                row[f"measured_{kind}_wall_ms"] = wall[kind] * 1e3
+            if kind in cpu:
+                row[f"measured_{kind}_cpu_ms"] = cpu[kind] * 1e3
+        stat = (summary.get("throttling") or {}).get(job_rank)
+        if stat:
+            row["throttled"] = {k: stat.get(k) for k in ("nr_periods", "nr_throttled", "throttled_time")}
+    return out
+
+
+def action_lines(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
+    def ms(row, key):
+        return f"{row[key]:6.2f}" if key in row else "    --"
+    out = []
+    for rank, row in sorted(ranks.items()):
+        th = row.get("throttled")
+        throttled = f" throttled {th['nr_throttled']}/{th['nr_periods']} periods" if th else ""
+        out.append(f"    {name:20s} rank {rank} {row.get('device', '?'):9s} F pred {ms(row, 'predicted_fwd_ms')} wall "
+                   f"{ms(row, 'measured_F_wall_ms')} cpu {ms(row, 'measured_F_cpu_ms')} | B pred "
+                   f"{ms(row, 'predicted_bwd_ms')} wall {ms(row, 'measured_B_wall_ms')} cpu "
+                   f"{ms(row, 'measured_B_cpu_ms')} | send {ms(row, 'predicted_send_ms')}{throttled}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--shares", default="1,0.33,0.33", help="per worker; 1 = uncapped")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hetero_pick.json"))
     ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-hetero-pick")
+    ap.add_argument("--only", default="", help="comma-separated layout names (diagnosis): the others are not trained")
+    ap.add_argument("--actions", action="store_true", help="print each rank's predicted vs measured forward/backward")
     args = ap.parse_args()
 
     from hrlplan.cluster import ClusterSpec
     from hrlplan.compose import compose
     from hrlplan.launch.local import launch_workers
     from hrlplan.model_meta import introspect
-    from hrlplan.runtime.calibrate import predict_plan
-    from hrlplan.runtime.timing import median_step_time
+    from hrlplan.cost.plans import options_for_train, predict_any_plan
+    from hrlplan.runtime.timing import mean_step_time, median_step_time
     from hrlplan.search import make_plan
     from hrlplan.search.config import ExactPlannerConfig
 
@@ -121,7 +179,7 @@ def main() -> None:
     candidates = hand_written(world)
     runs: Dict[str, List[Dict[str, float]]] = {}
     picks: List[str] = []
-    loads = []
+    loads, calibrations = [], []
     for r in range(args.rounds):
         t0 = time.time()
         threads_for(world)
@@ -140,23 +198,39 @@ def main() -> None:
         print(f"[hetero-pick] round {r + 1}/{args.rounds}: calibrated in {time.time() - t0:.0f} s (flops per worker "
               f"{[round(d.peak_flops / 1e9, 1) for d in calibrated.devices]} GFLOP/s); pick {picks[-1]}: "
               f"{pick.layout()}", flush=True)
+        record = out["calibrated"].get("calibration") or {}
+        calibrations.append({k: v for k, v in record.items() if k != "measurements"})   # the raw ones: run dir
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.run_dir) / f"calibration-{r}.json").write_text(json.dumps(out["calibrated"], default=float))
         for name, plan in candidates.items():
-            predicted = predict_plan(plan, meta, calibrated, config["train"])["step_time_s"]
+            if args.only and name not in args.only.split(","):
+                continue
+            prediction = predict_any_plan(plan, meta, calibrated, options_for_train(config["train"]))
+            predicted = prediction["step_time_s"]
             try:
-                summary = train_capped(plan, config, shares, Path(args.run_dir) / name)
+                summary = train_capped(plan, config, shares, Path(args.run_dir) / name.replace("/", "_"))
             except Exception as e:   # one layout's failure must not hide the others' figures
                 print(f"[hetero-pick]   {name:20s} FAILED: {str(e)[:200]}", flush=True)
                 continue
-            step = median_step_time([h["train/step_time_s"] for h in summary["history"]])
-            runs.setdefault(name, []).append({"measured_s": step, "predicted_s": predicted})
-            print(f"[hetero-pick]   {name:20s} {step * 1e3:8.2f} ms (predicted {predicted * 1e3:8.2f} ms)", flush=True)
+            times = [h["train/step_time_s"] for h in summary["history"]]
+            step = mean_step_time(times)
+            actions = per_rank_actions(prediction["stages"], summary)
+            runs.setdefault(name, []).append({"measured_s": step, "median_step_s": median_step_time(times),
+                                              "predicted_s": predicted, "load": os.getloadavg()[0],
+                                              "step_times_s": times, "ranks": actions})
+            print(f"[hetero-pick]   {name:20s} {step * 1e3:8.2f} ms mean step, median {median_step_time(times) * 1e3:8.2f} "
+                  f"(predicted {predicted * 1e3:8.2f} ms), load {os.getloadavg()[0]:.1f}", flush=True)
+            if args.actions:
+                print("\n".join(action_lines(name, actions)), flush=True)
+                print(f"    steps (ms): {[round(h['train/step_time_s'] * 1e3, 1) for h in summary['history']]}")
         loads.append(os.getloadavg())
     rows = {n: dict(_measure.timing_row([x["measured_s"] for x in xs], [x["predicted_s"] for x in xs]),
                     layout=candidates[n].layout(), runs=xs) for n, xs in runs.items()}
     pick = statistics.mode(picks)
     rank = _measure.ranking(rows, pick)
     report = {"world": world, "shares": shares, "rounds": args.rounds, "steps": args.steps, "layouts": rows,
-              "picks": picks, "pick": pick, **rank, "load_average": loads}
+              "picks": picks, "pick": pick, **rank, "load_average": loads,
+              "calibrations": calibrations}
     print()
     print("\n".join(_measure.timing_lines(rows, rank, label="layout")))
     print(f"load average per round: {loads}")

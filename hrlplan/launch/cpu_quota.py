@@ -25,7 +25,12 @@ from hrlplan.errors import UserError
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 KEY = "cluster.cpu_shares"
 ENV = "HRLPLAN_CPU_QUOTA_GROUPS"   # launcher -> workers: a cgroup path per local rank, "" where uncapped
-PERIOD_FILE, QUOTA_FILE, PROCS_FILE = "cpu.cfs_period_us", "cpu.cfs_quota_us", "cgroup.procs"
+PERIOD_FILE, QUOTA_FILE, PROCS_FILE, STAT_FILE = "cpu.cfs_period_us", "cpu.cfs_quota_us", "cgroup.procs", "cpu.stat"
+
+# Per local worker of the last job these groups capped in this process, its group's cpu.stat when it
+# was removed (None: uncapped or unreadable): how often the quota throttled it, and for how long
+# (throttled_time, ns). A bench reads it to tell a cap that bound from one that never did.
+last_job_throttling: List[Optional[Dict[str, int]]] = []
 
 
 def check_shares(shares: Sequence[Optional[float]], workers: int) -> List[Optional[float]]:
@@ -70,6 +75,15 @@ def create_group(name: str, share: float, root: Path = CPU_ROOT) -> Path:
     return path
 
 
+def group_stat(path: Path) -> Optional[Dict[str, int]]:
+    """The cgroup's cpu.stat ({nr_periods, nr_throttled, throttled_time (ns), ...}); None if unreadable."""
+    try:
+        lines = (Path(path) / STAT_FILE).read_text().split("\n")
+    except OSError:
+        return None
+    return {k: int(v) for k, v in (line.split() for line in lines if len(line.split()) == 2)}
+
+
 def remove_group(path: Path, timeout_s: float = 5.0) -> None:
     """Move any process still in the cgroup back to its parent, then remove it (an exited process
     can linger a moment in cgroup.procs: retried until timeout_s)."""
@@ -112,6 +126,7 @@ def cpu_quota_groups(shares: Sequence[Optional[float]], tag: str = "job",
             paths.append(str(path))
         yield paths
     finally:
+        last_job_throttling[:] = [None if p is None else group_stat(Path(p)) for p in paths]
         for path in reversed(created):
             remove_group(path)
 

@@ -58,16 +58,21 @@ class StepRecorder:
     def events(self, value: List[Dict[str, Any]]) -> None:
         self._events, self._pending = list(value), []
 
-    def add(self, stage: int, microbatch: int, kind: str, t0: float, t1: float) -> None:
-        self._events.append({"stage": stage, "microbatch": microbatch, "kind": kind,
-                             "start_s": t0 - self.origin, "end_s": t1 - self.origin})
+    def add(self, stage: int, microbatch: int, kind: str, t0: float, t1: float, cpu_s: Optional[float] = None) -> None:
+        event = {"stage": stage, "microbatch": microbatch, "kind": kind,
+                 "start_s": t0 - self.origin, "end_s": t1 - self.origin}
+        if cpu_s is not None:
+            event["cpu_s"] = cpu_s
+        self._events.append(event)
 
     @contextmanager
     def op(self, stage: int, microbatch: int, kind: str):
         if not self.cuda:
-            t0 = time.perf_counter()
+            # the CPU time of the op's thread beside its wall time: where they part, the op waited
+            # (a CPU quota's throttling, other processes on the cores), not computed
+            t0, c0 = time.perf_counter(), time.thread_time()
             yield
-            self.add(stage, microbatch, kind, t0, time.perf_counter())
+            self.add(stage, microbatch, kind, t0, time.perf_counter(), time.thread_time() - c0)
             return
         if self._origin_event is None:
             self.begin()
@@ -147,11 +152,15 @@ def analytic_bubble(schedule: str, pp: int, num_microbatches: int, stages_per_ra
     return resolve_schedule(schedule, stages_per_rank).bubble(pp, num_microbatches, stages_per_rank)
 
 
-def action_medians(events: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
-    """Per stage, the median duration of each kind of action it ran (F, B, W, BW)."""
+def action_medians(events: List[Dict[str, Any]], cpu: bool = False) -> Dict[int, Dict[str, float]]:
+    """Per stage, the median duration of each kind of action it ran (F, B, W, BW); with cpu, of
+    the CPU time its thread spent in them (events recorded on CPU carry it; others are left out)."""
     spans: Dict[int, Dict[str, List[float]]] = {}
     for e in events:
-        spans.setdefault(int(e["stage"]), {}).setdefault(str(e["kind"]), []).append(e["end_s"] - e["start_s"])
+        if cpu and e.get("cpu_s") is None:
+            continue
+        took = e["cpu_s"] if cpu else e["end_s"] - e["start_s"]
+        spans.setdefault(int(e["stage"]), {}).setdefault(str(e["kind"]), []).append(took)
     return {k: {kind: statistics.median(d) for kind, d in by_kind.items()} for k, by_kind in sorted(spans.items())}
 
 
@@ -219,6 +228,15 @@ def reset_peak_memory(device: torch.device) -> None:
 def median_step_time(times: List[float]) -> Optional[float]:
     use = times[SKIP_STEPS:] if len(times) > SKIP_STEPS else times
     return statistics.median(use) if use else None
+
+
+def mean_step_time(times: List[float]) -> Optional[float]:
+    """The measured steps' total over their count: the rate a run trains at. Beside the median where
+    steps are bimodal: a worker under a CPU quota that spends it stalls until the CFS period ends
+    (up to (1 - share) x period, 67 ms at a third of 100 ms) once every few steps, which the median
+    step leaves out."""
+    use = times[SKIP_STEPS:] if len(times) > SKIP_STEPS else times
+    return statistics.fmean(use) if use else None
 
 
 def _rel(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:

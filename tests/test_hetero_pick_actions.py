@@ -1,0 +1,87 @@
+"""What bench/hetero_pick.py diagnoses capped workers with: each action's CPU time beside its wall
+time (runtime/timing.StepRecorder), a capped group's throttling counts (launch/cpu_quota), the mean
+step, and the per-rank table of predicted vs measured forwards and backwards."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hrlplan.errors import UserError
+from hrlplan.launch import cpu_quota
+from hrlplan.runtime.timing import StepRecorder, action_medians, mean_step_time, median_step_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+def test_a_cpu_action_records_its_thread_cpu_time_beside_its_wall_time():
+    rec = StepRecorder(torch.device("cpu"))
+    rec.begin()
+    with rec.op(0, 0, "F"):
+        time.sleep(0.05)   # waits: wall time, no CPU time
+    with rec.op(0, 1, "F"):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.02:   # computes: CPU time on this thread
+            pass
+    waited, computed = rec.events
+    assert waited["end_s"] - waited["start_s"] >= 0.05 and waited["cpu_s"] < 0.025
+    assert computed["cpu_s"] >= 0.02
+    cpu = action_medians(rec.events + [{"stage": 1, "microbatch": 0, "kind": "B", "start_s": 0.0, "end_s": 1.0}],
+                         cpu=True)
+    assert set(cpu) == {0} and cpu[0]["F"] == pytest.approx((waited["cpu_s"] + computed["cpu_s"]) / 2)
+    assert action_medians(rec.events)[0]["F"] >= 0.035   # wall medians as before
+
+
+def test_the_mean_step_counts_the_stalls_the_median_leaves_out():
+    steps = [0.5, 0.3] + [0.03, 0.03, 0.03, 0.097]   # warm-up, then a quota's stall every fourth step
+    assert median_step_time(steps) == pytest.approx(0.03)
+    assert mean_step_time(steps) == pytest.approx((3 * 0.03 + 0.097) / 4)
+    assert mean_step_time([]) is None
+
+
+def _writable() -> bool:
+    try:
+        cpu_quota.check_cpu_controller(cpu_quota.CPU_ROOT)
+        return True
+    except UserError:
+        return False
+
+
+@pytest.mark.skipif(not _writable(), reason="the cgroup v1 cpu controller is not writable here")
+def test_a_capped_group_that_spent_its_quota_reports_its_throttling():
+    """A process busy for 0.4 s under a tenth of a core spends its 10 ms of each 100 ms period and is
+    throttled for the rest: a hard ceiling, whatever else runs on the machine."""
+    busy = "import time\nt0 = time.perf_counter()\nwhile time.perf_counter() - t0 < 0.4: pass\n"
+    with cpu_quota.cpu_quota_groups([None, 0.1], tag="test-throttle") as paths:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()\n" + busy],
+                                stdin=subprocess.PIPE, text=True)
+        cpu_quota.join_cpu_quota(paths[1], proc.pid)
+        proc.communicate("go\n", timeout=60)
+    assert cpu_quota.last_job_throttling[0] is None
+    stat = cpu_quota.last_job_throttling[1]
+    assert stat["nr_throttled"] >= 1 and stat["throttled_time"] > 0 and not os.path.exists(paths[1])
+
+
+def test_the_bench_sets_each_ranks_measured_actions_beside_its_stages_prediction():
+    import hetero_pick
+
+    stages = [{"devices": [0], "device_type": "cpu", "layers": [0, 4], "fwd_s": 0.003, "bwd_s": 0.004,
+               "send_s": 0.0005, "busy_s": 0.03},
+              {"devices": [2], "device_type": "cpu@0.33", "layers": [4, 6], "fwd_s": 0.004, "bwd_s": 0.005,
+               "send_s": 0.0, "busy_s": 0.04}]
+    ev = lambda rank, kind, wall, cpu: {"rank": rank, "stage": rank, "microbatch": 0, "kind": kind,  # noqa: E731
+                                        "start_s": 0.0, "end_s": wall, "cpu_s": cpu}
+    # trained ranks 0 and 1 are job ranks 0 and 2 (job rank 1 idle, compacted away)
+    summary = {"used": [0, 2], "throttling": {2: {"nr_periods": 10, "nr_throttled": 4, "throttled_time": 9}},
+               "measured": {"events": [ev(0, "F", 0.003, 0.003), ev(1, "F", 0.0045, 0.0015),
+                                       ev(1, "B", 0.002, 0.002)]}}
+    rows = hetero_pick.per_rank_actions(stages, summary)
+    assert rows[2]["device"] == "cpu@0.33" and rows[2]["predicted_fwd_ms"] == pytest.approx(4.0)
+    assert rows[2]["measured_F_wall_ms"] == pytest.approx(4.5) and rows[2]["measured_F_cpu_ms"] == pytest.approx(1.5)
+    assert rows[2]["throttled"]["nr_throttled"] == 4 and "throttled" not in rows[0]
+    assert "measured_B_wall_ms" not in rows[0] and rows[0]["measured_F_cpu_ms"] == pytest.approx(3.0)
+    lines = hetero_pick.action_lines("pp", rows)
+    assert len(lines) == 2 and "throttled 4/10 periods" in lines[1]
