@@ -25,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -100,6 +101,7 @@ def _worker(configs: Dict[str, Any], plan_yamls: Dict[str, str], variants: List[
                 row["ring_kernel_calls"] = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
                 row["ok"] = True
             except Exception as err:   # said, and the next variant still runs
+                traceback.print_exc()
                 row = {"ok": False, "error": f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"}
             row["wall_s"] = round(time.perf_counter() - start, 1)
             out[variant] = row

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from hrlplan.runtime.context_parallel import (_attention_for_ring, positions_of_rank, shard_sequence,
                                               take_positions, unshard_sequence)
-from hrlplan.validate.train_options import (context_parallel_combination_refusal, context_parallel_refusal,
-                                            context_parallel_runs_on, train_options_refusal)
+from hrlplan.validate.train_options import (context_parallel_combination_refusal, context_parallel_length_refusal,
+                                            context_parallel_refusal, context_parallel_runs_on,
+                                            train_options_refusal)
 
 LLAMA = ["arch=llama-tiny", "arch.num_hidden_layers=2", "train.lr=3e-3"]
 STEPS = 3
@@ -50,6 +51,8 @@ def test_the_device_decision_is_pure_and_one_line():
     assert why.startswith("train.context_parallel=4: cp > 1 needs CUDA") and "SDPA" in why and "\n" not in why
     assert train_options_refusal({"context_parallel": 2}, "cpu")[0] == "train.context_parallel"
     assert train_options_refusal({"context_parallel": 2}, "cuda") is None
+    assert context_parallel_length_refusal(2, 64) is None
+    assert context_parallel_length_refusal(3, 20).endswith("data.seq_len (20) must be a multiple of 6")
 
 
 def test_compile_beside_context_parallelism_is_refused_in_one_line(monkeypatch):

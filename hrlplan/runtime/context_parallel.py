@@ -31,13 +31,14 @@ from typing import Callable, Iterable, Iterator, List, Sequence
 import torch
 import torch.nn.functional as F
 
-from hrlplan.validate.train_options import CP_KEY
+from hrlplan.errors import ConfigError
+from hrlplan.validate.train_options import context_parallel_length_refusal
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
-    if cp < 1 or seq_len % (2 * cp):
-        raise ValueError(f"{CP_KEY}={cp} shards a sequence into 2*cp={2 * cp} load-balanced chunks: data.seq_len "
-                         f"({seq_len}) must be a multiple of {2 * cp}")
+    why = context_parallel_length_refusal(cp, seq_len)
+    if why:
+        raise ConfigError("data.seq_len", seq_len, message=why)
 
 
 def chunks_of_rank(cp: int, rank: int) -> tuple:

@@ -66,6 +66,14 @@ def context_parallel_refusal(cp: int, device_type: str, num_stages: int = 1) -> 
             f"kernels (flash, efficient, cuDNN), not its CPU kernel; set {CP_KEY}=1 on CPU")
 
 
+def context_parallel_length_refusal(cp: int, seq_len: int) -> Optional[str]:
+    """One line when a sequence does not cut into torch's 2*cp load-balanced chunks, or None."""
+    if cp < 1 or seq_len % (2 * cp):
+        return (f"{CP_KEY}={cp} shards a sequence into 2*cp={2 * cp} load-balanced chunks: data.seq_len "
+                f"({seq_len}) must be a multiple of {2 * cp}")
+    return None
+
+
 def context_parallel_combination_refusal(cp: int, compile: bool = False) -> Optional[str]:
     """One line naming a train setting that does not run with cp > 1, or None. torch.compile would
     trace the ring's patched SDPA, which is not tested here: refused rather than trusted. (Packed
