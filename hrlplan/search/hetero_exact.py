@@ -21,6 +21,7 @@ result is a heterogeneous plan only where it beats it.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
@@ -34,7 +35,7 @@ from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, he
 DEFAULT_SHARE_STEPS = 16
 DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search included
 DEFAULT_MAX_ROUNDS = 300
-DEFAULT_TEMPLATE_SIMS = 400
+DEFAULT_TEMPLATE_SIMS = 2000
 TP_ANY = 0
 STATE_BYTES_PER_PARAM = 16.0   # a replica's state per parameter at dp 1 (cost/memory.state_split)
 
@@ -74,7 +75,9 @@ class TemplateTable:
         self.sim, self.meta, self.cluster = sim, meta, cluster
         self.cfg = {k: v for k, v in planner_cfg.items() if k != "heterogeneous"}
         # a replica's branch and bound can run to 10^4 simulations (48 blocks, 16 stages, 128
-        # micro-batches); beyond this cap its template is the best found and the result unproven
+        # micro-batches); beyond this cap its template is the best found and the result unproven.
+        # Each search also stops at a quarter of the time left: the cap is for the rest (at 400,
+        # a pp14 template on HSPMD's H800s stopped far from its optimum with 19 s unused)
         self.cfg["max_simulations"] = min(int(planner_cfg.get("max_simulations", 10 ** 9)),
                                           int(planner_cfg.get("hetero_template_simulations", DEFAULT_TEMPLATE_SIMS)))
         self.train = dict(train_cfg) if isinstance(train_cfg, dict) else {
@@ -179,22 +182,35 @@ def nproc_candidates(cluster) -> List[int]:
     return sizes[:1] if cluster.source in ("probe", "file") else sizes
 
 
+def balance_distance(space: HeteroSpace, device_type: str, shape: Shape, rows: int, global_batch: int) -> float:
+    """How far a replica's rows per unit of peak FLOP/s are from the whole cluster's, B over every
+    launchable device's peak (|log| of the ratio; 0: as loaded as a perfectly balanced plan). Options
+    near 0 are the ones a balanced plan is made of: they are bounded first, so that a budget ending
+    the bounding leaves those (every type has some), not the small shapes that sort first."""
+    cluster = space.cluster
+    total = sum(cluster.devices[d].peak_flops for ds in space.node_devices.values() for d in ds)
+    first = space.type_nodes[device_type][0]
+    mine = shape.size * cluster.devices[space.node_devices[first][0]].peak_flops
+    return abs(math.log((rows / mine) / (global_batch / total)))
+
+
 def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: int, steps: int,
                       tps: List[int]) -> List[Option]:
-    """Every (type, size, count, rows, tp) option with its bound; types take turns along the
-    diagonals of (size, rows), so that a budget ending the bounding leaves every type some options."""
+    """Every (type, shape, count, rows, tp) option with its bound, nearest the balance point first
+    (balance_distance), so that a budget ending the bounding leaves the options a balanced plan needs."""
     grid = row_grid(global_batch, steps)
     todo = []
     for t in space.types:
-        for s_rank, shape in enumerate(space.replica_shapes(t)):
+        for shape in space.replica_shapes(t):
             counts = space.shape_counts(t, shape)
             for tp in tps:
                 if tp != TP_ANY and (shape.size % tp or tp > shape.per_node):
                     continue
-                for r_rank, rows in enumerate(grid):
+                for rows in grid:
                     fitting = [k for k in counts if k * rows <= global_batch]
                     if fitting:
-                        todo.append(((s_rank + r_rank, rows, t, tp), (t, shape, tp, rows, fitting)))
+                        order = (balance_distance(space, t, shape, rows, global_batch), rows, t, tp, shape)
+                        todo.append((order, (t, shape, tp, rows, fitting)))
     out = []
     for _, (t, shape, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
         bound = table.bound((space.nproc, t, shape, rows, tp))
