@@ -35,7 +35,7 @@ from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, he
 DEFAULT_SHARE_STEPS = 16
 DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search included
 DEFAULT_MAX_ROUNDS = 300
-DEFAULT_TEMPLATE_SIMS = 2000
+DEFAULT_TEMPLATE_SIMS = 400   # as planner.hetero_template_simulations defaults
 TP_ANY = 0
 STATE_BYTES_PER_PARAM = 16.0   # a replica's state per parameter at dp 1 (cost/memory.state_split)
 
@@ -75,9 +75,8 @@ class TemplateTable:
         self.sim, self.meta, self.cluster = sim, meta, cluster
         self.cfg = {k: v for k, v in planner_cfg.items() if k != "heterogeneous"}
         # a replica's branch and bound can run to 10^4 simulations (48 blocks, 16 stages, 128
-        # micro-batches); beyond this cap its template is the best found and the result unproven.
-        # Each search also stops at a quarter of the time left: the cap is for the rest (at 400,
-        # a pp14 template on HSPMD's H800s stopped far from its optimum with 19 s unused)
+        # micro-batches); beyond this cap (planner.hetero_template_simulations) its template is the
+        # best found and the result unproven; each search also stops at a quarter of the time left
         self.cfg["max_simulations"] = min(int(planner_cfg.get("max_simulations", 10 ** 9)),
                                           int(planner_cfg.get("hetero_template_simulations", DEFAULT_TEMPLATE_SIMS)))
         self.train = dict(train_cfg) if isinstance(train_cfg, dict) else {
