@@ -250,3 +250,17 @@ def test_a_replica_that_cannot_hold_its_state_is_out_without_split_tables():
     assert table.may_hold_state(key)
     meta.total_params = int(8 * 2 ** 30)   # 128 GiB of state against one 8 GB device
     assert not table.may_hold_state(key) and table.bound(key) == float("inf") and not table.bottlenecks
+
+
+def test_no_replica_fits_is_proven_fast_and_says_what_did_not_fit():
+    meta = toy_meta(n_layer=6)
+    meta.total_params = int(8 * 2 ** 30)   # 128 GiB of state: no shape of 2 x 8 GB + 2 x 8 GB holds it
+    meta.model_type = "llama"
+    cluster = fast_slow(1, 1)
+    train = section(TrainConfig, TRAIN)
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"))
+    assert out["plan"] is None and out["proven"] and out["options"] == 0
+    assert "no replica of the sub-space fits: fast at nproc 2: its 2 devices hold" in out["note"]
+    assert "the state needs 128 GiB" in out["note"]

@@ -300,6 +300,26 @@ def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: Te
     return out
 
 
+def what_did_not_fit(table: TemplateTable, spaces: Dict[int, HeteroSpace], global_batch: int) -> str:
+    """Where no option of the sub-space fits: per device type, its largest replica and why (its
+    devices cannot hold the training state, or no configuration of it fits with one grid row's
+    activations), in one line."""
+    parts = []
+    for nproc, space in spaces.items():
+        for t in space.types:
+            shape = max(space.replica_shapes(t), key=lambda s: (s.size, s.per_node))
+            key = (nproc, t, shape, row_grid(global_batch, DEFAULT_SHARE_STEPS)[0], TP_ANY)
+            devices = space.shape_devices(t, shape, 0)
+            sim = table.sim
+            capacity = sum(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in devices)
+            need = STATE_BYTES_PER_PARAM * float(table.meta.total_params)
+            why = (f"its {len(devices)} devices hold {capacity / 2**30:.0f} GiB, the state needs {need / 2**30:.0f} GiB"
+                   if not table.may_hold_state(key) else
+                   f"no configuration of its {len(devices)} devices fits (state and activations)")
+            parts.append(f"{t} at nproc {nproc}: {why}")
+    return "no replica of the sub-space fits: " + "; ".join(parts)
+
+
 def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float,
                   started: Optional[float] = None) -> Dict[str, Any]:
     """The best plan of the sub-space that beats `incumbent_s` (the single-template optimum; inf if
@@ -377,6 +397,8 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     note = (f"optimal under the simulator over the sub-space: {sub_space}" if proven else
             f"gave up ({gave_up or 'a replica template search ran out of budget'}); best of what was searched in "
             f"the sub-space {sub_space}, not proven")
+    if n_options == 0:
+        note += "; " + what_did_not_fit(table, spaces, global_batch)
     return {"plan": best and best[0], "predicted": best and best[1], "replicas": best and best[2],
             "proven": proven, "note": note, "sub_space": sub_space, "rounds": rounds,
             "template_searches": table.searches, "options": n_options, "time_s": time.perf_counter() - t0,
