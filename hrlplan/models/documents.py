@@ -20,6 +20,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 from hrlplan.data.packed_stream import INPUT_CHANNELS, TARGET_EXTRA_COLUMNS
 from hrlplan.data.packing import IGNORE_INDEX, PAD_DOCUMENT, additive_attention_mask
@@ -46,10 +47,28 @@ def packed_micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torc
     this micro-batch's rows (= micro-batches x replicas): the schedule's 1/micro-batches and the data
     parallel average cancel it, and a replica's losses, averaged as the engine reports them and summed
     over replicas, give the step's loss per token."""
-    budget = logits.shape[-2]
-    token_targets, step_tokens, step_rows = targets[:, :budget], targets[0, budget], targets[0, budget + 1]
+    token_targets = targets[:, :logits.shape[-2]]
     total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), token_targets.reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return _step_weighted(total, logits, targets)
+
+
+def sharded_packed_micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) -> torch.Tensor:
+    """packed_micro_batch_loss over logits sharded on the vocabulary (this rank's vocab/tp columns of a
+    vocabulary-parallel head, runtime/tensor_parallel.py): under torch's loss_parallel() the summed
+    cross entropy (padding ignored) reduces per-token maxima and sums over `mesh` instead of gathering
+    the logits. A plain tensor, equal on every rank of `mesh` (not a view: zero-bubble schedules detach
+    the loss in place)."""
+    token_targets = targets[:, :logits.shape[-2]]
+    local = logits.reshape(-1, logits.size(-1)).float()
+    sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+    total = F.cross_entropy(sharded, token_targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return _step_weighted(total.to_local().clone(), logits, targets)
+
+
+def _step_weighted(total: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    budget = logits.shape[-2]
+    step_tokens, step_rows = targets[0, budget], targets[0, budget + 1]
     return total * (step_rows.float() / targets.shape[0]) / step_tokens.clamp(min=1).float()
 
 

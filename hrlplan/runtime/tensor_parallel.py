@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
 from hrlplan.families import FAMILIES, GENERIC_HF, family_for
+from hrlplan.models.documents import is_packed_targets, sharded_packed_micro_batch_loss
 from hrlplan.models.hf import causal_lm_loss, sharded_causal_lm_loss
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,13 @@ def stage_loss(parts):
     mesh = next((p.loss_mesh for p in parts if getattr(p, "loss_mesh", None) is not None), None)
     if mesh is None:
         return causal_lm_loss
-    return lambda logits, targets: sharded_causal_lm_loss(logits, targets, mesh)
+    return lambda logits, targets: _sharded_loss(logits, targets, mesh)
+
+
+def _sharded_loss(logits: torch.Tensor, targets: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    if is_packed_targets(logits, targets):   # data.packing=document|balanced: token-weighted over the step
+        return sharded_packed_micro_batch_loss(logits, targets, mesh)
+    return sharded_causal_lm_loss(logits, targets, mesh)
 
 
 # families.py's tp_plan -> how a stage's blocks are sharded
