@@ -230,20 +230,10 @@ def _check_against_one_process(results: Dict[int, Any], overrides: List[str], se
 
 
 @pytest.mark.slow
-def test_cp2_trains_as_one_process(tmp_path):
-    """cp 2 on one stage: FSDP over the 2 cp ranks, each holding half of every sequence."""
-    from hrlplan.plan import homogeneous_plan
-
-    overrides = [*LLAMA, "train.global_batch_size=4"]
-    plan = homogeneous_plan("llama-tiny", 2, [(0, 2)], dp=1, tp=1, cp=2, microbatch_size=2, num_microbatches=2,
-                            schedule="1f1b")
-    _check_against_one_process(_train_cp(plan, overrides, tmp_path), overrides, 64, 2)
-
-
-@pytest.mark.slow
 def test_pp2_by_cp2_passes_sequence_shards_between_stages_and_trains_as_one_process(tmp_path):
     """Stage 0's cp rank c sends its (b, s/cp, h) shard to stage 1's cp rank c, which carries on with
-    the same positions; the loss is the mean over all tokens (each cp rank reports half)."""
+    the same positions; the loss is the mean over all tokens (each cp rank reports half); FSDP shards
+    and reduces over the 2 cp ranks of each stage."""
     from hrlplan.plan import homogeneous_plan
 
     overrides = [*LLAMA, "train.global_batch_size=4"]
