@@ -41,6 +41,8 @@ from hrlplan.data import dispatch as D  # noqa: E402
 from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus  # noqa: E402
 from hrlplan.data.packing import PackedDocuments, predictions, split_documents  # noqa: E402
 
+import mixed_length_measure as M  # noqa: E402 (bench/, beside this file)
+
 
 def gpt2_coefficients(n_embd: int, n_layer: int, vocab: int):
     """FLOPs per token (matmuls: 12 h^2 a block and the head, x2 multiply-add, x3 forward and backward)
@@ -56,11 +58,7 @@ def spread(times: List[float]) -> Dict[str, float]:
             "cv": statistics.pstdev(times) / mean}
 
 
-def quantiles(values: List[float]) -> Dict[str, float]:
-    values = sorted(values)
-    pick = lambda q: values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]  # noqa: E731
-    return {"median": statistics.median(values), "p10": pick(0.1), "p90": pick(0.9), "min": values[0],
-            "max": values[-1]}
+quantiles = M.quantiles
 
 
 def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quadratic: float) -> Dict:
@@ -98,265 +96,178 @@ def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quad
 
 
 # ---------------------------------------------------------------- measured (--measure)
-PACKINGS = ("document", "balanced")
+def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[str, float]:
+    """time = fixed + per_square * (sum of squared lengths) + per_document * (documents), least squares."""
+    import numpy as np
+
+    x = np.column_stack([np.ones(len(times)), np.asarray(squares, float), np.asarray(docs, float)])
+    coef, *_ = np.linalg.lstsq(x, np.asarray(times, float), rcond=None)
+    residual = np.asarray(times) - x @ coef
+    return {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
+            "rms_residual_s": float(np.sqrt(np.mean(residual ** 2)))}
 
 
-def _overrides(args) -> List[str]:
-    return ["arch=gpt2-tiny", f"arch.n_layer={args.n_layer}", f"arch.n_embd={args.n_embd}",
-            f"arch.n_head={args.n_head}",
-            f"arch.vocab_size={args.vocab}", f"arch.n_positions={args.budget}", "data=code", f"data.path={args.path}",
-            f"data.seq_len={args.budget}", f"train.steps={args.steps}", f"train.global_batch_size={args.micro_batches}",
-            "train.schedule=1f1b", "train.checkpoint_interval=0", "train.measure_memory=false", "logger.mode=disabled",
-            f"train.seed={args.seed}"]
+def _calibrate(args, calibration, passes: List[List[Dict]]):
+    """From the calibration rows (median over the passes): the fixed-length row's per-stage forward
+    and backward (the first row: one document filling it), and per stage the least-squares
+    time = fixed + per_square * S + per_document * n + per_useful * U as RowShares of that row."""
+    import numpy as np
+
+    from hrlplan.cost.lengths import RowShares
+
+    med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes) for k in range(args.pp)]
+            for kind in ("F", "B")} for i in range(len(calibration))]
+    full = med[0]
+    shares, fits = [], []
+    x = np.array([[1.0, sq, n, u] for n, u, sq, _ in calibration], dtype=float)
+    for k in range(args.pp):
+        times = np.array([m["F"][k] + m["B"][k] for m in med])
+        coef, *_ = np.linalg.lstsq(x, times, rcond=None)
+        one = float(times[0])
+        fits.append({"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
+                     "per_useful_token_s": float(coef[3]), "rows_s": times.tolist(),
+                     "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))})
+        shares.append(RowShares(attention=max(float(coef[1]), 0.0) * args.budget ** 2 / one,
+                                per_document=max(float(coef[2]), 0.0) / one,
+                                useful=max(float(coef[3]), 0.0) * args.budget / one))
+    return full, shares, fits
 
 
-def _spans(n_layer: int, pp: int):
-    cuts = [round(i * n_layer / pp) for i in range(pp + 1)]
-    return list(zip(cuts, cuts[1:]))
+def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
+    from hrlplan.cost.lengths import micro_batch_multipliers, pipeline_step
+    from hrlplan.cost.timeline import simulate_timeline
 
+    P = M.PACKINGS
+    timed = timing["timed_steps"]
+    useful = [sum(prepared["lengths"][s]) for s in timed]
+    squares = {p: [[sum(prepared["lengths"][s][i] ** 2 for i in g) for g in prepared["assignments"][p][s]]
+                   for s in timed] for p in P}
+    docs = {p: [[len(g) for g in prepared["assignments"][p][s]] for s in timed] for p in P}
+    per_round, steps_measured, spreads, paired = [], {p: [] for p in P}, {p: [] for p in P}, {p: [] for p in P}
+    for rnd in timing["rounds"]:
+        steps = {p: [pipeline_step("1f1b", args.pp, t["F"], t["B"]) for t in rnd["tables"][p]] for p in P}
+        per_round.append({p: sum(useful) / sum(steps[p]) for p in P})
+        for p in P:
+            steps_measured[p].append(statistics.fmean(steps[p]))
+            paired[p] += [d / x for d, x in zip(steps["document"], steps[p])]
+            for t in rnd["tables"][p]:
+                per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
+                          for j in range(args.micro_batches)]
+                spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
+    full, shares, calibration = _calibrate(args, timing["calibration_rows"],
+                                           timing["before"] + [r["calibration"] for r in timing["rounds"]])
+    zero = [0.0] * args.pp
+    tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
+              for p in P}
 
-def _training_runs(args, workdir: Path) -> Dict:
-    """Interleaved rounds (the order flips each round): per packing, per run, the step times, losses
-    and the machine's load around it. --with-concat: today's windows too, last in each round."""
-    from hrlplan.compose import compose
-    from hrlplan.launch.local_run import train_plan
-    from hrlplan.plan import homogeneous_plan
+    def simulated(sq, n_docs, useful, row_shares):
+        work = micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, row_shares)
+        return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
+                                 micro_batch_work=work).makespan
 
-    plan = homogeneous_plan("gpt2-tiny", args.n_layer, _spans(args.n_layer, args.pp), dp=1, tp=1, microbatch_size=1,
-                            num_microbatches=args.micro_batches, schedule="1f1b")
-    extra = ("concat",) if args.with_concat else ()
-    runs: Dict[str, List[Dict]] = {p: [] for p in PACKINGS + extra}
-    for r in range(args.rounds):
-        for packing in (PACKINGS if r % 2 == 0 else PACKINGS[::-1]) + extra:
-            load = os.getloadavg()[0]
-            t0 = time.perf_counter()
-            summary = train_plan(plan, compose(_overrides(args) + [f"data.packing={packing}"]),
-                                 workdir / f"round{r}-{packing}", metrics_file=False)
-            history = summary["history"]
-            runs[packing].append({"round": r, "step_time_s": [h["train/step_time_s"] for h in history],
-                                  "loss": [h["train/lm_loss"] for h in history], "load_before": load,
-                                  "load_after": os.getloadavg()[0], "wall_s": time.perf_counter() - t0,
-                                  # the last training step's per-(stage, micro-batch) operations, every rank
-                                  "events": [{k: e[k] for k in ("stage", "microbatch", "kind", "start_s", "end_s")}
-                                             for e in (summary.get("measured") or {}).get("events", [])]})
-            print(f"round {r} {packing}: step median "
-                  f"{statistics.median(runs[packing][-1]['step_time_s'][args.warmup:]):.3f} s, load {load:.1f}",
-                  flush=True)
-    return runs
-
-
-def _micro_batch_times(args, streams: Dict, steps: List[int]) -> Dict[str, Dict[str, List[List[List[float]]]]]:
-    """Per packing, kind (F, B), step: [stage][micro-batch] CPU seconds of this thread (one thread, so
-    the machine's other load hardly moves them), each stage run apart as the pipeline runs it; the best
-    of --repeats."""
-    import torch
-
-    from hrlplan.compose import compose
-    from hrlplan.config import as_config
-    from hrlplan.models.hf import build_stage_modules, causal_lm_loss
-    from hrlplan.runtime.trainer import build_full_model
-
-    torch.set_num_threads(1)
-    cfg = as_config(compose(_overrides(args)))
-    model = build_full_model(cfg.arch, args.seed)
-    stages = build_stage_modules(model, _spans(args.n_layer, args.pp))
-    clock = time.thread_time
-    out = {p: {"F": [], "B": []} for p in PACKINGS}
-    for step in steps:
-        for packing in PACKINGS:
-            inputs, targets = streams[packing].batch(step, args.micro_batches)
-            best = {kind: [[float("inf")] * args.micro_batches for _ in stages] for kind in ("F", "B")}
-            for _ in range(args.repeats):
+    # calibrated: each stage's RowShares from the calibration rows; flops_only: the planner's FLOP
+    # shares alone (what an uncalibrated planner would say)
+    predicted = {p: [simulated(*x, shares) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
+    flops_only = {p: [simulated(*x, None) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
+    rows_t, rows_sq, rows_docs = [], [], []
+    for rnd in timing["rounds"]:
+        for p in P:
+            for i, t in enumerate(rnd["tables"][p]):
                 for j in range(args.micro_batches):
-                    carried, received = (inputs[j:j + 1],), []
-                    for k, stage in enumerate(stages):
-                        t0 = clock()
-                        out_k = stage(*carried)
-                        if k == len(stages) - 1:
-                            out_k = causal_lm_loss(out_k, targets[j:j + 1])
-                        best["F"][k][j] = min(best["F"][k][j], clock() - t0)
-                        received.append(out_k)
-                        if k < len(stages) - 1:
-                            h = out_k[0].detach().requires_grad_(True)
-                            carried = (h, out_k[1])
-                            received[-1] = (out_k[0], h)
-                    grad = None
-                    for k in reversed(range(len(stages))):
-                        t0 = clock()
-                        if k == len(stages) - 1:
-                            received[k].backward()
-                        else:
-                            received[k][0].backward(grad)
-                        best["B"][k][j] = min(best["B"][k][j], clock() - t0)
-                        grad = received[k - 1][1].grad if k > 0 else None
-            model.zero_grad(set_to_none=True)
-            for kind in ("F", "B"):
-                out[packing][kind].append(best[kind])
-    return out
-
-
-def _fit_row_cost(times: List[float], squares: List[float]):
-    """time = fixed + per_square * (sum of squared lengths), least squares over every measured row."""
-    n = len(times)
-    mx, my = sum(squares) / n, sum(times) / n
-    var = sum((x - mx) ** 2 for x in squares)
-    slope = sum((x - mx) * (y - my) for x, y in zip(squares, times)) / var if var else 0.0
-    return my - slope * mx, slope
-
-
-def _stage_fits(args, rows: Dict, squares: Dict, timed_steps: List[int]) -> Dict[str, List[tuple]]:
-    """Per kind (F, B) and stage: CPU seconds = fixed + per_square * (its micro-batch's sum of squared
-    document lengths), fitted on the timed micro-batches of both packings."""
-    fits: Dict[str, List[tuple]] = {}
-    for kind in ("F", "B"):
-        fits[kind] = []
-        for k in range(args.pp):
-            times, sq = [], []
-            for p in PACKINGS:
-                for i, step in enumerate(timed_steps):
-                    times += rows[p][kind][i][k]
-                    sq += squares[p][step]
-            fits[kind].append(_fit_row_cost(times, sq))
-    return fits
-
-
-def _measured_compute_steps(args, rows: Dict) -> Dict[str, List[float]]:
-    """Per packing, per timed step: its measured per-(stage, micro-batch) CPU times walked through 1F1B."""
-    from hrlplan.cost.lengths import pipeline_step
-
-    return {p: [pipeline_step("1f1b", args.pp, f, b) for f, b in zip(rows[p]["F"], rows[p]["B"])] for p in PACKINGS}
-
-
-def _predicted_steps(args, meta, fits, squares: List[List[int]]) -> Dict[str, List[float]]:
-    """Per sampled step: `fitted`, the per-(stage, micro-batch) durations of the fits walked through
-    1F1B (cost/lengths.pipeline_step); `planner`, the fixed-length micro-batch's fitted per-stage time
-    scaled by the planner's FLOP counts (cost/lengths.micro_batch_multipliers), as the simulator
-    would cost it given the multipliers."""
-    from hrlplan.cost.lengths import micro_batch_multipliers, pipeline_step, scaled
-
-    full = args.budget ** 2
-    fixed_length = {kind: [a + b * full for a, b in fits[kind]] for kind in fits}
-    out: Dict[str, List[float]] = {"fitted": [], "planner": []}
-    for sq in squares:
-        per = {kind: [[a + b * s for s in sq] for a, b in fits[kind]] for kind in fits}
-        out["fitted"].append(pipeline_step("1f1b", args.pp, per["F"], per["B"]))
-        mult = micro_batch_multipliers(meta, _spans(args.n_layer, args.pp), args.budget, sq)
-        out["planner"].append(pipeline_step("1f1b", args.pp, scaled(fixed_length["F"], mult),
-                                            scaled(fixed_length["B"], mult)))
-    return out
+                    rows_t.append(sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp)))
+                    rows_sq.append(squares[p][i][j])
+                    rows_docs.append(docs[p][i][j])
+    fit = _fit(rows_t, rows_sq, rows_docs)
+    full_row_s = sum(full["F"]) + sum(full["B"])
+    report = {"settings": dict(vars(args)), "spans": spans, "timed_steps": timed, "useful_tokens_per_step": useful,
+              "square_sums": squares, "documents_per_micro_batch": docs, "useful_tokens_per_micro_batch": tokens,
+              "dispatch_seconds": quantiles(prepared["dispatch_seconds"]),
+              "dispatch_methods": dict(Counter(prepared["dispatch_methods"])),
+              "loads": [(r["load_before"], r["load_after"]) for r in timing["rounds"]],
+              "full_row_s": full, "row_fit": fit, "calibration": calibration, "row_shares": [vars(x) for x in shares],
+              "attention_share": {"full_row": fit["per_square_s"] * args.budget ** 2 / full_row_s,
+                                  "document_rows": fit["per_square_s"] * statistics.fmean(
+                                      x for sq in squares["document"] for x in sq) / statistics.fmean(rows_t)},
+              "packings": {}}
+    for p in P:
+        mean_pred = statistics.fmean(predicted[p])
+        report["packings"][p] = {
+            "useful_tokens_per_cpu_s": quantiles([r[p] for r in per_round]),
+            "mean_step_s_per_round": quantiles(steps_measured[p]),
+            "predicted_mean_step_s": mean_pred,
+            "predicted_mean_step_s_flops_only": statistics.fmean(flops_only[p]),
+            "predicted_within_round_spread": min(steps_measured[p]) <= mean_pred <= max(steps_measured[p]),
+            "predicted_over_measured": mean_pred / statistics.median(steps_measured[p]),
+            "micro_batch_slowest_over_mean": quantiles(spreads[p]),
+            "document_step_over_this_paired": quantiles(paired[p])}
+    for p in ("min_max", "balanced"):
+        report[f"{p}_over_document"] = {
+            "measured_per_round": [r[p] / r["document"] for r in per_round],
+            "measured": quantiles([r[p] / r["document"] for r in per_round]),
+            "predicted": sum(predicted["document"]) / sum(predicted[p]),
+            "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p])}
+    measured_rank = sorted(P, key=lambda p: statistics.median(steps_measured[p]))
+    predicted_rank = sorted(P, key=lambda p: statistics.fmean(predicted[p]))
+    report["ranking"] = {"measured": measured_rank, "predicted": predicted_rank}
+    return report
 
 
 def measure(args) -> Dict:
     import tempfile
 
-    from hrlplan.data.packed_stream import build_packed_stream
-    from hrlplan.model_meta import introspect
     from hrlplan.compose import compose
     from hrlplan.config import as_config
+    from hrlplan.model_meta import introspect
+    from hrlplan.models.hf import build_stage_modules
+    from hrlplan.runtime.trainer import build_full_model
 
     corpus = CodeCorpus.load(prepare_code_corpus(args.path, args.vocab, 2000, 0))
-    streams = {p: build_packed_stream(p, corpus.train_tokens, corpus.val_tokens, corpus.eot_id, args.budget,
-                                      args.seed) for p in PACKINGS}
-    steps = list(range(args.steps))
-    useful, squares = [], {p: [] for p in PACKINGS}
-    for step in steps:
-        pieces, _ = streams["document"].documents.step_pieces(step, args.micro_batches)
-        useful.append(sum(predictions(x) for x in pieces))
-        for p in PACKINGS:
-            inputs, _ = streams[p].batch(step, args.micro_batches)
-            lengths = document_lengths_of(inputs)
-            squares[p].append([sum(n * n for n in row) for row in lengths])
-    with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:
-        runs = _training_runs(args, Path(workdir))
-    timed_steps = steps[args.warmup:args.warmup + args.timed_steps]
-    rows = _micro_batch_times(args, streams, timed_steps)
-    fits = _stage_fits(args, rows, squares, timed_steps)
-    whole = {p: [[sum(rows[p][kind][i][k][j] for kind in ("F", "B") for k in range(args.pp))
-                  for j in range(args.micro_batches)] for i in range(len(timed_steps))] for p in PACKINGS}
-    fixed, per_square = _fit_row_cost([t for p in PACKINGS for step in whole[p] for t in step],
-                                      [s for p in PACKINGS for step in timed_steps for s in squares[p][step]])
-    compute_steps = _measured_compute_steps(args, rows)
-    meta = introspect(as_config(compose(_overrides(args))).arch, args.budget)
-    report = {"settings": {k: v for k, v in vars(args).items()}, "useful_tokens_per_step": useful,
-              "square_sums": squares, "runs": runs, "micro_batch_times_s": rows, "timed_steps": timed_steps,
-              "stage_fits_s": fits,
-              "row_cost_fit": {"fixed_s": fixed, "per_square_token_s": per_square,
-                               "attention_share_of_a_full_row": per_square * args.budget ** 2 /
-                               (fixed + per_square * args.budget ** 2)},
-              "packings": {}}
-    for p in PACKINGS:
-        tps_rounds, step_all = [], []
-        for run in runs[p]:
-            times = run["step_time_s"][args.warmup:]
-            step_all += times
-            tps_rounds.append(statistics.median(u / t for u, t in zip(useful[args.warmup:], times)))
-        predicted = _predicted_steps(args, meta, fits, squares[p][args.warmup:])
-        spreads = [max(t) / statistics.fmean(t) for t in whole[p]]
-        report["packings"][p] = {
-            "useful_tokens_per_s_per_round": tps_rounds, "useful_tokens_per_s": quantiles(tps_rounds),
-            "step_time_s": quantiles(step_all), "predicted_step_time_s": quantiles(predicted["fitted"]),
-            "predicted_step_time_s_planner_flops": quantiles(predicted["planner"]),
-            "pipeline_micro_batch_slowest_over_mean": quantiles(_pipeline_spreads(runs[p])),
-            "measured_compute_step_s": quantiles(compute_steps[p]),
-            "micro_batch_slowest_over_mean": quantiles(spreads),
-            "loss_curves": [run["loss"] for run in runs[p]]}
-    doc, bal = report["packings"]["document"], report["packings"]["balanced"]
-    ratios = [b / d for b, d in zip(bal["useful_tokens_per_s_per_round"], doc["useful_tokens_per_s_per_round"])]
-    report["balanced_over_document"] = {"measured_per_round": ratios, "measured": quantiles(ratios),
-                                        "measured_compute_per_step": [d / b for d, b in zip(
-                                            compute_steps["document"], compute_steps["balanced"])],
-                                        "predicted": doc["predicted_step_time_s"]["median"] /
-                                        bal["predicted_step_time_s"]["median"]}
-    if "concat" in runs:   # every position is a useful token; attention over the whole budget
-        concat_tps = [statistics.median(args.micro_batches * args.budget / t for t in run["step_time_s"][args.warmup:])
-                      for run in runs["concat"]]
-        report["concat"] = {"useful_tokens_per_s": quantiles(concat_tps),
-                            "step_time_s": quantiles([t for run in runs["concat"]
-                                                      for t in run["step_time_s"][args.warmup:]])}
-        report["document_over_concat"] = quantiles([d / c for d, c in zip(doc["useful_tokens_per_s_per_round"],
-                                                                           concat_tps)])
-    report["loss_curves_max_abs_difference"] = max(abs(a - b) for x, y in zip(doc["loss_curves"], bal["loss_curves"])
-                                                   for a, b in zip(x, y))
+    documents = PackedDocuments(corpus.train_tokens, corpus.val_tokens, corpus.eot_id, args.budget, args.seed)
+    cfg = as_config(compose(M.overrides(args)))
+    meta = introspect(cfg.arch, args.budget)
+    spans = M.spans_of(args)
+    stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
+    calibration = M.calibration_rows(args, corpus.eot_id)
+    before = [M.time_calibration(stages, calibration) for _ in range(3)]
+    full, shares, _ = _calibrate(args, calibration, before)
+    prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
+    timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
+    timing["before"], timing["calibration_rows"] = before, calibration
+    report = _analyse(args, prepared, timing, meta, spans)
+    report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
+    if args.train_rounds:
+        with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:
+            runs = M.training_runs(args, Path(workdir))
+        report["training_runs"] = runs
+        report["loss_curves_max_abs_difference"] = max(
+            abs(a - b) for x, y in zip(runs["document"], runs["balanced"]) for a, b in zip(x["loss"], y["loss"]))
     return report
 
 
-def _pipeline_spreads(runs: List[Dict]) -> List[float]:
-    """Per run, its last step's slowest over mean micro-batch compute (F + B summed over the stages)."""
-    out = []
-    for run in runs:
-        per: Dict[int, float] = {}
-        for e in run["events"]:
-            per[e["microbatch"]] = per.get(e["microbatch"], 0.0) + e["end_s"] - e["start_s"]
-        if per:
-            out.append(max(per.values()) / statistics.fmean(per.values()))
-    return out or [float("nan")]
-
-
-def document_lengths_of(inputs) -> List[List[int]]:
-    from hrlplan.data.packing import document_lengths
-
-    return document_lengths(inputs[:, 2])
-
-
 def print_measured(report: Dict) -> None:
+    s = report["settings"]
+    print(f"pp {s['pp']} 1F1B, {s['micro_batches']} micro-batches of one {s['budget']}-token row, width {s['n_embd']}, "
+          f"{s['n_layer']} blocks {report['spans']}, vocabulary {s['vocab']}; attention share: "
+          f"{report['attention_share']['full_row']:.2f} of a one-document row, "
+          f"{report['attention_share']['document_rows']:.2f} of a document-packed row; loads {report['loads']}")
     for p, r in report["packings"].items():
-        tps, st, pr = r["useful_tokens_per_s"], r["step_time_s"], r["predicted_step_time_s"]
-        print(f"{p:9s} useful tokens/s median {tps['median']:.0f} (min {tps['min']:.0f}, max {tps['max']:.0f}); "
-              f"step {st['median']:.3f} s (p10 {st['p10']:.3f}, p90 {st['p90']:.3f}), predicted {pr['median']:.3f} s "
-              f"(planner FLOPs {r['predicted_step_time_s_planner_flops']['median']:.3f}); slowest/mean micro-batch "
-              f"{r['micro_batch_slowest_over_mean']['median']:.3f} alone, "
-              f"{r['pipeline_micro_batch_slowest_over_mean']['median']:.3f} in the pipeline")
-    ratio = report["balanced_over_document"]
-    paired = ratio["measured_compute_per_step"]
-    print(f"balanced / document from measured per-micro-batch CPU times through 1F1B (same steps, paired): median "
-          f"{statistics.median(paired):.3f}x (min {min(paired):.3f}, max {max(paired):.3f})")
-    print(f"balanced / document: measured {ratio['measured']['median']:.3f}x (per round "
-          f"{', '.join(f'{x:.3f}' for x in ratio['measured_per_round'])}), predicted {ratio['predicted']:.3f}x; "
-          f"attention share of a full row {report['row_cost_fit']['attention_share_of_a_full_row']:.2f}; "
-          f"loss curves differ by at most {report['loss_curves_max_abs_difference']:.2g}")
-    if "concat" in report:
-        print(f"concat    useful tokens/s median {report['concat']['useful_tokens_per_s']['median']:.0f}; document / "
-              f"concat {report['document_over_concat']['median']:.3f}x")
+        tps, st, sp = r["useful_tokens_per_cpu_s"], r["mean_step_s_per_round"], r["micro_batch_slowest_over_mean"]
+        print(f"{p:9s} useful tokens per CPU-s median {tps['median']:.0f} ({tps['min']:.0f}-{tps['max']:.0f}); "
+              f"mean step {st['median']:.3f} s ({st['min']:.3f}-{st['max']:.3f}), simulator {r['predicted_mean_step_s']:.3f}"
+              f" s (within: {r['predicted_within_round_spread']}); slowest/mean micro-batch {sp['median']:.3f} "
+              f"(p10 {sp['p10']:.3f}, p90 {sp['p90']:.3f}); FLOP shares {r['predicted_mean_step_s_flops_only']:.3f} s; document/this per step {r['document_step_over_this_paired']['median']:.3f}"
+              f" ({r['document_step_over_this_paired']['p10']:.3f}-{r['document_step_over_this_paired']['p90']:.3f})")
+    for p in ("min_max", "balanced"):
+        x = report[f"{p}_over_document"]
+        print(f"{p} / document useful tokens per CPU-s: median {x['measured']['median']:.3f}x "
+              f"({x['measured']['min']:.3f}-{x['measured']['max']:.3f}), simulator {x['predicted']:.3f}x "
+              f"(uncalibrated FLOP shares: {x['predicted_flops_only']:.3f}x)")
+    print(f"ranking fastest first: measured {report['ranking']['measured']}, simulator {report['ranking']['predicted']}; "
+          f"dispatch {report['dispatch_seconds']['median'] * 1e3:.0f} ms median, max "
+          f"{report['dispatch_seconds']['max'] * 1e3:.0f} ms; calibrated row shares "
+          f"{[{k: round(v, 4) for k, v in x.items()} for x in report['row_shares']]}")
+    if "loss_curves_max_abs_difference" in report:
+        print(f"loss curves of document and balanced differ by at most {report['loss_curves_max_abs_difference']:.2g}")
 
 
 def main(argv=None) -> Dict:
@@ -376,12 +287,12 @@ def main(argv=None) -> Dict:
                         help="cost only the documents' tokens (an unpadded varlen run), not fixed-shape micro-batches")
     parser.add_argument("--out", default=None, help="default bench/results/mixed_length[_measured].json")
     parser.add_argument("--measure", action="store_true", help="real pp-2 training runs of both packings")
-    parser.add_argument("--rounds", type=int, default=4, help="--measure: interleaved rounds")
-    parser.add_argument("--warmup", type=int, default=2, help="--measure: first steps of a run left out")
-    parser.add_argument("--timed-steps", type=int, default=4, help="--measure: steps whose micro-batches are timed")
-    parser.add_argument("--repeats", type=int, default=2, help="--measure: best of this many per micro-batch")
+    parser.add_argument("--rounds", type=int, default=4, help="--measure: interleaved rounds of CPU timing")
+    parser.add_argument("--warmup", type=int, default=1, help="--measure: first steps left out (and of each run)")
+    parser.add_argument("--train-rounds", type=int, default=0,
+                        help="--measure: real pp training runs of document and balanced, for the loss curves")
+    parser.add_argument("--spans", default="", help="--measure: stage cuts, e.g. 3 for blocks 0-2 | 3-(n-1)")
     parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--with-concat", action="store_true", help="--measure: today's concat windows too")
     args = parser.parse_args(argv)
     if args.measure:
         args.out = args.out or "bench/results/mixed_length_measured.json"

@@ -158,3 +158,45 @@ def test_packed_steps_through_the_simulator_rank_balanced_no_slower_than_documen
     step_of = simulator_step_of(sim, lay)
     times = {p: packed_step_times(step_of, meta, lay.spans, distribution, 4, p, steps=4) for p in ("document", "balanced")}
     assert sum(times["balanced"]) <= sum(times["document"]) * (1 + 1e-9)
+
+
+def test_row_shares_count_documents_and_useful_tokens_and_a_full_row_is_one():
+    from hrlplan.cost.lengths import RowShares
+
+    budget = 64
+    meta = introspect(dict(name="t", model_type="gpt2", n_embd=32, n_layer=4, n_head=4, n_positions=budget,
+                           vocab_size=64), budget)
+    shares = [RowShares(attention=0.5, per_document=0.01, useful=0.2)] * 2
+    work = micro_batch_multipliers(meta, [(0, 2), (2, 4)], budget, [budget ** 2, 0, 8 * 8 ** 2], [1, 0, 8],
+                                   [budget, 0, budget], shares)
+    assert work[0][0] == pytest.approx(1.0)
+    assert work[0][1] == pytest.approx(1.0 - 0.5 - 0.01 - 0.2)            # padding only: the fixed work
+    assert work[0][2] == pytest.approx(0.29 + 0.5 / 8 + 0.08 + 0.2)       # eight documents of 8 tokens
+    with pytest.raises(ValueError, match="document count"):
+        micro_batch_multipliers(meta, [(0, 2), (2, 4)], budget, [0.0], shares=shares)
+
+
+def test_the_plan_info_costs_the_chosen_plan_from_the_corpus_lengths(tmp_path):
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+    from hrlplan.data.code_corpus import prepare_code_corpus
+    from hrlplan.launch.packing_prediction import packed_step_prediction
+    from hrlplan.plan import homogeneous_plan
+    from tests.test_code_corpus import _write_sources
+
+    corpus = prepare_code_corpus(str(tmp_path / "code"), vocab_size=300, max_files=5, seed=0,
+                                 source=str(_write_sources(tmp_path / "src")), log=lambda _: None)
+    overrides = ["arch=gpt2-tiny", "arch.n_layer=4", "arch.n_embd=32", "arch.n_head=2", "arch.vocab_size=300",
+                 "arch.n_positions=64", "data=code", f"data.path={corpus}", "data.vocab_size=300", "data.seq_len=64",
+                 "train.global_batch_size=4"]
+    config = as_config(compose(overrides + ["data.packing=balanced"]))
+    meta = introspect(config.arch, 64)
+    plan = homogeneous_plan("gpt2-tiny", 4, [(0, 2), (2, 4)], dp=1, tp=1, microbatch_size=1, num_microbatches=4,
+                            schedule="1f1b")
+    out = packed_step_prediction(config, meta, toy_cluster(n=2), plan, {}, steps=3)
+    assert out["packing"] == "balanced" and out["lengths"]["max"] <= 64
+    assert 0 < out["balanced"]["step_s_mean"] <= out["document"]["step_s_mean"] * (1 + 1e-9)
+    assert out["document"]["step_s_max"] <= out["fixed_length_step_s"] * (1 + 1e-9)   # no row costs more than full
+    assert packed_step_prediction(as_config(compose(overrides)), meta, toy_cluster(n=2), plan, {}) is None
+    missing = as_config(compose(overrides + ["data.packing=document", f"data.path={tmp_path / 'none'}"]))
+    assert "not built yet" in packed_step_prediction(missing, meta, toy_cluster(n=2), plan, {})["skipped"]

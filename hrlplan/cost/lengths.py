@@ -77,6 +77,10 @@ class PackedStep:
     def square_sums(self) -> List[int]:
         return [sum(n * n for n in r) for r in self.rows]
 
+    @property
+    def documents(self) -> List[int]:
+        return [len(r) for r in self.rows]
+
 
 def sample_steps(distribution: LengthDistribution, rows: int, packing: str, steps: int, seed: int = 0,
                  stages: Optional[int] = None, step_of: Optional[D.StepOf] = None,
@@ -133,22 +137,63 @@ def stage_flops(meta, spans: Sequence[Tuple[int, int]], budget: int) -> List[Tup
     return out
 
 
-def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int,
-                            square_sums: Sequence[float]) -> List[List[float]]:
-    """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens a row
-    (one document filling each row), the micro-batch the simulator costs; square_sums[j]: micro-batch
-    j's sum of squared document lengths; every row pays its linear work (fixed shapes). One row a
-    micro-batch (micro_batch_multipliers_rows for more)."""
-    return micro_batch_multipliers_rows(meta, spans, budget, square_sums, 1)
+@dataclass(frozen=True)
+class RowShares:
+    """One stage's fixed-length micro-batch (one document filling each row), its time split by what
+    each part follows: `attention`, the sum of squared document lengths (its share at budget**2);
+    `per_document`, the document count (a share per document: attention run document by document pays
+    its calls per document -- measured on CPU by bench/mixed_length.py; a variable-length kernel has
+    none); `useful`, the real tokens (its share at a full row: work padding skips, as the loss on
+    padding); the rest is fixed (the matmuls over every position, padding's too)."""
+    attention: float
+    per_document: float = 0.0
+    useful: float = 0.0
 
 
-def micro_batch_multipliers_rows(meta, spans: Sequence[Tuple[int, int]], budget: int, square_sums: Sequence[float],
-                                 rows_per_micro_batch: int) -> List[List[float]]:
-    """micro_batch_multipliers for micro-batches of `rows_per_micro_batch` rows of `budget` tokens."""
+def stage_attention_shares(meta, spans: Sequence[Tuple[int, int]], budget: int) -> List[RowShares]:
+    """Per stage, attention's share of a fixed-length micro-batch's work, from the FLOP counts."""
+    return [RowShares(attention / (linear + attention)) for linear, attention in stage_flops(meta, spans, budget)]
+
+
+def simulator_attention_shares(sim, layout) -> List[RowShares]:
+    """Per stage, attention's share of a fixed-length micro-batch's compute as the simulator's cost
+    model times it (StageCostModel.compute_parts: the blocks, the head, one block's attention core --
+    on a GPU with a kernel model, the fused attention's own rate)."""
+    meta, last = sim.meta, len(layout.spans) - 1
+    tokens = float(layout.microbatch_size * meta.seq_len)
     out = []
-    for linear, attention in stage_flops(meta, spans, budget):
-        full = linear + attention
-        out.append([(linear + attention * s / (rows_per_micro_batch * budget * budget)) / full for s in square_sums])
+    for k, (start, end) in enumerate(layout.spans):
+        group = layout.groups[layout.stage_group(k)]
+        blocks, head, core = sim.costs.compute_parts(start, end, k == last, group, layout.tp_of(k), tokens)
+        total = blocks + head
+        out.append(RowShares(min(1.0, (end - start) * meta.block_repeats * core / total) if total > 0 else 0.0))
+    return out
+
+
+def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int, square_sums: Sequence[float],
+                            documents: Optional[Sequence[int]] = None, useful: Optional[Sequence[int]] = None,
+                            shares: Optional[Sequence[RowShares]] = None,
+                            rows_per_micro_batch: int = 1) -> List[List[float]]:
+    """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens a row
+    (one document filling each row), the micro-batch the simulator costs. square_sums[j]: micro-batch
+    j's sum of squared document lengths; documents[j], useful[j]: its document count and real tokens
+    (needed where the shares count them); shares: each stage's RowShares (simulator_attention_shares,
+    or measured), default the FLOP counts' attention share. Every row pays its fixed work (fixed shapes)."""
+    shares = list(shares) if shares is not None else stage_attention_shares(meta, spans, budget)
+    if len(shares) != len(spans):
+        raise ValueError(f"shares has {len(shares)} stages, the spans {len(spans)}")
+    if any(x.per_document for x in shares) and documents is None:
+        raise ValueError("a per-document share needs each micro-batch's document count (documents)")
+    if any(x.useful for x in shares) and useful is None:
+        raise ValueError("a useful-token share needs each micro-batch's real tokens (useful)")
+    r = rows_per_micro_batch
+    out = []
+    for x in shares:
+        fixed = 1.0 - x.attention - x.per_document - x.useful
+        out.append([(r * fixed + x.attention * sq / (budget * budget)
+                     + (x.per_document * documents[j] if x.per_document else 0.0)
+                     + (x.useful * useful[j] / budget if x.useful else 0.0)) / r
+                    for j, sq in enumerate(square_sums)])
     return out
 
 
@@ -159,13 +204,17 @@ def simulator_step_of(sim, layout) -> Callable[[List[List[float]]], float]:
 
 
 def dispatch_step_of(step_of_work: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
-                     budget: int, quadratic: float = 1.0) -> D.StepOf:
+                     budget: int, quadratic: float = 1.0,
+                     shares: Optional[Sequence[RowShares]] = None) -> D.StepOf:
     """The dispatch's step_of (its bins in micro-batch order, one row each, fixed shapes) from a step
     costed by work multipliers: each bin's time, minus its base work, over `quadratic` is its
-    micro-batch's sum of squared lengths (the dispatch costs a piece quadratic * L**2 under fixed shapes)."""
+    micro-batch's sum of squared lengths (the dispatch costs a piece quadratic * L**2 under fixed shapes);
+    the shares' attention alone counts here (a bin's time does not tell its documents or tokens)."""
+    attention_only = None if shares is None else [RowShares(x.attention) for x in shares]
+
     def step_of(times: Sequence[float], bins: Sequence[D.Bin]) -> float:
         squares = [max(t * b.speed - b.base_work, 0.0) / quadratic for t, b in zip(times, bins)]
-        return step_of_work(micro_batch_multipliers(meta, spans, budget, squares))
+        return step_of_work(micro_batch_multipliers(meta, spans, budget, squares, shares=attention_only))
 
     return step_of
 
@@ -201,13 +250,17 @@ def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -
 
 def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
                       distribution: LengthDistribution, micro_batches: int, packing: str, steps: int = 20,
-                      seed: int = 0, order_aware: bool = True) -> List[float]:
+                      seed: int = 0, order_aware: bool = True,
+                      shares: Optional[Sequence[RowShares]] = None) -> List[float]:
     """The predicted step of `steps` steps sampled from the distribution and packed as `packing`
     (micro-batches of one row): step_of(multipliers) costs one step given its [stage][micro-batch]
     work multipliers -- simulator_step_of(sim, layout), or a timeline over fixed-length stage times
-    (bench/mixed_length.py). `balanced` is dispatched for that same step (order_aware; else min-max)."""
+    (bench/mixed_length.py). `balanced` is dispatched for that same step (order_aware; else min-max).
+    shares: as micro_batch_multipliers."""
     budget = distribution.budget
-    dispatch_of = dispatch_step_of(step_of, meta, spans, budget) if order_aware and packing == "balanced" else None
-    return [step_of(micro_batch_multipliers(meta, spans, budget, step.square_sums))
+    dispatch_of = (dispatch_step_of(step_of, meta, spans, budget, shares=shares)
+                   if order_aware and packing == "balanced" else None)
+    return [step_of(micro_batch_multipliers(meta, spans, budget, step.square_sums, step.documents,
+                                            [sum(r) for r in step.rows], shares))
             for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans),
                                      step_of=dispatch_of)]

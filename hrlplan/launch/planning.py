@@ -18,6 +18,7 @@ from hrlplan.config import ClusterConfig, Config, calibration_mode
 from hrlplan.errors import UserError
 from hrlplan.families import LM_DATA, Family, family_of, family_of_meta
 from hrlplan.launch import plan_cache
+from hrlplan.launch.packing_prediction import packed_step_prediction
 from hrlplan.launch.ranks import broadcast
 from hrlplan.launch.report import log_timeline, make_logger, predicted_step
 from hrlplan.model_meta import introspect
@@ -127,6 +128,10 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
     facts = calibration_facts(spec)
     if facts is not None:
         info["calibration"] = facts
+    if seq_len is not None:   # data.packing=document|balanced: the plan's step from the corpus's lengths
+        packed = packed_step_prediction(config, meta, spec, plan, planner_settings(config, family_of_meta(meta)))
+        if packed is not None:
+            info["packing"] = packed
     plan.save(run_dir / "plan.yaml")
     (run_dir / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
     return plan, info, meta

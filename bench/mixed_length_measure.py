@@ -1,0 +1,210 @@
+"""bench/mixed_length.py --measure: `document` against the pipeline-aware `balanced` on data=code, measured.
+
+For each step the same pieces are packed three ways:
+
+- `document`: arrival order (next fit), as data.packing=document trains;
+- `min_max`: the dispatch's slowest-micro-batch objective (greedy, then HiGHS), the previous `balanced`;
+- `balanced`: min-max refined for the pipeline's simulated step (dispatch_bins(step_of=...): the order
+  of the micro-batches and the pieces in them), the step costed by the simulator's timeline over the
+  planner's per-stage FLOPs (cost/lengths.dispatch_step_of, micro_batch_multipliers).
+
+What is timed: every (stage, micro-batch) forward and backward of the real pipeline stages (HFStage,
+per-document attention), run apart on one thread and timed in that thread's CPU time, so the other
+tenants of a shared machine hardly move it; the packings interleaved within each round (their order
+flipping round to round). A step's time is those measured durations walked through 1F1B
+(cost/lengths.pipeline_step): what a pipeline of `pp` ranks, each with its own core, takes. The
+simulator's prediction: the fixed-length micro-batch's per-stage forward and backward, timed the same
+way (one document filling a row: what the planner costs), through the simulator's timeline with each
+micro-batch's work multipliers (cost/lengths.micro_batch_multipliers; simulate_timeline's
+micro_batch_work). Optional real training runs (--train-rounds) give the loss curves of `document`
+and the trainer's `balanced` (data.packing=balanced), which hold the same documents every step.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List
+
+PACKINGS = ("document", "min_max", "balanced")
+
+
+def quantiles(values: List[float]) -> Dict[str, float]:
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]  # noqa: E731
+    return {"median": statistics.median(values), "p10": pick(0.1), "p90": pick(0.9), "min": values[0],
+            "max": values[-1]}
+
+
+def overrides(args) -> List[str]:
+    return ["arch=gpt2-tiny", f"arch.n_layer={args.n_layer}", f"arch.n_embd={args.n_embd}", f"arch.n_head={args.n_head}",
+            f"arch.vocab_size={args.vocab}", f"arch.n_positions={args.budget}", "data=code", f"data.path={args.path}",
+            f"data.vocab_size={args.vocab}", f"data.seq_len={args.budget}", f"train.steps={args.steps}",
+            f"train.global_batch_size={args.micro_batches}", "train.schedule=1f1b", "train.checkpoint_interval=0",
+            "train.measure_memory=false", "logger.mode=disabled", f"train.seed={args.seed}"]
+
+
+def spans_of(args):
+    if args.spans:
+        cuts = [0] + [int(x) for x in args.spans.split(",")] + [args.n_layer]
+    else:
+        cuts = [round(i * args.n_layer / args.pp) for i in range(args.pp + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def timeline_step_of_work(fwd: List[float], bwd: List[float], micro_batches: int):
+    """The simulator's timeline (1F1B, no sends) over a fixed-length micro-batch's per-stage forward and
+    backward: a step's time given its [stage][micro-batch] work multipliers."""
+    from hrlplan.cost.timeline import simulate_timeline
+
+    pp = len(fwd)
+    zero = [0.0] * pp
+    return lambda work: simulate_timeline("1f1b", pp, 1, micro_batches, fwd, bwd, zero, zero, zero, zero,
+                                          micro_batch_work=work).makespan
+
+
+def step_batches(args, documents, meta, spans, calibrated: Dict) -> Dict:
+    """Per step: the pieces' lengths, each packing's assignment and its (inputs, targets), the dispatch's
+    seconds. `balanced` minimises the simulated step, its stages and attention shares calibrated
+    (calibrated: {"full": {F, B}, "shares": [RowShares]}, from the rows timed before)."""
+    from hrlplan.cost.lengths import dispatch_step_of
+    from hrlplan.data import dispatch as D
+    from hrlplan.data.packed_stream import to_wire
+    from hrlplan.data.packing import predictions
+
+    step_of = dispatch_step_of(timeline_step_of_work(calibrated["full"]["F"], calibrated["full"]["B"],
+                                                     args.micro_batches),
+                               meta, spans, args.budget, shares=calibrated["shares"])
+    bins = D.micro_batch_bins(args.micro_batches, args.budget)
+    out = {"lengths": [], "assignments": {p: [] for p in PACKINGS}, "batches": {p: [] for p in PACKINGS},
+           "dispatch_seconds": [], "dispatch_methods": []}
+    for step in range(args.steps):
+        pieces, arrival = documents.step_pieces(step, args.micro_batches)
+        lengths = [predictions(p) for p in pieces]
+        common = dict(time_budget_s=args.time_budget, fallback=arrival, stages=args.pp, fixed_shapes=True,
+                      ilp_min_gain=0.01)
+        min_max = D.dispatch_bins(lengths, bins, 0.0, 1.0, **common)
+        balanced = D.dispatch_bins(lengths, bins, 0.0, 1.0, step_of=step_of, **common)
+        out["dispatch_seconds"].append(balanced.seconds)
+        out["dispatch_methods"].append(balanced.method)
+        out["lengths"].append(lengths)
+        for p, assignment in (("document", arrival), ("min_max", min_max.assignment), ("balanced", balanced.assignment)):
+            out["assignments"][p].append(assignment)
+            out["batches"][p].append(to_wire(documents.pack(pieces, assignment), sum(lengths), args.micro_batches))
+    return out
+
+
+def time_micro_batches(stages, inputs, targets, micro_batches: int) -> Dict[str, List[List[float]]]:
+    """{F, B}: [stage][micro-batch] CPU seconds of this thread, each stage run apart as the pipeline runs it."""
+    from hrlplan.models.hf import causal_lm_loss
+
+    clock = time.thread_time
+    out = {kind: [[0.0] * micro_batches for _ in stages] for kind in ("F", "B")}
+    for j in range(micro_batches):
+        carried, received = (inputs[j:j + 1],), []
+        for k, stage in enumerate(stages):
+            t0 = clock()
+            out_k = stage(*carried)
+            if k == len(stages) - 1:
+                out_k = causal_lm_loss(out_k, targets[j:j + 1])
+            out["F"][k][j] = clock() - t0
+            received.append(out_k)
+            if k < len(stages) - 1:
+                h = out_k[0].detach().requires_grad_(True)
+                carried = (h,) + tuple(out_k[1:])
+                received[-1] = (out_k[0], h)
+        grad = None
+        for k in reversed(range(len(stages))):
+            t0 = clock()
+            if k == len(stages) - 1:
+                received[k].backward()
+            else:
+                received[k][0].backward(grad)
+            out["B"][k][j] = clock() - t0
+            grad = received[k - 1][1].grad if k > 0 else None
+    return out
+
+
+# (documents, tokens each as a fraction of the budget): one document filling the row (the fixed-length
+# micro-batch the planner costs), more and shorter ones, rows part padding, a row of padding only
+CALIBRATION_ROWS = ((1, 1.0), (2, 0.5), (4, 0.25), (16, 1 / 16), (64, 1 / 64), (1, 0.5), (2, 0.125), (0, 0.0))
+
+
+def calibration_rows(args, eot_id: int):
+    """(documents, useful tokens, squared lengths, (inputs, targets)) per CALIBRATION_ROWS row: what
+    each stage pays per squared token, per document and per real token, apart from the steps measured."""
+    import torch
+
+    from hrlplan.data.packed_stream import to_wire
+    from hrlplan.data.packing import pack_micro_batches
+
+    g = torch.Generator().manual_seed(args.seed)
+    out = []
+    for n, fraction in CALIBRATION_ROWS:
+        length = int(args.budget * fraction)
+        pieces = [torch.randint(1, args.vocab, (length + 1,), generator=g) for _ in range(n)]
+        for piece in pieces:
+            piece[piece == eot_id] = 1
+        wire = to_wire(pack_micro_batches(pieces, [list(range(n))], args.budget, eot_id), max(n * length, 1), 1)
+        out.append((n, n * length, n * length * length, wire))
+    return out
+
+
+def time_calibration(stages, calibration) -> Dict:
+    """Per calibration row (in order), its {F, B}, timed once."""
+    import torch
+
+    torch.set_num_threads(1)
+    rows = [time_micro_batches(stages, wire[0], wire[1], 1) for _, _, _, wire in calibration]
+    for s in stages:
+        s.zero_grad(set_to_none=True)
+    return rows
+
+
+def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
+    """Per round (packings interleaved, order flipping): per packing and step the {F, B} tables; the
+    calibration rows' (n documents: {F, B}); the load average around the round."""
+    import torch
+
+    torch.set_num_threads(1)
+    timed = list(range(args.warmup, args.steps))
+    rounds = []
+    for r in range(args.rounds):
+        load = os.getloadavg()[0]
+        order = PACKINGS if r % 2 == 0 else PACKINGS[::-1]
+        per = {p: [] for p in PACKINGS}
+        for step in timed:
+            for p in order:
+                inputs, targets = batches[p][step]
+                per[p].append(time_micro_batches(stages, inputs, targets, args.micro_batches))
+                for s in stages:
+                    s.zero_grad(set_to_none=True)
+        rows = time_calibration(stages, calibration)
+        rounds.append({"round": r, "load_before": load, "load_after": os.getloadavg()[0], "tables": per,
+                       "calibration": rows})
+        print(f"round {r}: load {load:.1f} -> {rounds[-1]['load_after']:.1f}", flush=True)
+    return {"timed_steps": timed, "rounds": rounds}
+
+
+def training_runs(args, workdir: Path) -> Dict[str, List[Dict]]:
+    """Real pp-`args.pp` training runs of data.packing=document and =balanced (the trainer's dispatch),
+    interleaved: losses, wall-clock steps and the load."""
+    from hrlplan.compose import compose
+    from hrlplan.launch.local_run import train_plan
+    from hrlplan.plan import homogeneous_plan
+
+    plan = homogeneous_plan("gpt2-tiny", args.n_layer, spans_of(args), dp=1, tp=1, microbatch_size=1,
+                            num_microbatches=args.micro_batches, schedule="1f1b")
+    runs: Dict[str, List[Dict]] = {"document": [], "balanced": []}
+    for r in range(args.train_rounds):
+        for packing in (("document", "balanced") if r % 2 == 0 else ("balanced", "document")):
+            load = os.getloadavg()[0]
+            summary = train_plan(plan, compose(overrides(args) + [f"data.packing={packing}"]),
+                                 workdir / f"round{r}-{packing}", metrics_file=False)
+            history = summary["history"]
+            runs[packing].append({"round": r, "loss": [h["train/lm_loss"] for h in history],
+                                  "step_time_s": [h["train/step_time_s"] for h in history], "load_before": load,
+                                  "load_after": os.getloadavg()[0]})
+            print(f"train round {r} {packing}: load {load:.1f}", flush=True)
+    return runs
