@@ -83,6 +83,19 @@ def test_the_ring_gets_repeated_kv_heads_and_meta_tensors_get_plain_sdpa():
         attention(q, k, k, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True)
 
 
+def test_a_model_that_does_not_attend_through_sdpa_is_refused_under_cp():
+    """Eager attention would never reach torch's ring: each rank would attend to its own keys only."""
+    from types import SimpleNamespace
+
+    from hrlplan.errors import UserError
+    from hrlplan.runtime.context_parallel import check_sdpa_attention
+
+    check_sdpa_attention(SimpleNamespace(_attn_implementation="eager"), 1)
+    check_sdpa_attention(SimpleNamespace(_attn_implementation="sdpa"), 2)
+    with pytest.raises(UserError, match=r"^train\.context_parallel=2: .* implementation is 'eager'"):
+        check_sdpa_attention(SimpleNamespace(_attn_implementation="eager"), 2)
+
+
 # ---------------------------------------------------------------- one process: the ranks side by side
 def _stacked_exact_ring(cp: int, seq: int):
     """The exact attention of cp ranks whose shards sit side by side on the batch dimension (rank r's

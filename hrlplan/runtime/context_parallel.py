@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator, List, Sequence
 import torch
 import torch.nn.functional as F
 
-from hrlplan.errors import ConfigError
-from hrlplan.validate.train_options import context_parallel_length_refusal
+from hrlplan.errors import ConfigError, UserError
+from hrlplan.validate.train_options import CP_KEY, context_parallel_length_refusal
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
@@ -84,6 +84,17 @@ def take_positions(tensor: torch.Tensor, positions: torch.Tensor, dim: int = 1) 
     """The entries of `tensor` at this rank's sequence positions (positions: (1, s/cp), as
     sharded_step yields them), in the order the rank holds them."""
     return tensor.index_select(dim, positions[0].to(tensor.device))
+
+
+def check_sdpa_attention(config, cp: int) -> None:
+    """Under cp > 1 every block must attend through torch's SDPA, the call context_parallel turns
+    into ring attention: an eager (or flash-attn) attention would attend to the rank's own keys only
+    and train silently wrong."""
+    kind = getattr(config, "_attn_implementation", None)
+    if cp > 1 and kind != "sdpa":
+        raise UserError(f"{CP_KEY}={cp}: context parallelism runs attention through torch's SDPA (its ring "
+                        f"attention), and this model's attention implementation is {kind!r}: build it with "
+                        f"attn_implementation='sdpa' or plan with cp: 1")
 
 
 def ring_attention(cp_mesh, positions: torch.Tensor) -> Callable:

@@ -105,6 +105,7 @@ class TorchPipelineEngine:
         self.coords = rank_coords(plan, self.rank)
         self.mesh = build_mesh(plan, device.type)
         self.cp_mesh = self.mesh["cp"] if plan.cp > 1 else None
+        cp.check_sdpa_attention(full_model.config, plan.cp)
         self.pp_group = self.mesh["pp"].get_group()
         self.stage_ids = plan.stages_of_rank(self.rank)
         self.tied = bool(getattr(full_model.config, "tie_word_embeddings", False))
