@@ -3,10 +3,11 @@ dispatch) on data=code's real document lengths.
 
     python bench/mixed_length.py --measure [--budget 4096] [--micro-batches 2] [--rounds 4] [--steps 8]
 
---measure: real pp-2 training runs (torch pipelining, gloo, this machine's CPU workers) of both packings
-in interleaved rounds: useful (non-pad) tokens per second, the loss curves, the per-micro-batch
-forward+backward times of the same steps before and after balancing, and the cost model's predicted
-step per packing (hrlplan/cost/lengths.py) beside the measured one. Without --measure:
+--measure (bench/mixed_length_measure.py): every (stage, micro-batch) forward and backward of the real
+pipeline stages timed in one thread's CPU time, document / min-max / balanced interleaved in rounds,
+walked through 1F1B; useful tokens per CPU-second, per-micro-batch time spread, the simulator's
+calibrated prediction per packing; --train-rounds N adds real pp training runs for the loss curves.
+Without --measure:
 
     python bench/mixed_length.py [--budget 4096] [--micro-batches 8] [--pp 2] [--replicas 1 2]
                                  [--steps 40] [--time-budget 0.5] [--out bench/results/mixed_length.json]
@@ -16,9 +17,10 @@ Costs are predicted, not measured: a document of L tokens costs linear * L + qua
 that skips the masked blocks (see hrlplan/data/dispatch.py); with fixed shapes (the default, as torch
 pipelining runs) every micro-batch pays the linear work of its whole budget, padding included
 (--varlen: only the documents' tokens). For each step the same documents are
-packed both ways; a replica's step is the proportionate flow shop of its pipeline,
-(sum + (pp - 1) * slowest) / pp of its micro-batches, and the step waits on its slowest replica. The
-useful tokens of a step are the same both ways, so the predicted speed-up is the ratio of step times.
+packed three ways (document, min_max, balanced: min-max refined for the pipeline's step); a replica's step
+is the 1F1B timeline of its micro-batches in order over pp equal stages (data/dispatch_pipeline.py,
+tested equal to the simulator's timeline), and the step waits on its slowest replica. The useful
+tokens of a step are the same every way, so the predicted speed-up is the ratio of step times.
 `concat` (today's windows, attention across the whole budget) is given for reference.
 The corpus is data/code, built locally by hrlplan/data/code_corpus.py when absent (no downloads).
 """
@@ -62,31 +64,49 @@ quantiles = M.quantiles
 
 
 def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quadratic: float) -> Dict:
+    """Per step, the same pieces as `document` (arrival order), `min_max` (the slowest micro-batch's
+    objective) and `balanced` (min-max refined for the pipeline's step: dispatch_bins(step_of=
+    one_f_one_b(pp))), each step costed by the 1F1B timeline of equal stages (dispatch_pipeline,
+    tested equal to the simulator's), the slowest replica's."""
     bins = D.replica_bins(args.micro_batches, [args.budget] * replicas, [1.0] * replicas)
     # what a micro-batch costs, as dispatch_bins models it (fixed shapes: padding's linear work too)
     costed = [replace(b, base_work=linear * b.capacity) for b in bins] if args.fixed_shapes else bins
     total = args.micro_batches * replicas
-    rows = {"document": [], "balanced": []}
-    seconds, methods, useful, ratios = [], Counter(), [], []
+    step_of = D.one_f_one_b(args.pp)
+    rows: Dict[str, List[Dict]] = {"document": [], "min_max": [], "balanced": []}
+    seconds, methods, useful, bounds = [], Counter(), [], []
     for step in range(args.steps):
         pieces, arrival = stream.step_pieces(step, total)
         lengths = [predictions(p) for p in pieces]
         works = [D.document_cost(n, 0.0 if args.fixed_shapes else linear, quadratic) for n in lengths]
-        result = D.dispatch_bins(lengths, bins, linear, quadratic, time_budget_s=args.time_budget,
-                                 fallback=arrival, stages=args.pp, fixed_shapes=args.fixed_shapes)
+        common = dict(time_budget_s=args.time_budget, fallback=arrival, stages=args.pp, fixed_shapes=args.fixed_shapes,
+                      ilp_min_gain=0.01)
+        min_max = D.dispatch_bins(lengths, bins, linear, quadratic, **common)
+        result = D.dispatch_bins(lengths, bins, linear, quadratic, step_of=step_of, **common)
         seconds.append(result.seconds)
         methods[result.method] += 1
         useful.append(sum(lengths))
-        for name, assignment in (("document", arrival), ("balanced", result.assignment)):
+        for name, assignment in (("document", arrival), ("min_max", min_max.assignment), ("balanced", result.assignment)):
             times = D.bin_times(assignment, works, costed)
-            rows[name].append({"step": D.step_time(assignment, works, costed, args.pp), "slowest": max(times),
-                               **spread(times)})
-        ratios.append(rows["document"][-1]["step"] / rows["balanced"][-1]["step"])
-    concat_step = (total / replicas + args.pp - 1) / args.pp * D.document_cost(args.budget, linear, quadratic)
+            rows[name].append({"step": step_of(times, costed), "slowest": max(times), **spread(times)})
+        # no assignment of these pieces does better (one replica, equal stages): the last stage works
+        # through every micro-batch's share, after the first one's forward and before the last one's
+        # backward of the other stages, each at least an empty (padding only) micro-batch
+        base = min(b.base_work for b in costed)
+        floor = (sum(D.bin_times(arrival, works, costed)) + (args.pp - 1) * base) / args.pp
+        bounds.append(rows["document"][-1]["step"] / floor)
+    concat_times = [D.document_cost(args.budget, linear, quadratic)] * total
+    concat_step = step_of(concat_times, bins)
     out = {"replicas": replicas, "micro_batches_per_replica": args.micro_batches, "pp": args.pp,
            "useful_tokens_per_step": quantiles(useful), "budget_fill": statistics.fmean(useful) / (total * args.budget),
-           "predicted_speedup_balanced_over_document": quantiles(ratios),
-           "dispatch_seconds": quantiles(seconds), "dispatch_methods": dict(methods)}
+           "dispatch_seconds": quantiles(seconds), "dispatch_methods": dict(methods),
+           # one replica: document's step over the floor no dispatch can beat (per step)
+           "bound_over_document_per_step": quantiles(bounds) if replicas == 1 else None}
+    for name in ("min_max", "balanced"):
+        out[f"predicted_{name}_over_document_per_step"] = quantiles(
+            [d["step"] / x["step"] for d, x in zip(rows["document"], rows[name])])
+        out[f"predicted_{name}_over_document"] = (sum(d["step"] for d in rows["document"])
+                                                  / sum(x["step"] for x in rows[name]))
     for name, values in rows.items():
         out[name] = {key: quantiles([v[key] for v in values]) for key in values[0]}
         out[name]["useful_tokens_per_gflop_step"] = statistics.fmean(useful) / statistics.fmean(
@@ -283,6 +303,8 @@ def main(argv=None) -> Dict:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-ratio", type=float, default=None,
+                        help="attention of a one-document row over the row's linear work (default: GPT-2's FLOPs)")
     parser.add_argument("--varlen", dest="fixed_shapes", action="store_false",
                         help="cost only the documents' tokens (an unpadded varlen run), not fixed-shape micro-batches")
     parser.add_argument("--out", default=None, help="default bench/results/mixed_length[_measured].json")
@@ -309,6 +331,8 @@ def main(argv=None) -> Dict:
     documents = [predictions(d) for d in split_documents(corpus.train_tokens, corpus.eot_id)]
     stream = PackedDocuments(corpus.train_tokens, corpus.val_tokens, corpus.eot_id, args.budget, args.seed)
     linear, quadratic = gpt2_coefficients(args.n_embd, args.n_layer, args.vocab)
+    if args.attention_ratio is not None:   # attention of a one-document row = this many times a row's linear work
+        quadratic = args.attention_ratio * linear / args.budget
     report = {"corpus": {"path": args.path, "documents": len(documents), "document_tokens": quantiles(documents),
                          "longer_than_budget": sum(n > args.budget for n in documents)},
               "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "vocab": args.vocab,
@@ -320,11 +344,15 @@ def main(argv=None) -> Dict:
     for replicas in args.replicas:
         layout = run_layout(stream, replicas, args, linear, quadratic)
         report["layouts"].append(layout)
-        speedup = layout["predicted_speedup_balanced_over_document"]
+        speedup = layout["predicted_balanced_over_document_per_step"]
         print(f"dp {replicas} x pp {args.pp}, {args.micro_batches} micro-batches of {args.budget}: "
-              f"slowest/mean micro-batch {layout['document']['max_over_mean']['median']:.2f} -> "
-              f"{layout['balanced']['max_over_mean']['median']:.2f} (median), predicted step speed-up "
-              f"{speedup['median']:.3f}x (p10 {speedup['p10']:.3f}, p90 {speedup['p90']:.3f}); "
+              f"slowest/mean micro-batch {layout['document']['max_over_mean']['median']:.2f} -> min-max "
+              f"{layout['min_max']['max_over_mean']['median']:.2f}, balanced "
+              f"{layout['balanced']['max_over_mean']['median']:.2f} (median); predicted useful tokens/s over "
+              f"document: min-max {layout['predicted_min_max_over_document']:.3f}x, balanced "
+              f"{layout['predicted_balanced_over_document']:.3f}x (per step p10 {speedup['p10']:.3f}, p90 "
+              f"{speedup['p90']:.3f}; at most {(layout['bound_over_document_per_step'] or {}).get('median', float('nan')):.3f}x "
+              f"per step median for any dispatch); "
               f"dispatch {layout['dispatch_seconds']['median'] * 1e3:.0f} ms median, "
               f"max {layout['dispatch_seconds']['max'] * 1e3:.0f} ms, {layout['dispatch_methods']}")
     report["seconds"] = round(time.perf_counter() - begin, 1)

@@ -6,7 +6,7 @@ For each step the same pieces are packed three ways:
 - `min_max`: the dispatch's slowest-micro-batch objective (greedy, then HiGHS), the previous `balanced`;
 - `balanced`: min-max refined for the pipeline's simulated step (dispatch_bins(step_of=...): the order
   of the micro-batches and the pieces in them), the step costed by the simulator's timeline over the
-  planner's per-stage FLOPs (cost/lengths.dispatch_step_of, micro_batch_multipliers).
+  calibrated stages (cost/lengths.dispatch_model, micro_batch_multipliers).
 
 What is timed: every (stage, micro-batch) forward and backward of the real pipeline stages (HFStage,
 per-document attention), run apart on one thread and timed in that thread's CPU time, so the other
@@ -68,14 +68,13 @@ def step_batches(args, documents, meta, spans, calibrated: Dict) -> Dict:
     """Per step: the pieces' lengths, each packing's assignment and its (inputs, targets), the dispatch's
     seconds. `balanced` minimises the simulated step, its stages and attention shares calibrated
     (calibrated: {"full": {F, B}, "shares": [RowShares]}, from the rows timed before)."""
-    from hrlplan.cost.lengths import dispatch_step_of
+    from hrlplan.cost.lengths import dispatch_model
     from hrlplan.data import dispatch as D
     from hrlplan.data.packed_stream import to_wire
     from hrlplan.data.packing import predictions
 
-    step_of = dispatch_step_of(timeline_step_of_work(calibrated["full"]["F"], calibrated["full"]["B"],
-                                                     args.micro_batches),
-                               meta, spans, args.budget, shares=calibrated["shares"])
+    model = dispatch_model(timeline_step_of_work(calibrated["full"]["F"], calibrated["full"]["B"], args.micro_batches),
+                           meta, spans, args.budget, shares=calibrated["shares"])
     bins = D.micro_batch_bins(args.micro_batches, args.budget)
     out = {"lengths": [], "assignments": {p: [] for p in PACKINGS}, "batches": {p: [] for p in PACKINGS},
            "dispatch_seconds": [], "dispatch_methods": []}
@@ -84,8 +83,10 @@ def step_batches(args, documents, meta, spans, calibrated: Dict) -> Dict:
         lengths = [predictions(p) for p in pieces]
         common = dict(time_budget_s=args.time_budget, fallback=arrival, stages=args.pp, fixed_shapes=True,
                       ilp_min_gain=0.01)
-        min_max = D.dispatch_bins(lengths, bins, 0.0, 1.0, **common)
-        balanced = D.dispatch_bins(lengths, bins, 0.0, 1.0, step_of=step_of, **common)
+        min_max = D.dispatch_bins(lengths, bins, 0.0, 1.0, **common)   # as data.packing=balanced trains today
+        common["fixed_shapes"] = False   # the model's bins carry the base work
+        balanced = D.dispatch_bins(lengths, model.bins(args.micro_batches, args.budget), model.linear,
+                                   model.quadratic, step_of=model.step_of, **common)
         out["dispatch_seconds"].append(balanced.seconds)
         out["dispatch_methods"].append(balanced.method)
         out["lengths"].append(lengths)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hrlplan.cost.lengths import (LengthDistribution, dispatch_step_of, micro_batch_multipliers, packed_step_times,
+from hrlplan.cost.lengths import (LengthDistribution, RowShares, dispatch_model, micro_batch_multipliers, packed_step_times,
                                   simulator_step_of)
 from hrlplan.cost.simulator import Simulator
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
@@ -129,7 +129,7 @@ def test_pipeline_aware_dispatch_orders_the_micro_batches_for_the_step():
         assert result.assignment == orders["heavy last"]
 
 
-def test_dispatch_step_of_gives_the_simulated_step_of_the_bins_squares():
+def test_the_dispatch_model_gives_the_simulated_step_of_the_bins_work():
     budget = 64
     arch = dict(name="t", model_type="gpt2", n_embd=32, n_layer=4, n_head=4, n_positions=budget, vocab_size=64)
     meta = introspect(arch, budget)
@@ -140,11 +140,20 @@ def test_dispatch_step_of_gives_the_simulated_step_of_the_bins_squares():
         seen.append(work)
         return 1.0
 
-    quadratic = 3.0
-    bins = [D.Bin(budget, base_work=5.0), D.Bin(budget, base_work=5.0)]
-    dispatch_step_of(step_of_work, meta, spans, budget, quadratic)([5.0 + 3.0 * 100, 5.0 + 3.0 * 900], bins)
-    expected = micro_batch_multipliers(meta, spans, budget, [100, 900])
+    # attention alone varies: the bins' times give each stage's multipliers exactly
+    model = dispatch_model(step_of_work, meta, spans, budget)
+    bins = model.bins(2, budget)
+    lengths = [[10, 10, 30], [60]]
+    model.step_of(D.bin_times([[0, 1, 2], [3]], [model.quadratic * n * n for row in lengths for n in row], bins), bins)
+    expected = micro_batch_multipliers(meta, spans, budget, [10 * 10 * 2 + 30 * 30, 60 * 60])
     assert [x for row in seen[0] for x in row] == pytest.approx([x for row in expected for x in row])
+    # with a useful-token share: padding is cheaper, a full row is still one, a row of padding the fixed work
+    shares = [RowShares(attention=0.6, useful=0.2), RowShares(attention=0.4, useful=0.2)]
+    model = dispatch_model(step_of_work, meta, spans, budget, shares)
+    full = model.base + model.linear * budget + model.quadratic * budget ** 2
+    assert full == pytest.approx(1.0)
+    model.step_of([full, model.base], model.bins(2, budget))
+    assert [x for row in seen[-1] for x in row] == pytest.approx([1.0, 0.2, 1.0, 0.4])
 
 
 def test_packed_steps_through_the_simulator_rank_balanced_no_slower_than_document():

@@ -16,8 +16,8 @@ on which documents it holds: its sum of squared lengths. This module
   its timeline with stage k's durations times multipliers[k][j] for micro-batch j (`simulator_step_of`,
   `packed_step_times`), so fill, drain and the lock-step of a pipeline whose micro-batches differ
   are in the predicted step;
-- gives the dispatch the same step to minimise (`dispatch_step_of`: a bin's time back to its squares,
-  then the simulated step);
+- gives the dispatch the same step to minimise (`dispatch_model`: its costs in units of a fixed-length
+  row, and a bin's time back to work multipliers, then the simulated step);
 - walks measured per-(stage, micro-batch) forward and backward times through a schedule's order
   (`pipeline_step`, equal to the simulator's timeline without its FSDP extras and handshake: tested).
 """
@@ -83,12 +83,12 @@ class PackedStep:
 
 
 def sample_steps(distribution: LengthDistribution, rows: int, packing: str, steps: int, seed: int = 0,
-                 stages: Optional[int] = None, step_of: Optional[D.StepOf] = None,
+                 stages: Optional[int] = None, model: Optional[DispatchModel] = None,
                  time_budget_s: float = 0.05) -> List[PackedStep]:
     """Steps drawn as PackedDocuments draws them (pieces at random, taken in arrival order while they
     fit next-fit), packed as `packing` would: arrival order, or the dispatch's greedy (its integer
-    program only improves on it, within its time budget); given step_of (the dispatch's pipeline
-    step, in units of squared tokens: see dispatch_step_of), the dispatch refined for it."""
+    program only improves on it, within its time budget); given a DispatchModel, the dispatch
+    refined for its simulated step."""
     rng = random.Random(seed)
     budget = distribution.budget
     out = []
@@ -96,15 +96,13 @@ def sample_steps(distribution: LengthDistribution, rows: int, packing: str, step
         drawn = [rng.choice(distribution.lengths) for _ in range(rows * budget // max(1, min(distribution.lengths)))]
         arrival, taken = next_fit(drawn, rows, budget)
         lengths = drawn[:taken]
-        if packing == "balanced":
-            bins = D.micro_batch_bins(rows, budget)
-            bins = [D.Bin(b.capacity, b.speed, b.replica, float(budget)) for b in bins]
-            if step_of is None:
-                greedy = D.lpt(lengths, [float(n * n) for n in lengths], bins, stages)
-                assignment = greedy if greedy is not None else arrival
-            else:
-                assignment = D.dispatch_bins(lengths, bins, 0.0, 1.0, time_budget_s, fallback=arrival, stages=stages,
-                                             ilp_min_gain=0.01, step_of=step_of).assignment
+        if packing == "balanced" and model is None:
+            greedy = D.lpt(lengths, [float(n * n) for n in lengths], D.micro_batch_bins(rows, budget), stages)
+            assignment = greedy if greedy is not None else arrival
+        elif packing == "balanced":
+            assignment = D.dispatch_bins(lengths, model.bins(rows, budget), model.linear, model.quadratic,
+                                         time_budget_s, fallback=arrival, stages=stages, ilp_min_gain=0.01,
+                                         step_of=model.step_of).assignment
         elif packing == "document":
             assignment = arrival
         else:
@@ -203,20 +201,41 @@ def simulator_step_of(sim, layout) -> Callable[[List[List[float]]], float]:
     return lambda work: sim.evaluate(layout, micro_batch_work=work).step_time_s
 
 
-def dispatch_step_of(step_of_work: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
-                     budget: int, quadratic: float = 1.0,
-                     shares: Optional[Sequence[RowShares]] = None) -> D.StepOf:
-    """The dispatch's step_of (its bins in micro-batch order, one row each, fixed shapes) from a step
-    costed by work multipliers: each bin's time, minus its base work, over `quadratic` is its
-    micro-batch's sum of squared lengths (the dispatch costs a piece quadratic * L**2 under fixed shapes);
-    the shares' attention alone counts here (a bin's time does not tell its documents or tokens)."""
-    attention_only = None if shares is None else [RowShares(x.attention) for x in shares]
+@dataclass(frozen=True)
+class DispatchModel:
+    """What the dispatch minimises, in units of a fixed-length micro-batch (one document filling the
+    row) averaged over the stages: every bin's base work (`base`: what a row of padding costs), a piece
+    of L tokens linear * L + quadratic * L**2 (its real tokens, its attention), and step_of, the
+    simulated step of the bins' times in micro-batch order -- dispatch_bins(lengths, bins(m, budget),
+    linear, quadratic, step_of=step_of) with fixed_shapes False (the base is in the bins)."""
+    base: float
+    linear: float
+    quadratic: float
+    step_of: D.StepOf
+
+    def bins(self, micro_batches: int, capacity: int) -> List[D.Bin]:
+        return [D.Bin(capacity, base_work=self.base) for _ in range(micro_batches)]
+
+
+def dispatch_model(step_of_work: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
+                   budget: int, shares: Optional[Sequence[RowShares]] = None) -> DispatchModel:
+    """The dispatch's costs and step_of from the stages' RowShares (default the FLOP counts'): a bin's
+    time above the base, over a full row's, is its share of the variable work, and stage k's
+    multiplier is fixed_k + (1 - fixed_k) x that share -- exact where attention alone varies (the
+    stages' shares then differ only by a factor), the stages' mean split of attention against real
+    tokens otherwise. Per-document costs are left to the prediction (a few thousandths a document)."""
+    shares = list(shares) if shares is not None else stage_attention_shares(meta, spans, budget)
+    fixed = [1.0 - x.attention - x.useful - x.per_document for x in shares]
+    attention = statistics.fmean(x.attention for x in shares)
+    useful = statistics.fmean(x.useful for x in shares)
+    base = 1.0 - attention - useful
+    variable_full = max(attention + useful, 1e-12)
 
     def step_of(times: Sequence[float], bins: Sequence[D.Bin]) -> float:
-        squares = [max(t * b.speed - b.base_work, 0.0) / quadratic for t, b in zip(times, bins)]
-        return step_of_work(micro_batch_multipliers(meta, spans, budget, squares, shares=attention_only))
+        share = [max(t * b.speed - b.base_work, 0.0) / variable_full for t, b in zip(times, bins)]
+        return step_of_work([[f + (1.0 - f) * x for x in share] for f in fixed])
 
-    return step_of
+    return DispatchModel(base, useful / budget, attention / (budget * budget), step_of)
 
 
 def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]],
@@ -258,9 +277,9 @@ def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans
     (bench/mixed_length.py). `balanced` is dispatched for that same step (order_aware; else min-max).
     shares: as micro_batch_multipliers."""
     budget = distribution.budget
-    dispatch_of = (dispatch_step_of(step_of, meta, spans, budget, shares=shares)
-                   if order_aware and packing == "balanced" else None)
+    model = (dispatch_model(step_of, meta, spans, budget, shares=shares)
+             if order_aware and packing == "balanced" else None)
     return [step_of(micro_batch_multipliers(meta, spans, budget, step.square_sums, step.documents,
                                             [sum(r) for r in step.rows], shares))
             for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans),
-                                     step_of=dispatch_of)]
+                                     model=model)]
