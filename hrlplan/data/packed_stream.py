@@ -52,27 +52,72 @@ def to_wire(batch: PackedBatch, step_tokens: int, step_rows: int) -> Tuple[torch
 
 
 @dataclass(frozen=True)
+class ReplicaShape:
+    """One replica of a heterogeneous plan: its micro-batches, their rows, its pipeline's depth and
+    its speed (rows per second, relative to the other replicas')."""
+    micro_batches: int
+    rows_per_micro_batch: int
+    stages: int = 1
+    speed: float = 1.0
+
+    @property
+    def rows(self) -> int:
+        return self.micro_batches * self.rows_per_micro_batch
+
+
+@dataclass(frozen=True)
 class StepLayout:
     """How a step's rows run: `replicas` data-parallel replicas, each `micro_batches` micro-batches of
-    `rows_per_micro_batch` rows, a pipeline of `stages` (None: only the slowest micro-batch counts).
-    Rows are laid out replica-major, micro-batch next, as the engines slice them."""
+    `rows_per_micro_batch` rows, a pipeline of `stages` (None: only the slowest micro-batch counts);
+    or, for a heterogeneous plan, each replica its own shape (`shapes`). Rows are laid out
+    replica-major, micro-batch next, as the engines slice them."""
     replicas: int = 1
     micro_batches: int = 1
     rows_per_micro_batch: int = 1
     stages: Optional[int] = None
+    shapes: Tuple[ReplicaShape, ...] = ()
+
+    def replica_shapes(self) -> Tuple[ReplicaShape, ...]:
+        if self.shapes:
+            return self.shapes
+        return tuple(ReplicaShape(self.micro_batches, self.rows_per_micro_batch, self.stages or 1)
+                     for _ in range(self.replicas))
 
     @property
     def rows(self) -> int:
-        return self.replicas * self.micro_batches * self.rows_per_micro_batch
+        return sum(shape.rows for shape in self.replica_shapes())
+
+    @property
+    def depth(self) -> Optional[int]:
+        """The pipeline depth the dispatch's step objective takes: replicas of unequal depth are
+        balanced by their slowest micro-batch instead (data/dispatch.py takes one depth)."""
+        if not self.shapes:
+            return self.stages
+        depths = {shape.stages for shape in self.shapes}
+        return depths.pop() if len(depths) == 1 else None
 
     def bins(self, token_budget: int) -> List[D.Bin]:
-        """One bin per row: a micro-batch of several rows is approximated by its rows, each its own bin."""
-        per_replica = self.micro_batches * self.rows_per_micro_batch
-        return [D.Bin(token_budget, 1.0, r) for r in range(self.replicas) for _ in range(per_replica)]
+        """One bin per row, at its replica's speed: a micro-batch of several rows is approximated by its
+        rows, each its own bin."""
+        return [D.Bin(token_budget, shape.speed, r) for r, shape in enumerate(self.replica_shapes())
+                for _ in range(shape.rows)]
 
     @classmethod
     def of_plan(cls, plan) -> "StepLayout":
-        return cls(int(plan.dp), int(plan.num_microbatches), int(plan.microbatch_size), int(plan.pp))
+        if not plan.heterogeneous:
+            return cls(int(plan.dp), int(plan.num_microbatches), int(plan.microbatch_size), int(plan.pp))
+        pipes = plan.pipelines
+        speeds = [replica_speed(pipe) for pipe in pipes]
+        shapes = tuple(ReplicaShape(int(pipe.num_microbatches), int(pipe.microbatch_size), len(pipe.stages),
+                                    speed / max(speeds)) for pipe, speed in zip(pipes, speeds))
+        return cls(replicas=len(pipes), shapes=shapes)
+
+
+def replica_speed(pipe) -> float:
+    """A replica's rows per second from its plan alone (devices alike): a row passes its slowest stage,
+    whose time goes with the blocks it holds per tensor-parallel rank. The plan records no device speeds;
+    a faster replica's speed would come from the planner's predicted time per pipeline."""
+    return 1.0 / max(max(stage.num_layers, 1) / stage.tp for stage in pipe.stages)
 
 
 class PackedLMStream:
@@ -110,7 +155,7 @@ class PackedLMStream:
         linear, quadratic = self.coefficients
         result = D.dispatch_bins([predictions(p) for p in pieces], layout.bins(self.documents.token_budget), linear,
                                  quadratic, time_budget_s=self.time_budget_s, fallback=arrival,
-                                 stages=layout.stages, fixed_shapes=True, ilp_min_gain=ILP_MIN_GAIN)
+                                 stages=layout.depth, fixed_shapes=True, ilp_min_gain=ILP_MIN_GAIN)
         self.dispatches.append({"step": step, "method": result.method, "seconds": result.seconds,
                                 "step_time": result.step_time, "lower_bound": result.lower_bound})
         return result.assignment

@@ -8,8 +8,10 @@ from typing import Mapping, Optional
 
 def packing_refusal(packing: str, data_name: str, puzzle: bool = False, plan=None, train=None) -> Optional[str]:
     """One line saying why data.packing=document|balanced cannot run with these settings, or None.
-    puzzle: the model trains on fixed-size puzzle examples (families.py: data kind); train: a TrainConfig or its plain mapping. Without `plan` and
-    `train` (the config check before any worker starts) only what the config alone decides."""
+    puzzle: the model trains on fixed-size puzzle examples (families.py: data kind); train: a TrainConfig or
+    its plain mapping. Without `train` (the config check before any worker starts) only what the config
+    alone decides. Every plan runs packed documents: pipelines, data parallelism, tensor parallelism with
+    or without sequence parallelism, heterogeneous replicas (`plan` is kept for what a plan may refuse)."""
     if packing == "concat":
         return None
     if puzzle:
@@ -17,12 +19,6 @@ def packing_refusal(packing: str, data_name: str, puzzle: bool = False, plan=Non
     if data_name != "code":
         return (f"data.packing={packing}: data={data_name} has no documents (packing keeps whole documents ending "
                 f"in an end-of-text token apart); use data=code or data.packing=concat")
-    if plan is not None and (plan.heterogeneous or not plan.uniform_tp):
-        return (f"data.packing={packing}: heterogeneous plans run on hrlplan's own executor, which carries one "
-                "activation tensor between stages, not the document ids; use a homogeneous plan or data.packing=concat")
-    if plan is not None and any(s.tp > 1 for s in plan.stages):
-        return (f"data.packing={packing}: tensor-parallel stages (tp > 1) do not take packed documents yet; "
-                "use a plan with tp=1 or data.packing=concat")
     if train is not None:
         setting = train.get if isinstance(train, Mapping) else functools.partial(getattr, train)
         if int(setting("context_parallel", 1) or 1) > 1:

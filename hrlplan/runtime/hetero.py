@@ -20,6 +20,13 @@ final norm + head) is all-reduced over the ranks holding it, every contribution 
 pipeline's share of the global batch, so the update equals one process on the global batch:
 bucketed, in the training dtype where safe, and started during the last micro-batch's backward
 (hetero_sync.py says exactly how). GPT-2 replicas may hold a block at different tp degrees.
+
+Packed documents (data.packing=document|balanced): a replica's rows hold its share of the step's
+documents (data/packed_stream.py lays them out over the replicas), every rank of the pipeline reads
+the positions and document ids of its micro-batch from its own rows, and the stages send only the
+activations. The packed loss is weighted by the step's useful tokens over all replicas and its rows,
+so the batch-share weights above make the update the step's mean loss per token (token-weighted
+across replicas, models/documents.packed_micro_batch_loss).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
 from hrlplan.families import GENERIC_HF, family_for
+from hrlplan.models.documents import is_packed_inputs, split_packed_inputs
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
 from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype, unit_order
@@ -259,7 +267,10 @@ class HeteroPipelineEngine:
                      losses: List[torch.Tensor]) -> None:
         part, m = self.parts[self.gid], self.pipe.num_microbatches
         mbs = self.pipe.microbatch_size
-        shape = (mbs, targets.shape[1], self.hidden)
+        # every rank of the pipeline holds its rows: packed documents' positions and ids are read here,
+        # not sent beside the activations
+        packed = is_packed_inputs(inputs)
+        shape = (mbs, inputs.shape[-1], self.hidden)
         outbox: Dict[Tuple[str, int], torch.Tensor] = {}   # what this rank's sends carry
         inbox: Dict[Tuple[str, int], torch.Tensor] = {}
         stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -270,7 +281,9 @@ class HeteroPipelineEngine:
             if kind == "F":
                 x = inputs[rows] if self.first else inbox.pop(("act", j)).requires_grad_(True)
                 with self.recorder.op(self.gid, j, "F"):
-                    out = part(x)
+                    out = part(x, split_packed_inputs(inputs[rows])[1]) if packed and not self.first else part(x)
+                    if packed and not self.last:
+                        out = out[0]   # (activations, side): the next stage reads the side from its own rows
                     if self.last:   # 1/m: the pipeline's loss is the mean over its micro-batches
                         out = self.loss_fn(out, targets[rows]) / m
                 if self.last:
