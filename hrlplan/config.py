@@ -138,6 +138,9 @@ class CostConfig:
     receive_buffers: Optional[bool] = None   # a pipeline stage keeps one receive buffer per micro-batch
     # train.compile's speed-up of a block's compute: null takes the calibration's measured figure, else 1.0
     compile_speedup: Optional[float] = None
+    # sequence-parallel tp collectives run under the block's GEMMs, only the excess exposed (Megatron-Core's
+    # --tp-comm-overlap with Transformer Engine); this package's torch runtime does not overlap them
+    tp_comm_overlap: bool = False
 
 
 @dataclass

@@ -7,13 +7,17 @@ discounted more than measured ones -- and a saturation factor penalises small mi
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from hrlplan.cost import kernels
 from hrlplan.devices import peak_flops
 
 GiB = 2 ** 30
+log = logging.getLogger(__name__)
+_WARNED: set = set()
 
 
 def interpolate_by_tokens(points: Sequence[Tuple[float, ...]], tokens: float, index: int = 1) -> float:
@@ -263,3 +267,41 @@ def all_reduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     if n < 2:  # (nbytes may be an array: the planners evaluate every layer span at once)
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
+
+
+_GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
+    "kernel_table_missing": ("hrlplan/cost/kernels.py GPU_FACTS", "HBM bandwidth and SM count are guessed"),
+    "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
+    "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
+    "attention_curve_missing": ("hrlplan/cost/kernels.py FLASH2_FWD_BWD (published FlashAttention-2 rates)",
+                                "fused attention runs at ATTENTION_FRACTION of its peak"),
+}
+
+
+def fp8_speedup(device, bytes_per_value: int, tf32: bool) -> float:
+    """The device's fp8 matmul peak over its peak in the run's dtype (1 without an fp8 path: such
+    a device is refused train.float8 before any worker starts)."""
+    fp8 = peak_flops(device.name, "fp8") if device.kind == "cuda" else None
+    base = matmul_peak(device, bytes_per_value, tf32)
+    return fp8 / base if fp8 and base else 1.0
+
+
+def guessed_device_facts(cluster, shape_aware: bool, float32: bool, fused_attention: bool = True) -> Dict[str, list]:
+    """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS), float32 ratio
+    (hrlplan.devices.PEAKS), bf16 path (V100, T4) or fused-attention rate (a published curve) the
+    tables lack, so the cost model guesses; each warned of once."""
+    gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
+    out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
+           "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)}),
+           "bf16_missing": [n for n in gpus if not float32 and peak_flops(n, "bf16") is None
+                            and peak_flops(n, "fp16") is not None],
+           "attention_curve_missing": [n for n in gpus if shape_aware and fused_attention and not float32
+                                       and kernels.flash_attention_fraction(n, 2048) is None]}
+    for key, names in out.items():
+        for name in names:
+            if (key, name) not in _WARNED:
+                _WARNED.add((key, name))
+                table, guess = _GUESSES[key]
+                log.warning("cost model: device %r is not in %s: its %s (calibrate for a measured figure: "
+                            "planner.calibrate=true)", name, table, guess)
+    return out

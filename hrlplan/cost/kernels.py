@@ -26,12 +26,34 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-GEMM_PEAK_FRACTION = 0.80    # of the datasheet dense peak: what cuBLAS sustains on large GEMMs
+GEMM_PEAK_FRACTION = 0.80    # of the datasheet dense peak: what cuBLAS sustains on large GEMMs (cited)
 GEMM_TILE = 128
-GEMM_K_HALF = 96             # K at which a tile's main loop is half its time
-ATTENTION_FRACTION = 0.45    # attention core without a measured curve (unfused, or a GPU FLASH2_FWD_BWD lacks)
-MEMORY_FRACTION = 0.80       # of HBM bandwidth reached by elementwise kernels
-KERNEL_LAUNCH_S = 4e-6
+# bench/fit_kernel_constants.py on docs/measurements/h200_kernels.json (torch 2.11 on one H200):
+GEMM_K_HALF = 112            # K at which a tile's main loop is half its time (fitted to the measured GEMMs)
+MEMORY_FRACTION = 0.71       # of HBM bandwidth, the median elementwise kernel's (copy, add, GELU, norms)
+GEMM_MEMORY_FRACTION = 0.40  # of HBM bandwidth, the median memory-bound GEMM's (operands and output moved)
+KERNEL_LAUNCH_S = 10.3e-6    # the interval of back-to-back eager kernels
+# the fused attention core on a GPU without a measured or published rate (FLASH2_FWD_BWD): no source
+ATTENTION_FRACTION = 0.45
+# Norms, residual adds, bias + activation, rotary, dropout of a block: ELEMENTWISE_H[runtime] x h +
+# ELEMENTWISE_W x W/tp values per token read or written in forward, twice that in backward.
+# megatron: a count of its fused block (two norms 2h each, two bias-dropout-adds 3h each plus a one-byte
+#   mask counted as half a value, bias + GeLU 2W/tp).
+# torch: measured -- Hugging Face's eager Llama and GPT-2 blocks (fp32 norms, rotary, unfused
+#   activations, dropout: many more, smaller kernels), what the measured whole blocks took beyond their
+#   GEMMs and attention, median of six (bench/fit_kernel_constants.py). Measured at tp 1, it is divided
+#   over a stage's tp ranks as the planners run tp stages (sequence parallel: norms and residuals
+#   sharded too); a tp stage without sequence parallelism keeps its norms whole and is priced low by that.
+ELEMENTWISE_H = {"megatron": 12.0, "torch": 110.0}
+ELEMENTWISE_H_OVER_TP = {"megatron": False, "torch": True}
+ELEMENTWISE_W = 2.0
+# an unfused attention's passes over its scores beyond its GEMMs' (forward: softmax read + write,
+# dropout read + write; backward: dropout's read + write, softmax's two reads + write), plus a mask byte
+UNFUSED_SCORE_PASSES = (4, 5)
+# A fused AdamW step (torch.optim.AdamW(fused=True); Apex/Transformer Engine FusedAdam) reads each fp32
+# parameter, gradient and both moments and writes the parameter and moments back: 7 x 4 bytes; the
+# gradient-norm clipping before it reads the gradients once more (4 bytes). A count, not a measurement.
+OPTIMIZER_BYTES_PER_PARAM = 7 * 4 + 4
 # (HBM bytes/s, SMs) by the whole tokens of the device name, the first row whose tokens the name has
 # (see docs/cost-model.md for the sources). "H100 96GB": the HBM2e part of Meta's Grand Teton hosts,
 # 2.4 TB/s (pytorch/torchtitan docs/performance.md), before the 80 GB HBM3 SXM5 part.
@@ -44,9 +66,13 @@ GPU_FACTS = (("H200", 4.8e12, 132), ("H100 96GB", 2.4e12, 132), ("H100", 3.35e12
 # sequence length: TFLOP/s as its benchmark counts them, and the datasheet dense peak of the part.
 # Dao-AILab/flash-attention README.md "Performance", panel (d) of assets/flash2_a100_fwd_bwd_benchmark.png
 # (A100 80GB SXM4) and assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5), commit 0251105a.
+# H200: measured, torch 2.11's scaled_dot_product_attention on one H200 in the same count
+# (docs/measurements/h200_kernels.json "attention", bench/fit_kernel_constants.py) -- the kernel torch
+# picks on SM90 reaches 1.6x FlashAttention-2's published H100 rate; the H100 keeps FlashAttention-2's.
 FLASH2_FWD_BWD = {
     "A100": (312e12, ((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189))),
     "H100": (989e12, ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328))),
+    "H200": (989.4e12, ((512, 146.7), (1024, 266.1), (2048, 356.5), (4096, 466.3), (8192, 519.1), (16384, 546.1))),
 }
 # That benchmark counts a causal pass as half of 4 s d FLOPs per query and forward + backward as 3.5
 # forwards; the cost model charges 3 forwards of the whole 4 s h per token. Equal times need a fraction
@@ -99,6 +125,25 @@ def gpu_facts(name: str, peak: float) -> Tuple[float, int]:
     return (entry[1], entry[2]) if entry else (peak / 150.0, 108)
 
 
+def gemm_seconds(m: float, n: float, k: float, bpv: int, sustained: float, hbm: float, sms: int,
+                 k_half: Optional[float] = None, launch: Optional[float] = None,
+                 memory_fraction: Optional[float] = None) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM at `sustained` FLOP/s on large shapes: the roofline of
+    its FLOPs at that rate times the tile efficiency (wave quantisation of GEMM_TILE^2 output tiles
+    over the SMs, M and N padded to whole tiles, K / (K + k_half)) and its operands' bytes at HBM
+    bandwidth x GEMM_MEMORY_FRACTION, plus one kernel launch. The constants default to the module's (bench/fit_kernel_constants.py
+    passes its own)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    k_half = GEMM_K_HALF if k_half is None else k_half
+    tiles_m, tiles_n = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
+    tiles = tiles_m * tiles_n
+    waves = math.ceil(tiles / sms)
+    eff = (tiles / (waves * sms)) * (m / (tiles_m * GEMM_TILE)) * (n / (tiles_n * GEMM_TILE)) * k / (k + k_half)
+    traffic = bpv * (m * k + k * n + m * n) / (hbm * (GEMM_MEMORY_FRACTION if memory_fraction is None else memory_fraction))
+    return max(2.0 * m * n * k / (sustained * eff), traffic) + (KERNEL_LAUNCH_S if launch is None else launch)
+
+
 @dataclass(frozen=True)
 class GpuKernels:
     peak: float          # dense FLOP/s the GEMM fraction applies to
@@ -109,16 +154,7 @@ class GpuKernels:
 
     def gemm(self, m: float, n: float, k: float, bpv: int) -> float:
         """Seconds of one (m x k) @ (k x n) GEMM."""
-        if m <= 0 or n <= 0 or k <= 0:
-            return 0.0
-        tiles_m, tiles_n = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
-        tiles = tiles_m * tiles_n
-        waves = math.ceil(tiles / self.sms)
-        eff = (tiles / (waves * self.sms)) * (m / (tiles_m * GEMM_TILE)) * (n / (tiles_n * GEMM_TILE))
-        eff *= k / (k + GEMM_K_HALF)
-        compute = 2.0 * m * n * k / (self.peak * self.gemm_fraction * eff)
-        traffic = bpv * (m * k + k * n + m * n) / (self.hbm * MEMORY_FRACTION)
-        return max(compute, traffic) + KERNEL_LAUNCH_S
+        return gemm_seconds(m, n, k, bpv, self.peak * self.gemm_fraction, self.hbm, self.sms)
 
     def gemm_fwd_bwd(self, m: float, n: float, k: float, bpv: int) -> Tuple[float, float]:
         """(forward, backward): backward is dX = dY W^T (m x n x k) and dW = X^T dY (k x n over m)."""
@@ -136,25 +172,51 @@ def block_widths(meta, matmul_params: float) -> Tuple[float, float]:
     return attn / (4.0 * h), max(matmul_params - attn, 0.0) / (2.0 * h)
 
 
+def optimizer_step_s(k: GpuKernels, params: float) -> float:
+    """Seconds of a fused AdamW step over `params` parameters on this GPU: memory-bound, every
+    parameter's OPTIMIZER_BYTES_PER_PARAM moved at HBM bandwidth x MEMORY_FRACTION."""
+    return params * OPTIMIZER_BYTES_PER_PARAM / (k.hbm * MEMORY_FRACTION)
+
+
 def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: int, bpv: int,
-                attention_flops_per_token: float, fused_attention: bool = True) -> Tuple[float, float, float]:
-    """(forward, backward, attention core forward) seconds of one block on one micro-batch. An
-    attention that is not fused writes its a x s scores per token and reads them back through the
-    softmax, dropout and the product with V (six 16-bit passes and a one-byte mask, Megatron's fused
-    softmax included): memory-bound work that shrinks relative to the GEMMs as h grows."""
+                attention_flops_per_token: float, fused_attention: bool = True,
+                runtime: str = "megatron") -> Tuple[float, float, float]:
+    """(forward, backward, attention core forward) seconds of one block on one micro-batch: its four
+    GEMMs and their backward, the attention core (fused: at the GPU's measured fused-attention rate;
+    unfused: unfused_attention_core), and the runtime's ELEMENTWISE values per token at HBM speed
+    (twice in backward)."""
     h = float(meta.hidden_size)
     a, w = block_widths(meta, matmul_params)
     fwd = bwd = 0.0
     for m, n, kk in ((tokens, 3 * a / tp, h), (tokens, h, a / tp), (tokens, w / tp, h), (tokens, h, w / tp)):
         f, b = k.gemm_fwd_bwd(m, n, kk, bpv)
         fwd, bwd = fwd + f, bwd + b
-    flash = flash_attention_fraction(k.name, meta.seq_len) if fused_attention and bpv == 2 else None
-    core = tokens * attention_flops_per_token / tp / (k.peak * (flash or ATTENTION_FRACTION))
-    if not fused_attention:
-        core += k.elementwise(tokens * meta.num_heads * meta.seq_len / tp * (6 * bpv + 1))
-    # norms, residual adds, bias + activation, dropout: ~12h replicated + 2W/tp values read or written per token
-    moved = k.elementwise(tokens * bpv * (12.0 * h + 2.0 * w / tp))
-    return fwd + core + moved, bwd + 2.0 * core + 2.0 * moved, core
+    if fused_attention:
+        flash = flash_attention_fraction(k.name, meta.seq_len) if bpv == 2 else None
+        core = tokens * attention_flops_per_token / tp / (k.peak * (flash or ATTENTION_FRACTION))
+        core_bwd = 2.0 * core
+    else:
+        core, core_bwd = unfused_attention_core(k, meta, tokens, tp, bpv)
+    per_h = ELEMENTWISE_H[runtime] / (tp if ELEMENTWISE_H_OVER_TP[runtime] else 1)
+    moved = k.elementwise(tokens * bpv * (per_h * h + ELEMENTWISE_W * w / tp))
+    return fwd + core + moved, bwd + core_bwd + 2.0 * moved, core
+
+
+def unfused_attention_core(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[float, float]:
+    """(forward, backward) of an attention core that materialises its scores (Megatron-LM's batched
+    GEMMs around its fused scale-mask-softmax): Q K^T (s x s x d) and the product with V (s x d x s)
+    per sequence and head, batched along M, on the GEMM model -- small K or N make them memory-bound,
+    as measured -- plus the passes over the s x s scores the GEMMs do not make: softmax read and
+    written, dropout read and written with its one-byte mask (UNFUSED_SCORE_PASSES, in values)."""
+    s, heads = float(meta.seq_len), meta.num_heads / tp
+    d = float(meta.hidden_size) / meta.num_heads
+    batch = tokens / s * heads
+    qk, av = k.gemm(batch * s, s, d, bpv), k.gemm(batch * s, d, s, bpv)
+    scores = batch * s * s
+    fwd = qk + av + k.elementwise(scores * (UNFUSED_SCORE_PASSES[0] * bpv + 1))
+    # backward: dQ, dK (s x d x s each), dP = dO V^T (s x s x d), dV = P^T dO (s x d x s)
+    bwd = 3.0 * av + qk + k.elementwise(scores * (UNFUSED_SCORE_PASSES[1] * bpv + 1))
+    return fwd, bwd
 
 
 def head_times(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[float, float]:

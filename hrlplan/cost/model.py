@@ -9,7 +9,6 @@ their links and the calibrated overheads are hrlplan.cost.device_model's (re-exp
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -18,15 +17,11 @@ import numpy as np
 from hrlplan.cost import context_parallel as cpc, kernels, memory as mem
 from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
 from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners and tests import them here)
-    GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, interpolate_by_tokens, matmul_peak,
-    unknown_peak_ratio)
+    GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, fp8_speedup, guessed_device_facts,
+    interpolate_by_tokens, matmul_peak, unknown_peak_ratio)
 from hrlplan.cost.memory import STATE_BYTES_PER_PARAM  # noqa: F401 (re-exported for the planners)
-from hrlplan.devices import peak_flops
 from hrlplan.plan import stage_to_group
 from hrlplan.families import is_language_model
-
-log = logging.getLogger(__name__)
-_WARNED: set = set()
 
 
 @dataclass(frozen=True)
@@ -94,6 +89,10 @@ class CostOptions:
     compile_speedup: Optional[float] = None
     # train.float8: the blocks' linears at the device's fp8 peak (devices.PEAKS), their casts in memory
     float8: bool = False
+    # planner.cost.tp_comm_overlap: a sequence-parallel stage's tp all-gathers and reduce-scatters run
+    # under the block's GEMMs (Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers);
+    # only what exceeds them is exposed
+    tp_comm_overlap: bool = False
 
 
 @dataclass
@@ -234,7 +233,7 @@ class StageCostModel:
             meta, bpv = self.meta, self.opts.bytes_per_value
             mm = float(meta.block_matmul_params[0]) if meta.block_matmul_params else 0.0
             f, b, core = kernels.block_times(k, meta, mm, tokens, tp, bpv, mem.attention_core_flops_per_token(meta),
-                                             self.opts.fused_attention)
+                                             self.opts.fused_attention, self.opts.runtime)
             head = sum(kernels.head_times(k, meta, tokens, self.vocab_tp(tp), bpv)) if last else 0.0
             # in the flat model's unit: a third of forward + backward (stage() splits it 1:2 again)
             hit = self._kernel_cache[key] = ((f + b) / 3.0, head / 3.0, core)
@@ -285,12 +284,18 @@ class StageCostModel:
         # compute_fwd is a third of forward + backward (the fit's unit); split as measured (default 1:2)
         ratio = ov.backward_forward_ratio(tokens)
         fwd_share = 3.0 / (1.0 + ratio)
+        sp = sequence_parallel and tp > 1
+        if o.tp_comm_overlap and sp:   # hidden under the blocks' GEMMs (their compute less the attention cores)
+            gemms = fwd_share * (blocks_c - n_blocks * core_c)
+            tp_comm, tp_comm_bwd = _beyond(tp_comm, gemms), _beyond(tp_comm_bwd, ratio * gemms)
         ring_f, ring_b = self._ring(group, tp, cp, tokens, n_blocks, fwd_share * core_c, fwd_share * ratio * core_c)
         fwd = fwd_share * compute_fwd + tp_comm + ring_f + ov.op_fwd * derate
         bwd = fwd_share * ratio * compute_fwd + tp_comm_bwd + ring_b + ov.op_bwd * derate
-        sp = sequence_parallel and tp > 1
         if recompute == "full":
             bwd = bwd + fwd_share * blocks_c + tp_comm + ring_f
+        elif recompute == "selective" and o.runtime == "megatron":
+            # Megatron's selective (Korthikanti et al. 2022): the attention core alone runs again, no collective
+            bwd = bwd + n_blocks * fwd_share * core_c
         elif recompute == "selective":
             # kept reduce-scatters under SP: only the all-gathers (half the volume) run again
             bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
@@ -305,12 +310,19 @@ class StageCostModel:
         # FSDP: all-gather of weights before the step + reduce-scatter of grads: one all-reduce's volume
         sync_bytes = per_rank * o.bytes_per_value
         dp_sync = all_reduce_time(sync_bytes, shards, dp_bw, dp_lat) if shards > 1 else 0.0
+        if o.dp_overlap and o.dp_mode == "fsdp" and not reshard:
+            # the weights' all-gather (half that volume) runs under the step's first forward (FSDP2's
+            # prefetch; Megatron's --overlap-param-gather), the reduce-scatter under the last backward
+            dp_sync = dp_sync / 2 + _beyond(dp_sync / 2, fwd)
         if ov.dp_reduce or ov.dp_allgather or ov.dp_reduce_fixed or ov.dp_allgather_fixed:
             dp_sync = 0.0   # calibrated: the measured per-unit collectives below include their payload
         own_units = (1 if first else 0) + (1 if last else 0)   # embedding / final norm + head
         opt_units = n_blocks + own_units * ov.opt_ends_blocks / 2.0
         # DTensor parameters (FSDP's shards, tp's sharded linears) step as the sharded figure measured
         optimizer = opt_units * ov.optimizer_per_block(shards, tp)
+        if all(self.kernels[d] is not None for d in group):   # uncalibrated GPUs: the step's bytes at HBM speed
+            stepped = per_rank / shards if o.dp_mode == "fsdp" else per_rank
+            optimizer = max(kernels.optimizer_step_s(self.kernels[d], stepped) for d in group)
         fwd_dp, bwd_dp, first_extra, last_extra = self._data_parallel_time(
             shards, n_blocks, own_units, reshard, per_rank, (dp_bw, dp_lat), microbatches, lockstep)
         fwd, bwd = fwd + fwd_dp, bwd + bwd_dp
@@ -423,60 +435,51 @@ class StageCostModel:
         scale = o.bytes_per_value / 2.0   # meta activation figures are for 16-bit values
         mean = sum(meta.block_activation_bytes_per_token) / max(len(meta.block_activation_bytes_per_token), 1)
         span = self._prefix("_pa", end) - self._prefix("_pa", start)
-        held = mem.held_per_token(meta, tp, recompute, o.fused_attention, sp) / mean if mean > 0 else 0.0
+        recompute, fused = self._memory_recompute(recompute)
+        held = self._held_per_token(tp, recompute, fused, sp) / mean if mean > 0 else 0.0
         head = self.head_activation_per_token(tp) if last else 0.0
         activation = tokens * (span * held + head) * scale
         # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
         def transient_of(blocks, with_loss: bool):
             return mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, blocks, with_loss,
-                                       o.fused_attention, sp)
+                                       fused, sp)
         if recompute != "full":
             return activation, transient_of(n_blocks, last)
         # a rebuilt block peaks once the micro-batch has freed all but its first block's input; the
         # loss's backward comes before that, beside everything held
-        one_input = tokens * mem.held_per_token(meta, tp, "full", o.fused_attention, sp) * scale
+        one_input = tokens * self._held_per_token(tp, "full", fused, sp) * scale
         rebuilt = mem.rebuilt_beyond_held(transient_of(n_blocks, False), activation, one_input)
         loss = transient_of(0, last)
         return activation, (np.maximum(rebuilt, loss) if isinstance(rebuilt, np.ndarray) else max(rebuilt, loss))
+
+    def _held_per_token(self, tp: int, recompute: str, fused: bool, sp: bool) -> float:
+        """Bytes per token (16-bit) one block keeps for its backward. runtime=megatron: Korthikanti et
+        al. 2022's count of Megatron's fused block (Table 2: 10h replicated + 24h/tp, all of 34h/tp
+        under sequence parallelism, + 5as/tp of scores unless fused; full recomputation 2h, /tp under
+        SP); torch: memory.held_per_token (what this package's blocks were measured to keep)."""
+        meta = self.meta
+        if self.opts.runtime != "megatron" or not is_language_model(meta):
+            return mem.held_per_token(meta, tp, recompute, fused, sp)
+        h = float(meta.hidden_size)
+        if recompute == "full":
+            return 2.0 * h / (tp if sp else 1)
+        scores = 0.0 if fused else 5.0 * meta.num_heads * meta.seq_len / tp
+        return (34.0 * h / tp if sp else 10.0 * h + 24.0 * h / tp) + scores
+
+    def _memory_recompute(self, recompute: str) -> Tuple[str, bool]:
+        """(recompute mode, fused attention) as the memory model counts a block: Megatron's selective
+        keeps everything but the attention core's s x s tensors (Korthikanti et al. 2022: the 5as/h
+        term goes, 34sbh/t stays) -- what an unrecomputed block with a fused attention keeps."""
+        if recompute == "selective" and self.opts.runtime == "megatron":
+            return "none", True
+        return recompute, self.opts.fused_attention
 
     def activation_message(self, microbatch_size: int, sequence_shards: int = 1) -> float:
         """Bytes one tp rank sends the next stage per micro-batch (sequence_shards: tp under SP)."""
         return microbatch_size * self.meta.seq_len * self.meta.hidden_size * self.opts.bytes_per_value / sequence_shards
 
 
-_GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
-    "kernel_table_missing": ("hrlplan/cost/kernels.py GPU_FACTS", "HBM bandwidth and SM count are guessed"),
-    "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
-    "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
-    "attention_curve_missing": ("hrlplan/cost/kernels.py FLASH2_FWD_BWD (published FlashAttention-2 rates)",
-                                "fused attention runs at ATTENTION_FRACTION of its peak"),
-}
-
-
-def fp8_speedup(device, bytes_per_value: int, tf32: bool) -> float:
-    """The device's fp8 matmul peak over its peak in the run's dtype (1 without an fp8 path: such
-    a device is refused train.float8 before any worker starts)."""
-    fp8 = peak_flops(device.name, "fp8") if device.kind == "cuda" else None
-    base = matmul_peak(device, bytes_per_value, tf32)
-    return fp8 / base if fp8 and base else 1.0
-
-
-def guessed_device_facts(cluster, shape_aware: bool, float32: bool, fused_attention: bool = True) -> Dict[str, list]:
-    """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS), float32 ratio
-    (hrlplan.devices.PEAKS), bf16 path (V100, T4) or fused-attention rate (a published curve) the
-    tables lack, so the cost model guesses; each warned of once."""
-    gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
-    out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
-           "datasheet_missing": sorted({d.name for d in cluster.devices if float32 and unknown_peak_ratio(d)}),
-           "bf16_missing": [n for n in gpus if not float32 and peak_flops(n, "bf16") is None
-                            and peak_flops(n, "fp16") is not None],
-           "attention_curve_missing": [n for n in gpus if shape_aware and fused_attention and not float32
-                                       and kernels.flash_attention_fraction(n, 2048) is None]}
-    for key, names in out.items():
-        for name in names:
-            if (key, name) not in _WARNED:
-                _WARNED.add((key, name))
-                table, guess = _GUESSES[key]
-                log.warning("cost model: device %r is not in %s: its %s (calibrate for a measured figure: "
-                            "planner.calibrate=true)", name, table, guess)
-    return out
+def _beyond(comm, window):
+    """The part of a collective's time that a window of compute it overlaps does not hide."""
+    exposed = np.maximum(comm - window, 0.0)
+    return exposed if isinstance(exposed, np.ndarray) else float(exposed)
