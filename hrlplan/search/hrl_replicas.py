@@ -1,27 +1,33 @@
 """Hierarchical RL over heterogeneous replicas (issue 35), for where hetero_exact cannot prove.
 
 High level (ReplicaPolicy, this module): for each device type, one option -- off, or `count`
-replicas of `size` devices (HeteroSpace's node slices and whole-node multiples) -- scored by a small
-MLP over instance-relative features of the option (its share of the type's devices, the type's
-speed and memory against the model's needs, ...) and sampled from their softmax. Rows of the global
-batch go to the chosen replicas in proportion to their devices' sustained FLOP/s, on the grid of
-B/steps rows, then once more in proportion to each replica's simulated speed.
+replicas of one shape (a node slice, whole nodes, or a slice across nodes: HeteroSpace's shapes) --
+scored by a small MLP over instance-relative features of the option (its share of the type's
+devices, the type's speed and memory against the model's needs, ...) and sampled from their
+softmax. Each sample is a proposal: the device grouping and which replicas each type trains.
 
-Low level: each replica's template (pipeline stages, layer boundaries, tp per stage, micro-batching)
-from the existing HRL planner's shipped generalist (search.hrl: its configuration scores and greedy
-boundary rollouts on the replica's ReplicaSpace); where that policy cannot be loaded (another
-feature layout), the configurations' cost estimates and the exact planner's min-max DP splits.
+Low level (search/hrl_replica_low.py): rows per replica on the grid of B/steps rows, chosen by a
+small exact DP that minimises the largest estimated replica step; each replica's template (stage
+count, tp, micro-batching, layer boundaries) from the exact planner's min-max DP split over the
+configurations with the best estimates, simulated. Estimates cost no simulator call.
+
+Search (search_hrl_replicas): many proposals are drawn (the greedy one first, then samples, plus
+each type alone) and screened by their estimated step; the best-screened are simulated in full
+(templates, then the plan with its cross-replica reduce), each once more with rows rebalanced by
+what the simulation showed, until the simulator calls or the deadline run out. The best simulated
+plan is kept.
 
 Trained with REINFORCE over generated heterogeneous clusters (2-4 device types, uneven counts and
-node sizes, 16-1024 GPUs, memory-limited fast types); the shipped weights plan zero-shot.
+node sizes, 16-1024 GPUs, memory-limited fast types) on the screening estimate; the shipped weights
+plan zero-shot.
 
-    python -m hrlplan.search.train_replicas [--minutes 5] [--out <file>]   # retrain (train_replicas.py)
+    python -m hrlplan.search.train_replicas [--minutes 4] [--out <file>]   # retrain (train_replicas.py)
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,19 +40,18 @@ from hrlplan.cluster import spec_from_preset
 from hrlplan.config import ExactPlannerConfig, TrainConfig, section
 from hrlplan.cost.simulator import Simulator
 from hrlplan.search.common import cost_options
-from hrlplan.search.estimate import ConfigEstimator
-from hrlplan.errors import UserError
-from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
+from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, same_tp_required
 from hrlplan.search.hetero_exact import nproc_candidates, row_grid
-from hrlplan.search.hrl.agent import PlanningEnv
-from hrlplan.search.hrl.policy import generalist_path, load_policy
+from hrlplan.search.hrl_replica_low import ReplicaTemplates
 from hrlplan.search.instances import load_meta
-from hrlplan.search.splits import SplitTables
 
-FEATURES = 11
+FEATURES = 12
 POLICY_FILE = Path(__file__).resolve().parent / "hrl" / "pretrained" / "replicas.pth"
-OFF = (0, 0)
+OFF = None
 INFEASIBLE_REWARD = -3.0
+LOW_LEVEL = "estimate-screened proposals; exact planner's min-max DP splits (search/splits.py)"
+
+Entry = Tuple[str, Shape, int]   # (device type, replica shape, replica count)
 
 
 class ReplicaPolicy(nn.Module):
@@ -61,170 +66,140 @@ class ReplicaPolicy(nn.Module):
 
 
 def load_replica_policy(path: Optional[Path] = None) -> ReplicaPolicy:
+    """The shipped weights; weights of another feature layout are not used (a fresh policy is)."""
     policy = ReplicaPolicy()
     path = Path(path or POLICY_FILE)
     if path.exists():
-        policy.load_state_dict(torch.load(path, weights_only=True))
+        state = torch.load(path, weights_only=True)
+        if state.get("net.0.weight", torch.empty(0, 0)).shape[-1] == FEATURES:
+            policy.load_state_dict(state)
     return policy
-
-
-@dataclass
-class Template:
-    time_s: float
-    layout: Any
-
-
-class LowLevel:
-    """Templates of (type, size, rows): the generalist's configuration scores and greedy boundaries."""
-
-    def __init__(self, sim, meta, cluster, planner_cfg, train, space: HeteroSpace, top: int = 2):
-        self.sim, self.meta, self.cluster, self.space, self.top = sim, meta, cluster, space, top
-        self.cfg = {k: v for k, v in planner_cfg.items() if k != "heterogeneous"}
-        self.train = train
-        self.cache: Dict[tuple, Template] = {}
-        self.policy = self._generalist()
-        self.source = "shipped generalist (search.hrl)" if self.policy is not None else "estimates + DP splits"
-
-    @staticmethod
-    def _generalist():
-        try:
-            return load_policy(generalist_path())
-        except (UserError, OSError):   # another feature layout or no weights: the DP fallback below
-            return None
-
-    def template(self, t: str, size: int, rows: int, tp: Optional[int]) -> Template:
-        key = (t, size, rows, tp)
-        if key not in self.cache:
-            rs = ReplicaSpace(self.meta, self.cluster, self.cfg, dict(self.train, global_batch_size=rows,
-                                                                      microbatches="auto"),
-                              self.space.first_replica_pool(t, size), tp=tp)
-            rs.sim = self.sim
-            self.cache[key] = self._search(rs)
-        return self.cache[key]
-
-    def _search(self, rs: ReplicaSpace) -> Template:
-        best = Template(math.inf, None)
-        for layout in (self._policy_layouts(rs) if self.policy is not None else None) or self._dp_layouts(rs):
-            r = self.sim.evaluate(layout)
-            if r.feasible and r.step_time_s < best.time_s:
-                best = Template(r.step_time_s, layout)
-        return best
-
-    def _policy_layouts(self, rs: ReplicaSpace) -> List[Any]:
-        try:
-            env = PlanningEnv(self.sim, rs)
-            with torch.no_grad():
-                order = torch.argsort(self.policy.high_logits(env.inst, env.cfeat), descending=True).tolist()
-            gen = torch.Generator().manual_seed(0)
-            out = []
-            for idx in order[:self.top]:
-                ep = env.rollout(self.policy, idx, True, gen, 0.0)
-                if ep["layout"] is not None:
-                    out.append(ep["layout"])
-            return out
-        except (ValueError, RuntimeError):   # no configuration, or features the weights do not fit
-            return []
-
-    def _dp_layouts(self, rs: ReplicaSpace) -> List[Any]:
-        configs = list(rs.configs())
-        if not configs:
-            return []
-        est = ConfigEstimator(self.sim, rs)
-        ranked = sorted(configs, key=lambda c: est.estimate(c).step_s)[:self.top]
-        out = []
-        for c in ranked:
-            tables = SplitTables(self.sim, rs, c)
-            if tables.minmax() < math.inf:
-                spans = next(iter(tables.candidates()), None)
-                if spans is not None:
-                    out.append(rs.layout(c, spans, recompute=tables.recompute_of(spans)))
-        return out
 
 
 class ReplicaEnv:
     """One instance as the high-level policy sees it: per type its options and their features."""
 
-    def __init__(self, sim, meta, cluster, planner_cfg, train_cfg, share_steps: int = 16):
+    def __init__(self, sim, meta, cluster, planner_cfg, train_cfg, share_steps: int = 16, top: int = 2,
+                 slack=(0.0,)):
         self.sim, self.meta, self.cluster = sim, meta, cluster
         self.train = {k: getattr(train_cfg, k) for k in train_cfg.__dataclass_fields__}
         self.B = int(train_cfg.global_batch_size)
         self.schedule = str(train_cfg.schedule)
         self.space = HeteroSpace(cluster, nproc_candidates(cluster)[0])
         self.grid_unit = row_grid(self.B, share_steps)[0]
-        self.low = LowLevel(sim, meta, cluster, planner_cfg, self.train, self.space)
-        self.tp = None
-        self.deadline = math.inf   # past it, a decision's plan is not rebalanced (search_hrl_replicas sets it)
-        if same_tp_required(meta):   # one tp across replicas (GPT-2): the generalist's favourite, 1
-            self.tp = 1
-        self.options: Dict[str, List[Tuple[int, int]]] = {}
+        self.low = ReplicaTemplates(sim, meta, cluster, planner_cfg, self.train, self.space, top=top, slack=slack)
+        self.deadline = math.inf   # past it, a proposal's plan is not rebalanced (search_hrl_replicas sets it)
+        # one tp across replicas (GPT-2): each proposal screened at every tp degree, the best kept
+        self.tps: List[Optional[int]] = [None]
+        if same_tp_required(meta):
+            self.tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= int(planner_cfg.get("max_tp", 8))
+                        and tp <= self.space.nproc and meta.num_heads % tp == 0]
+        self.options: Dict[str, List[Optional[Tuple[Shape, int]]]] = {}
         self.features: Dict[str, torch.Tensor] = {}
         speed = {t: self._type_flops(t) for t in self.space.types}
         fastest = max(speed.values())
         world = self.space.launchable_devices()
         need = meta.total_params * 16.0   # weights, gradients and Adam state in bytes, unsharded
+        nproc = self.space.nproc
         for t in self.space.types:
-            devices = len(self.space.type_nodes[t]) * self.space.nproc
+            nodes = len(self.space.type_nodes[t])
+            devices = nodes * nproc
             mem = cluster.devices[self.space.node_devices[self.space.type_nodes[t][0]][0]].memory_bytes
-            opts = [OFF] + [(s, k) for s in self.space.replica_sizes(t) for k in self.space.replica_counts(t, s)
+            opts = [OFF] + [(s, k) for s in self.space.replica_shapes(t) for k in self.space.shape_counts(t, s)
                             if k * self.grid_unit <= self.B]
             self.options[t] = opts
-            self.features[t] = torch.tensor([[
-                0.0 if o == OFF else math.log2(o[0]) / 10, 0.0 if o == OFF else math.log2(o[1]) / 10,
-                0.0 if o == OFF else o[0] * o[1] / devices, speed[t] / fastest, devices / world,
-                math.log(max(mem * (o[0] or 1) / need, 1e-3)) / 5, 1.0 if o == OFF else 0.0,
-                math.log2(self.B) / 12, math.log10(max(meta.total_params, 1)) / 11,
-                0.0 if o == OFF else min(o[0] / self.space.nproc, 4.0), len(self.space.types) / 4]
-                for o in opts], dtype=torch.float32)
+            rows = []
+            for o in opts:
+                s, k = o if o is not None else (Shape(1, 1), 0)
+                size = s.size if o is not None else 1
+                rows.append([0.0 if o is None else math.log2(size) / 10, 0.0 if o is None else math.log2(k) / 10,
+                             0.0 if o is None else size * k / devices, speed[t] / fastest, devices / world,
+                             math.log(max(mem * size / need, 1e-3)) / 5, 1.0 if o is None else 0.0,
+                             math.log2(self.B) / 12, math.log10(max(meta.total_params, 1)) / 11,
+                             0.0 if o is None else s.per_node / nproc, 0.0 if o is None else s.nodes / nodes,
+                             len(self.space.types) / 4])
+            self.features[t] = torch.tensor(rows, dtype=torch.float32)
 
     def _type_flops(self, t: str) -> float:
         d = self.space.node_devices[self.space.type_nodes[t][0]][0]
         return self.sim.devices.throughput(d, self.meta.seq_len)
 
-    def rows_for(self, chosen: List[Tuple[str, int, int]], speeds: Dict[str, float]) -> Optional[List[int]]:
-        """Rows per replica of each chosen (type, size, count), in proportion to `speeds` (per device),
-        in grid units, summing to B; None if some replica would get none."""
+    def rows_for(self, chosen, speeds: Dict[str, float]) -> Optional[List[int]]:
+        """Rows per replica of each chosen (type, shape or size, count), in proportion to `speeds`
+        (per device), in grid units, summing to B; None if some replica would get none."""
         unit, units = self.grid_unit, self.B // self.grid_unit
-        weight = [speeds[t] * s for t, s, _ in chosen]
+        weight = [speeds[t] * (s.size if isinstance(s, Shape) else s) for t, s, _ in chosen]
         total = sum(w * k for w, (_, _, k) in zip(weight, chosen))
         per = [max(1, int(units * w / total)) for w in weight]
-        # fix the sum: add or take units where the relative error is largest, keeping >= 1 per replica
-        for _ in range(4 * units):
+        ideal = [units * w / total for w in weight]
+        for _ in range(4 * units):   # fix the sum where the relative error is largest, >= 1 per replica
             left = units - sum(p * k for p, (_, _, k) in zip(per, chosen))
             if left == 0:
                 return [p * unit for p in per]
             candidates = [i for i, (_, _, k) in enumerate(chosen) if (k <= left if left > 0 else per[i] > 1)]
             if not candidates:
                 return None
-            ideal = [units * w / total for w in weight]
             i = max(candidates, key=lambda j: (ideal[j] - per[j]) if left > 0 else (per[j] - ideal[j]))
             per[i] += 1 if left > 0 else -1
         return None
 
-    def assemble(self, chosen: List[Tuple[str, int, int]]) -> Tuple[float, Any, Any]:
-        """The plan of the chosen options: rows by FLOP/s, then once rebalanced by the templates' speed."""
-        speeds = {t: self._type_flops(t) for t, _, _ in chosen}
-        best = (math.inf, None, None)
-        for attempt in range(2):
-            if attempt and time.perf_counter() > self.deadline:
-                break
-            rows = self.rows_for(chosen, speeds)
-            if rows is None:
-                return best
-            templates = [self.low.template(t, s, r, self.tp) for (t, s, _), r in zip(chosen, rows)]
-            if any(tm.layout is None for tm in templates):
-                return best
-            replicas = [Replica(t, place(tm.layout, self.space.replica_devices(t, s, i)))
-                        for (t, s, k), tm in zip(chosen, templates) for i in range(k)]
-            plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim)
-            if predicted["feasible"] and predicted["step_time_s"] < best[0]:
-                best = (predicted["step_time_s"], plan, replicas)
-            # rows per second of each type's replica, per device: the next split's weights
-            speeds = {t: r / tm.time_s / s for (t, s, _), r, tm in zip(chosen, rows, templates)}
+    def screen(self, chosen: List[Entry], correction=None) -> Tuple[float, Optional[int], Optional[List[int]]]:
+        """(estimated step, tp, rows per replica of each entry): the best tp's row allocation."""
+        best: Tuple[float, Optional[int], Optional[List[int]]] = (math.inf, None, None)
+        for tp in self.tps:
+            est, rows = self.low.allocate(chosen, self.B, self.grid_unit, tp, correction)
+            if rows is not None:
+                est += self.sync_estimate(chosen, tp, rows)
+            if est < best[0]:
+                best = (est, tp, rows)
         return best
+
+    def sync_estimate(self, chosen: List[Entry], tp: Optional[int], rows: List[int]) -> float:
+        """The cross-replica gradient reduce left exposed, roughly: the smallest replica's share of
+        the gradients all-reduced over a ring of one device per replica, less about one micro-batch's
+        backward that it overlaps (cost/plans.py costs it exactly, per unit and tp shard)."""
+        replicas = sum(k for _, _, k in chosen)
+        if replicas < 2:
+            return 0.0
+        ring = [self.space.shape_devices(t, s, i)[0] for t, s, k in chosen for i in range(k)]
+        bw, lat = self.sim.devices.ring_bw_lat(ring)
+        nbytes = self.meta.total_params * self.sim.opts.bytes_per_value / min(s.size for _, s, _ in chosen)
+        reduce_s = (2.0 * (replicas - 1) / replicas * nbytes / bw + 2.0 * (replicas - 1) * lat) \
+            * self.sim.devices.time_scale
+        overlap = math.inf
+        for (t, s, _), r in zip(chosen, rows):
+            ranked = self.low.ranked((t, s, r, tp))
+            if ranked:
+                est, c = ranked[0]
+                overlap = min(overlap, (2 / 3) * est / (c.num_microbatches + c.n_stages - 1))
+        return max(0.0, reduce_s - (overlap if overlap < math.inf else 0.0))
+
+    def assemble(self, chosen: List[Entry], tp: Optional[int], rows: List[int]) -> Tuple[float, Any, Any]:
+        """The simulated plan of the chosen entries at these rows: (step, plan, replicas); inf where a
+        template or the plan does not fit."""
+        templates = [self.low.template((t, s, r, tp)) for (t, s, _), r in zip(chosen, rows)]
+        if any(tm.layout is None for tm in templates):
+            return math.inf, None, None
+        replicas = [Replica(t, place(tm.layout, self.space.shape_devices(t, s, i)))
+                    for (t, s, k), tm in zip(chosen, templates) for i in range(k)]
+        plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim)
+        if not predicted["feasible"]:
+            return math.inf, None, None
+        return predicted["step_time_s"], plan, replicas
+
+    def correction(self, chosen: List[Entry], tp: Optional[int], rows: List[int]) -> Dict[tuple, float]:
+        """Simulated / estimated replica step per entry, where its template is known."""
+        out = {}
+        for (t, s, _), r in zip(chosen, rows):
+            tm = self.low.templates.get((t, s, r, tp))
+            est = self.low.estimate((t, s, r, tp))
+            if tm is not None and tm.layout is not None and 0 < est < math.inf:
+                out[(t, s)] = tm.time_s / est
+        return out
 
 
 def sample(env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, greedy: bool = False):
-    """One high-level decision per type; (chosen options, log-probability, entropy)."""
+    """One high-level decision per type; (chosen entries, log-probability, entropy)."""
     logp, entropy, chosen = torch.zeros(()), torch.zeros(()), []
     for t in env.space.types:
         logits = policy(env.features[t])
@@ -232,35 +207,120 @@ def sample(env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, greedy:
         i = int(torch.argmax(probs)) if greedy else int(torch.multinomial(probs, 1, generator=gen))
         logp = logp + torch.log(probs[i] + 1e-12)
         entropy = entropy - (probs * torch.log(probs + 1e-12)).sum()
-        if env.options[t][i] != OFF:
+        if env.options[t][i] is not OFF:
             chosen.append((t, *env.options[t][i]))
     return chosen, logp, entropy
 
 
+def _alone(env: ReplicaEnv) -> List[List[Entry]]:
+    """Each type alone at each of its options: the single-type plans are always proposals."""
+    return [[(t, *o)] for t in env.space.types for o in env.options[t] if o is not OFF]
+
+
+def propose(env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, draws: int,
+            deadline: float) -> List[Tuple[float, List[Entry], Optional[int], List[int]]]:
+    """The greedy decision, each type alone, then `draws` samples; screened, fastest estimate first."""
+    seen, screened = set(), []
+
+    def samples():
+        with torch.no_grad():
+            yield sample(env, policy, gen, greedy=True)[0]
+            yield from _alone(env)
+            for _ in range(draws):
+                yield sample(env, policy, gen)[0]
+    for chosen in samples():
+        if time.perf_counter() > deadline and screened:
+            break
+        key = tuple(chosen)
+        if not chosen or key in seen:
+            continue
+        seen.add(key)
+        est, tp, rows = env.screen(chosen)
+        if rows is not None:
+            screened.append((est, chosen, tp, rows))
+    screened.sort(key=lambda x: x[0])
+    return screened
+
+
+def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int = 2
+            ) -> Tuple[float, List[Entry], Optional[int], Optional[List[int]]]:
+    """Coordinate descent on the screening estimate from a proposal: each type in turn takes the
+    option (off included) that lowers the estimated step most, the others held; no simulator call."""
+    best = (*env.screen(chosen),)
+    best = (best[0], list(chosen), best[1], best[2])
+    for _ in range(sweeps):
+        moved = False
+        for t in env.space.types:
+            if time.perf_counter() > deadline:
+                return best
+            others = [e for e in best[1] if e[0] != t]
+            # the others as they are, or one of them off (a type taking the rows another had)
+            keeps = [others] + [[e for e in others if e is not off] for off in others if len(others) > 1]
+            for o in env.options[t]:
+                for kept in keeps:
+                    trial = sorted(kept + ([] if o is OFF else [(t, *o)]), key=lambda e: e[0])
+                    if not trial or trial == best[1]:
+                        continue
+                    est, tp, rows = env.screen(trial)
+                    if est < best[0] * (1 - 1e-9):
+                        best, moved = (est, trial, tp, rows), True
+        if not moved:
+            break
+    return best
+
+
 def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, seed: int = 0,
-                        policy: Optional[ReplicaPolicy] = None, deadline: float = math.inf) -> Dict[str, Any]:
-    """Zero-shot: the greedy decision, then samples, until `calls` simulator evaluations are spent
-    (or the deadline passes). Returns {step_time_s, plan, calls, time_s, low_level, decisions}."""
+                        policy: Optional[ReplicaPolicy] = None, deadline: float = math.inf,
+                        draws: int = 64, top: int = 2, slack=(0.0,), improve_top: int = 4) -> Dict[str, Any]:
+    """Zero-shot: proposals screened by estimate, the best simulated in full (then once more with
+    rows rebalanced by the simulation), until `calls` simulator evaluations are spent or the
+    deadline passes. Returns {step_time_s, plan, replicas, calls, time_s, low_level, decisions, ...}."""
     policy = policy or load_replica_policy()
     gen = torch.Generator().manual_seed(seed)
     start, t0 = sim.evaluations, time.perf_counter()
-    env = ReplicaEnv(sim, meta, cluster, planner_cfg, train_cfg)
+    env = ReplicaEnv(sim, meta, cluster, planner_cfg, train_cfg, top=top, slack=slack)
     env.deadline = deadline
-    best, seen, first = (math.inf, None, None), set(), True
-    while sim.evaluations - start < calls and time.perf_counter() < deadline:
-        with torch.no_grad():
-            chosen, _, _ = sample(env, policy, gen, greedy=first)
-        first = False
-        key = tuple(chosen)
-        if not chosen or key in seen:
-            sim.evaluations += 1   # a repeated or empty draw counts, or a converged policy never stops
-            continue
-        seen.add(key)
-        got = env.assemble(chosen)
-        if got[0] < best[0]:
-            best = got
-    return {"step_time_s": best[0], "plan": best[1], "replicas": best[2], "calls": sim.evaluations - start,
-            "time_s": time.perf_counter() - t0, "low_level": env.low.source, "decisions": len(seen)}
+    # screening gets at most a third of the time left, so that proposals get simulated
+    screen_until = t0 + (deadline - t0) / 3 if deadline < math.inf else math.inf
+    screened = propose(env, policy, gen, draws, screen_until)
+    # the best few proposals refined on the estimate (coordinate descent over each type's options)
+    refined = [improve(env, chosen, screen_until) for _, chosen, _, _ in screened[:improve_top]]
+    unique = {}
+    for est, chosen, tp, rows in refined + screened:
+        if rows is not None and tuple(chosen) not in unique:
+            unique[tuple(chosen)] = (est, chosen, tp, rows)
+    screened = sorted(unique.values(), key=lambda x: x[0])
+    best, simulated, tried = (math.inf, None, None), 0, set()
+
+    def left() -> bool:
+        return sim.evaluations - start < calls and time.perf_counter() < deadline
+
+    for est, chosen, tp, rows in screened:
+        if not left():
+            break
+        simulated += 1
+        for attempt in range(3):
+            key = (tuple(chosen), tp, tuple(rows))
+            if key in tried:
+                break
+            tried.add(key)
+            got = env.assemble(chosen, tp, rows)
+            if got[0] < best[0]:
+                best = got
+            if not left():
+                break
+            # rebalance: the estimates corrected by what the templates simulated to
+            _, tp2, rows2 = env.screen(chosen, env.correction(chosen, tp, rows))
+            if rows2 is None:
+                break
+            tp, rows = tp2, rows2
+    used = sim.evaluations - start
+    # every proposal simulated before the calls ran out: the baselines get the whole budget still
+    # (`calls`), `calls_used` says what this search spent
+    return {"step_time_s": best[0], "plan": best[1], "replicas": best[2],
+            "calls": calls if used < calls and calls < 10 ** 8 else used, "calls_used": used,
+            "time_s": time.perf_counter() - t0, "low_level": LOW_LEVEL, "decisions": len(screened),
+            "simulated": simulated}
 
 
 # ---------------------------------------------------------------- training
@@ -299,11 +359,13 @@ def _env_for(seed: int, max_gpus: int) -> ReplicaEnv:
     return ReplicaEnv(sim, meta, cluster, planner, train)
 
 
-def train_policy(minutes: float = 4.0, instances: int = 24, batch: int = 4, lr: float = 0.02,
+def train_policy(minutes: float = 4.0, instances: int = 24, batch: int = 8, lr: float = 0.02,
                  entropy_coef: float = 0.01, max_gpus: int = 256, seed: int = 0,
-                 log=print) -> ReplicaPolicy:
-    """REINFORCE over generated clusters: reward -log(step / the best step seen on the instance),
-    the batch's mean as baseline; stops after `minutes` of wall time."""
+                 log=print, max_steps: Optional[int] = None, env_of=None) -> ReplicaPolicy:
+    """REINFORCE over generated clusters on the screening estimate (no simulator call): reward
+    -log(estimate / the best estimate seen on the instance), the batch's mean as baseline; stops
+    after `minutes` of wall time (or `max_steps` updates). `env_of(i)`: the i-th instance's
+    ReplicaEnv (default: training_instance(i)'s)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     policy = ReplicaPolicy()
@@ -311,15 +373,15 @@ def train_policy(minutes: float = 4.0, instances: int = 24, batch: int = 4, lr: 
     envs: Dict[int, ReplicaEnv] = {}
     best: Dict[int, float] = {}
     t0, step = time.perf_counter(), 0
-    while time.perf_counter() - t0 < minutes * 60:
+    while time.perf_counter() - t0 < minutes * 60 and (max_steps is None or step < max_steps):
         i = step % instances
         if i not in envs:
-            envs[i] = _env_for(i, max_gpus)
+            envs[i] = env_of(i) if env_of is not None else _env_for(i, max_gpus)
         env = envs[i]
         logps, ents, times = [], [], []
         for _ in range(batch):
             chosen, logp, ent = sample(env, policy, gen)
-            t = env.assemble(chosen)[0] if chosen else math.inf
+            t = env.screen(chosen)[0] if chosen else math.inf
             logps.append(logp)
             ents.append(ent)
             times.append(t)
