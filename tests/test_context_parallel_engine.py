@@ -66,6 +66,8 @@ def test_compile_beside_context_parallelism_is_refused_in_one_line(monkeypatch):
 
 
 def test_the_ring_gets_repeated_kv_heads_and_meta_tensors_get_plain_sdpa():
+    from hrlplan.errors import UserError
+
     calls: List[Dict[str, Any]] = []
 
     def ring(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
@@ -79,7 +81,7 @@ def test_the_ring_gets_repeated_kv_heads_and_meta_tensors_get_plain_sdpa():
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), atol=1e-6)
     meta = attention(q.to("meta"), k.to("meta"), k.to("meta"), is_causal=True, enable_gqa=True)
     assert meta.shape == q.shape and len(calls) == 1   # shape inference on meta never reaches the ring
-    with pytest.raises(ValueError, match="causal attention without a mask"):
+    with pytest.raises(UserError, match="causal attention without a mask"):
         attention(q, k, k, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True)
 
 
@@ -94,6 +96,39 @@ def test_a_model_that_does_not_attend_through_sdpa_is_refused_under_cp():
     check_sdpa_attention(SimpleNamespace(_attn_implementation="sdpa"), 2)
     with pytest.raises(UserError, match=r"^train\.context_parallel=2: .* implementation is 'eager'"):
         check_sdpa_attention(SimpleNamespace(_attn_implementation="eager"), 2)
+
+
+def test_a_step_whose_blocks_never_reach_the_ring_is_refused_and_everything_is_put_back():
+    """torch's real context and buffer sharding on a one-rank gloo mesh: positions set on the parts
+    for the step and cleared after it, SDPA given back; a step that ran blocks without calling SDPA
+    is refused in one line instead of training each rank on its own tokens."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hrlplan.errors import UserError
+    from hrlplan.runtime.context_parallel import sharded_step
+
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is still up")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        part = torch.nn.Module()
+        part.base, part.blocks_attr = torch.nn.Module(), "layers"
+        part.base.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)})
+        plain = F.scaled_dot_product_attention
+        with pytest.raises(UserError, match=r"^train\.context_parallel=1: a step ran blocks whose attention never"):
+            with sharded_step(mesh, 8, torch.device("cpu"), [part]) as positions:
+                assert positions.tolist() == [list(range(8))] and part.position_ids is positions
+                assert F.scaled_dot_product_attention is not plain
+        assert F.scaled_dot_product_attention is plain and part.position_ids is None
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- one process: the ranks side by side

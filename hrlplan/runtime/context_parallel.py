@@ -26,7 +26,7 @@ one seam) by an exact all-gather of K/V and train the real engine with it.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, List, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -104,22 +104,25 @@ def ring_attention(cp_mesh, positions: torch.Tensor) -> Callable:
     return F.scaled_dot_product_attention
 
 
-def _attention_for_ring(ring: Callable, plain: Callable) -> Callable:
+def _attention_for_ring(ring: Callable, plain: Callable, calls: Optional[List[int]] = None) -> Callable:
     """What the blocks call in place of SDPA. Meta tensors (older torch pipelining infers stage
     shapes by a forward on meta) take plain SDPA: shapes are all it needs and no ring runs on meta.
     Grouped-query attention gets its K/V heads repeated here, as torchtitan does before SDPA: the
-    ring's CUDA kernels take one head count."""
+    ring's CUDA kernels take one head count. `calls` counts the ring's calls."""
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
         if query.is_meta:
             return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
         if attn_mask is not None or not is_causal:
-            raise ValueError("context parallelism runs causal attention without a mask (torch's load-balanced ring "
-                             "needs is_causal=True); this attention passed a mask")
+            raise UserError(f"{CP_KEY}: context parallelism runs causal attention without a mask (torch's "
+                            "load-balanced ring needs is_causal=True), and this model's attention passed a mask; "
+                            "plan with cp: 1")
         if enable_gqa and key.shape[1] != query.shape[1]:
             repeat = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        if calls is not None:
+            calls[0] += 1
         return ring(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale)
     return attention
 
@@ -137,9 +140,10 @@ def sharded_step(cp_mesh, seq_len: int, device: torch.device, parts: Iterable[to
     parts = list(parts)
     positions = torch.arange(seq_len, device=device).unsqueeze(0)
     plain = F.scaled_dot_product_attention
+    calls = [0]
     with context_parallel(cp_mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
         patched = F.scaled_dot_product_attention   # torch's: restored by its own exit, so ours goes first
-        F.scaled_dot_product_attention = _attention_for_ring(ring_attention(cp_mesh, positions), plain)
+        F.scaled_dot_product_attention = _attention_for_ring(ring_attention(cp_mesh, positions), plain, calls)
         for part in parts:
             part.position_ids = positions
         try:
@@ -148,3 +152,13 @@ def sharded_step(cp_mesh, seq_len: int, device: torch.device, parts: Iterable[to
             F.scaled_dot_product_attention = patched
             for part in parts:
                 part.position_ids = None
+        if not calls[0] and any(_blocks(part) for part in parts):
+            raise UserError(f"{CP_KEY}={cp_mesh.size()}: a step ran blocks whose attention never called torch's "
+                            "SDPA, so it never reached the ring and each rank attended to its own tokens only; "
+                            "use a model whose attention runs through SDPA, or plan with cp: 1")
+
+
+def _blocks(part: torch.nn.Module) -> int:
+    """How many transformer blocks a stage module runs (HFStage), 0 for anything else."""
+    base, attr = getattr(part, "base", None), getattr(part, "blocks_attr", None)
+    return len(getattr(base, attr)) if base is not None and attr else 0
