@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
 
 from hrlplan.errors import ConfigError, UserError
 from hrlplan.validate.train_options import CP_KEY, context_parallel_length_refusal
@@ -134,14 +135,12 @@ def sharded_step(cp_mesh, seq_len: int, device: torch.device, parts: Iterable[to
     position ids -- torch's own sharding of 0..seq_len-1, (1, seq_len/cp) -- set on every part
     (HFStage.position_ids) and yielded, for the caller to shard inputs and labels with
     take_positions. Everything is put back on exit."""
-    from torch.distributed.tensor.experimental import context_parallel   # why: torch's experimental API
-
     check_divisible(seq_len, cp_mesh.size())
     parts = list(parts)
     positions = torch.arange(seq_len, device=device).unsqueeze(0)
     plain = F.scaled_dot_product_attention
     calls = [0]
-    with context_parallel(cp_mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
+    with torch_context_parallel(cp_mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
         patched = F.scaled_dot_product_attention   # torch's: restored by its own exit, so ours goes first
         F.scaled_dot_product_attention = _attention_for_ring(ring_attention(cp_mesh, positions), plain, calls)
         for part in parts:
