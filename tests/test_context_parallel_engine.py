@@ -44,6 +44,24 @@ def test_inputs_labels_and_positions_shard_alike_and_round_trip(cp):
     assert torch.equal(unshard_sequence(shards), labels)
 
 
+def test_every_rank_has_one_place_and_its_stages_share_its_cp_index():
+    """pp 2 x dp 2 x cp 2 x tp 2: a rank's (pp, dp, cp, tp) is its place in the plan's layout
+    (d*cp + c)*tp + t, and the rank holding the next stage at its place has the same cp index, which
+    is where the engine sends its sequence shard."""
+    from hrlplan.plan import homogeneous_plan
+    from hrlplan.runtime.parallel import rank_coords
+
+    plan = homogeneous_plan("llama-tiny", 2, [(0, 1), (1, 2)], dp=2, tp=2, cp=2, microbatch_size=1,
+                            num_microbatches=2, schedule="1f1b", rank_order=list(range(15, -1, -1)))
+    coords = {r: rank_coords(plan, r) for r in range(16)}
+    assert len({tuple(c.values()) for c in coords.values()}) == 16
+    for rank, c in coords.items():
+        group = plan.device_groups[c["pp"]]
+        assert group[(c["dp"] * 2 + c["cp"]) * 2 + c["tp"]] == rank
+        peer = plan.device_groups[1 - c["pp"]][group.index(rank)]
+        assert {k: v for k, v in coords[peer].items() if k != "pp"} == {k: v for k, v in c.items() if k != "pp"}
+
+
 def test_the_device_decision_is_pure_and_one_line():
     assert context_parallel_runs_on("cuda") and not context_parallel_runs_on("cpu")
     assert context_parallel_refusal(2, "cuda") is None and context_parallel_refusal(1, "cpu") is None
