@@ -15,7 +15,7 @@ from hrlplan.search import make_plan
 from hrlplan.search.common import cost_options
 from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
-from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, row_grid, search_hetero
+from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid, search_hetero
 from tests.test_cost import toy_meta
 
 TRAIN = dict(global_batch_size=8, schedule="1f1b", stages_per_rank=1, microbatches="auto", dtype="float32",
@@ -264,3 +264,22 @@ def test_no_replica_fits_is_proven_fast_and_says_what_did_not_fit():
     assert out["plan"] is None and out["proven"] and out["options"] == 0
     assert "no replica of the sub-space fits: fast at nproc 2: its 2 devices hold" in out["note"]
     assert "the state needs 128 GiB" in out["note"]
+
+
+def test_out_of_time_bounding_keeps_options_by_estimate_and_claims_no_proof():
+    """A bounding deadline already past: every option is kept by its estimate (not dropped), plans are
+    still assembled from exact templates, and the result says it is not proven."""
+    meta = toy_meta(n_layer=6)
+    meta.model_type = "llama"
+    cluster, train = fast_slow(1, 1), section(TrainConfig, TRAIN)
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=0.0)
+    space = HeteroSpace(cluster, 2)
+    table.bind({2: space})
+    options = enumerate_options(table, space, 8, 4, [TP_ANY])
+    assert options and table.out_of_time and not table.bounds
+    key = options[0].key
+    assert options[0].time_s == table.estimate(key) > 0
+    out = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=0.001), train, float("inf"))
+    assert not out["proven"] and "not proven" in out["note"]

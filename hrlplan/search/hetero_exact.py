@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.search.common import Scored
+from hrlplan.search.exact import lower_bound
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place, same_tp_required,
@@ -85,6 +86,7 @@ class TemplateTable:
         self.search_deadline = float("inf")
         self.bounds: Dict[tuple, float] = {}
         self.bottlenecks: Dict[tuple, float] = {}
+        self.peaks: Dict[tuple, float] = {}
         self.table: Dict[tuple, Tuple[float, Any]] = {}
         self.searches = 0
         self.unproven = 0
@@ -138,6 +140,20 @@ class TemplateTable:
         capacity = sum(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices)
         return STATE_BYTES_PER_PARAM * float(self.meta.total_params) <= capacity
 
+    def estimate(self, key) -> float:
+        """Past the bounding deadline, in place of a bound: the replica's rows at its devices' summed
+        sustained peak (exact.lower_bound's estimate over a whole pool, no split tables) -- an order
+        for the program, not a bound: the result is then unproven (out_of_time), never claimed."""
+        if not self.may_hold_state(key):
+            return float("inf")
+        nproc, device_type, shape, rows, _ = key
+        if (nproc, device_type, shape) not in self.peaks:
+            devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
+            self.peaks[(nproc, device_type, shape)] = sum(self.sim.devices.flops[d] for d in devices)
+        meta = self.meta
+        return rows * meta.seq_len * meta.training_flops_per_token() / self.peaks[(nproc, device_type, shape)] \
+            * self.sim.devices.time_scale
+
     def exact(self, key) -> Tuple[float, Any]:
         if key not in self.table:
             # one search takes at most a quarter of what is left, so that plans get assembled (an
@@ -162,7 +178,9 @@ class TemplateTable:
 
         def bound(c):
             shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)))
-            return c.num_microbatches * self.bottlenecks.get(shared, float("inf"))
+            if shared not in self.bottlenecks:   # never bounded (the bounding ran out): the estimate
+                return lower_bound(self.sim, rs, c) * (c.num_microbatches + c.pp - 1) / c.num_microbatches
+            return c.num_microbatches * self.bottlenecks[shared]
         for c in sorted((c for c in rs.configs() if bound(c) < float("inf")), key=bound)[:tries]:
             tables = SplitTables(self.sim, rs, c)
             spans = next(iter(tables.candidates()), None)
@@ -213,8 +231,8 @@ def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: in
     out = []
     for _, (t, shape, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
         bound = table.bound((space.nproc, t, shape, rows, tp))
-        if bound is None:
-            break
+        if bound is None:   # out of time (table.out_of_time: unproven): the rest by estimate, not dropped
+            bound = table.estimate((space.nproc, t, shape, rows, tp))
         if bound < float("inf"):
             out.extend(Option(t, shape, k, rows, tp, bound, space.nproc) for k in fitting)
     return out
