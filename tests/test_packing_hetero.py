@@ -83,3 +83,101 @@ def test_packed_replicas_at_tp_1_and_2_train_as_one_process(tmp_path):
     loss over its vocabulary-parallel head."""
     run = train_with_options(_hetero_plan(tp_whole=2), [*GPT2, "data.packing=document"], tmp_path / "tp", STEPS)
     assert run["losses"] == pytest.approx(_one_process(tmp_path), abs=1e-5)
+
+
+# ---------------------------------------------------------------- a replica's own sequence length
+def _short_replica_plan():
+    """Replica B trains rows of 32 tokens (its plan's seq_len; data.seq_len is 64)."""
+    plan = _hetero_plan()
+    plan.pipelines[1].seq_len = 32   # read with getattr until the plan schema holds the field
+    return plan
+
+
+def test_a_replica_with_its_own_sequence_length_gets_rows_filled_only_that_far():
+    from hrlplan.data.lm import build_lm_data
+    from hrlplan.data.packing import PAD_DOCUMENT
+    from hrlplan.data.packing_options import packing_refusal
+    from hrlplan.models.documents import trim_packed
+
+    plan = _short_replica_plan()
+    data = {"name": "code", "path": "data/code", "seq_len": 64}
+    for packing in ("document", "balanced"):
+        stream = build_lm_data({**data, "packing": packing}, 4096, 0, plan=plan)
+        assert stream.layout.capacities(64) == [64, 64, 32, 32]
+        inputs, targets = stream.batch(0, 4)
+        assert (inputs[2:, 2, 32:] == PAD_DOCUMENT).all() and (inputs[2:, 2, :8] != PAD_DOCUMENT).all()
+        cut, cut_targets = trim_packed(inputs[2:], targets[2:], 32)
+        assert cut.shape == (2, 3, 32) and torch.equal(cut_targets[:, 32:], targets[2:, 64:])
+        stream.close()
+    line = packing_refusal("concat", "code", plan=plan)
+    assert line.startswith("plan: pipelines[1].seq_len") and "\n" not in line
+
+
+def _worker(config, plan_yaml: str, seq_lens):
+    import torch.distributed as dist
+
+    from hrlplan.plan import Plan
+    from hrlplan.runtime.distributed import init_distributed, shutdown
+    from hrlplan.runtime.host import prepare_worker
+    from hrlplan.runtime.trainer import PipelineTrainer
+
+    device = init_distributed("cpu", {"collective_timeout_min": 5}).device
+    prepare_worker()
+    try:
+        plan = Plan.from_yaml(plan_yaml)
+        for pipe, seq_len in zip(plan.pipelines, seq_lens):
+            pipe.seq_len = seq_len
+        summary = PipelineTrainer(plan, config, config.run_dir, device=device).fit()
+        return summary if dist.get_rank() == 0 else None
+    finally:
+        shutdown()
+
+
+def _train_short(tmp_path, packing: str):
+    import copy
+
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+    from hrlplan.launch.local import launch_workers
+
+    plan = _short_replica_plan()
+    config = copy.deepcopy(as_config(compose([*GPT2, f"data.packing={packing}", f"train.steps={STEPS}",
+                                              "train.checkpoint_interval=0", "logger.mode=disabled"])))
+    config.run_dir = str(tmp_path / packing)
+    summary = launch_workers(_worker, (config, plan.to_yaml(), [p.seq_len if hasattr(p, "seq_len") else None
+                                                                 for p in plan.pipelines]),
+                             plan.world_size, name="h8-seq-len", log_dir=str(tmp_path / packing / "logs"))[0]
+    return summary["history"]
+
+
+@pytest.mark.slow
+def test_a_replica_with_its_own_sequence_length_trains_each_document_as_alone(tmp_path):
+    """document and balanced hold the same documents per step (equal losses); the first step's loss and
+    gradient norm, before any update, are each document alone through the whole model."""
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+    from hrlplan.data.lm import build_lm_data
+    from hrlplan.data.packing import predictions
+    from hrlplan.runtime.trainer import build_full_model
+
+    runs = {p: _train_short(tmp_path, p) for p in ("document", "balanced")}
+    losses = {p: [h["train/lm_loss"] for h in runs[p]] for p in runs}
+    assert losses["balanced"] == pytest.approx(losses["document"], abs=1e-5)
+    cfg = as_config(compose([*GPT2, "data.packing=document"]))
+    stream = build_lm_data(cfg.data, 4096, int(cfg.train.seed), plan=_short_replica_plan())
+    pieces, _ = stream.documents.step_pieces(0, 4, capacities=stream.layout.capacities(64))
+    model = build_full_model(cfg.arch, int(cfg.train.seed))
+    total = sum(predictions(p) for p in pieces)
+    expected = sum(torch.nn.functional.cross_entropy(model(input_ids=p[None, :-1].long()).logits[0], p[1:].long(),
+                                                     reduction="sum") for p in pieces) / total
+    expected.backward()
+    assert losses["document"][0] == pytest.approx(expected.item(), rel=1e-5)
+    norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in model.parameters() if q.grad is not None]))
+    assert runs["document"][0]["train/grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+
+
+def test_first_fit_puts_long_pieces_in_long_rows_and_passes_over_what_fits_none():
+    from hrlplan.data.packing import first_fit
+
+    assignment, taken = first_fit([6, 3, 7, 2, 5, 1], [8, 4])
+    assert taken == [0, 1, 3, 5] and assignment == [[0, 2], [1, 3]]   # 7 and 5 fit no row once 6 and 3 are in

@@ -85,3 +85,18 @@ def test_packed_tp2_sequence_parallel_trains_as_one_process(tmp_path, arch):
     run = train_with_options(_plan(arch, [(0, 2)]), [*ARCHS[arch], *COMMON], tmp_path / "sp", STEPS,
                              stage_options={"sequence_parallel": True})
     assert run["losses"] == pytest.approx(one_process_losses(arch, tmp_path), abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_hf_refuses_sequence_parallel(), reason="models/hf.py still refuses packed documents under "
+                    "sequence parallelism: apply /work/brief/diff_H8_hf.diff")
+def test_packed_pp2_by_tp2_sequence_parallel_trains_as_one_process(tmp_path):
+    """Four ranks: torch pipelining hands the next stage the sequence-sharded activation (b, s/tp, h)
+    beside the whole (positions, document ids), tp rank to tp rank."""
+    from hrlplan.plan import homogeneous_plan
+
+    plan = homogeneous_plan("llama-tiny", 2, [(0, 1), (1, 2)], dp=1, tp=2, microbatch_size=2, num_microbatches=2,
+                            schedule="1f1b")
+    run = train_with_options(plan, [*ARCHS["llama"], *COMMON], tmp_path / "pp_sp", STEPS,
+                             stage_options={"sequence_parallel": True})
+    assert run["losses"] == pytest.approx(one_process_losses("llama", tmp_path), abs=1e-5)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from hrlplan.data import dispatch as D
 from hrlplan.data.packing import PackedBatch, PackedDocuments, predictions
+from hrlplan.errors import UserError
 
 INPUT_CHANNELS = 3            # tokens, positions, document ids
 TARGET_EXTRA_COLUMNS = 2      # the step's useful tokens, the step's rows
@@ -53,12 +54,15 @@ def to_wire(batch: PackedBatch, step_tokens: int, step_rows: int) -> Tuple[torch
 
 @dataclass(frozen=True)
 class ReplicaShape:
-    """One replica of a heterogeneous plan: its micro-batches, their rows, its pipeline's depth and
-    its speed (rows per second, relative to the other replicas')."""
+    """One replica of a heterogeneous plan: its micro-batches, their rows, its pipeline's depth, its
+    speed (rows per second, relative to the other replicas') and its own token budget per row (None:
+    data.seq_len), up to which its rows are filled (the wire rows stay data.seq_len long, padded; the
+    replica's engine cuts them to its budget: models/documents.trim_packed)."""
     micro_batches: int
     rows_per_micro_batch: int
     stages: int = 1
     speed: float = 1.0
+    token_budget: Optional[int] = None
 
     @property
     def rows(self) -> int:
@@ -96,11 +100,17 @@ class StepLayout:
         depths = {shape.stages for shape in self.shapes}
         return depths.pop() if len(depths) == 1 else None
 
+    def capacities(self, token_budget: int) -> Optional[List[int]]:
+        """Each row's token budget, replica by replica; None where every row takes token_budget."""
+        if all(shape.token_budget is None for shape in self.shapes):
+            return None
+        return [shape.token_budget or token_budget for shape in self.shapes for _ in range(shape.rows)]
+
     def bins(self, token_budget: int) -> List[D.Bin]:
-        """One bin per row, at its replica's speed: a micro-batch of several rows is approximated by its
-        rows, each its own bin."""
-        return [D.Bin(token_budget, shape.speed, r) for r, shape in enumerate(self.replica_shapes())
-                for _ in range(shape.rows)]
+        """One bin per row, at its replica's speed and budget: a micro-batch of several rows is
+        approximated by its rows, each its own bin."""
+        return [D.Bin(shape.token_budget or token_budget, shape.speed, r)
+                for r, shape in enumerate(self.replica_shapes()) for _ in range(shape.rows)]
 
     @classmethod
     def of_plan(cls, plan) -> "StepLayout":
@@ -108,8 +118,10 @@ class StepLayout:
             return cls(int(plan.dp), int(plan.num_microbatches), int(plan.microbatch_size), int(plan.pp))
         pipes = plan.pipelines
         speeds = [replica_speed(pipe) for pipe in pipes]
+        # a replica's own sequence length: read with getattr until the plan schema holds the field
         shapes = tuple(ReplicaShape(int(pipe.num_microbatches), int(pipe.microbatch_size), len(pipe.stages),
-                                    speed / max(speeds)) for pipe, speed in zip(pipes, speeds))
+                                    speed / max(speeds), getattr(pipe, "seq_len", None))
+                       for pipe, speed in zip(pipes, speeds))
         return cls(replicas=len(pipes), shapes=shapes)
 
 
@@ -133,6 +145,10 @@ class PackedLMStream:
                  coefficients: Tuple[float, float] = (0.0, 1.0), time_budget_s: float = DEFAULT_DISPATCH_BUDGET_S,
                  prefetch: int = DEFAULT_PREFETCH_STEPS):
         self.documents, self.layout = documents, layout
+        for r, shape in enumerate(layout.shapes if layout is not None else ()):
+            if shape.token_budget is not None and not 1 <= shape.token_budget <= documents.token_budget:
+                raise UserError(f"plan: pipelines[{r}].seq_len={shape.token_budget} must lie in 1..data.seq_len="
+                                f"{documents.token_budget} (a replica's rows are cut from data.seq_len's)")
         self.coefficients, self.time_budget_s, self.prefetch = coefficients, time_budget_s, prefetch
         self.balanced = documents.packing == "balanced"
         self.decides = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
@@ -150,8 +166,8 @@ class PackedLMStream:
 
     def _decide(self, step: int, rows: int) -> List[List[int]]:
         """The balanced assignment of a training step's pieces (arrival order as the fallback)."""
-        pieces, arrival = self.documents.step_pieces(step, rows)
         layout = self._layout(rows)
+        pieces, arrival = self.documents.step_pieces(step, rows, capacities=self._capacities(rows))
         linear, quadratic = self.coefficients
         result = D.dispatch_bins([predictions(p) for p in pieces], layout.bins(self.documents.token_budget), linear,
                                  quadratic, time_budget_s=self.time_budget_s, fallback=arrival,
@@ -178,8 +194,11 @@ class PackedLMStream:
             dist.broadcast_object_list(decided, src=0)
         return decided[0]
 
+    def _capacities(self, rows: int) -> Optional[List[int]]:
+        return None if self.layout is None else self._layout(rows).capacities(self.documents.token_budget)
+
     def batch(self, step: int, rows: int, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
-        pieces, assignment = self.documents.step_pieces(step, rows, split)
+        pieces, assignment = self.documents.step_pieces(step, rows, split, self._capacities(rows))
         if self.balanced and split == "train":
             assignment = self.assignment(step, rows)
         packed = self.documents.pack(pieces, assignment)

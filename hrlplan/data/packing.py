@@ -172,6 +172,26 @@ def next_fit(lengths: Sequence[int], micro_batches: int, token_budget: int) -> T
     return assignment, len(lengths)
 
 
+def first_fit(lengths: Sequence[int], capacities: Sequence[int]) -> Tuple[List[List[int]], List[int]]:
+    """Arrival order over rows of unequal budgets (replicas with their own sequence length): each piece
+    to the first row it still fits, so long pieces land in long rows and short rows fill with short
+    pieces; a piece that fits no row is passed over (it is not drawn for this step), until the rows are
+    full or the pieces run out. Returns (assignment, taken): the assignment indexes `taken`, the
+    positions in `lengths` of the pieces the step holds, in arrival order."""
+    assignment: List[List[int]] = [[] for _ in capacities]
+    left = [int(c) for c in capacities]
+    taken: List[int] = []
+    for i, n in enumerate(lengths):
+        if max(left) == 0:
+            break
+        row = next((r for r, free in enumerate(left) if n <= free), None)
+        if row is not None:
+            assignment[row].append(len(taken))
+            taken.append(i)
+            left[row] -= n
+    return assignment, taken
+
+
 class PackedDocuments:
     """A step's packed micro-batches of whole documents, a pure function of (seed, step, split).
 
@@ -200,14 +220,24 @@ class PackedDocuments:
         self.token_budget, self.seed, self.packing, self.dispatcher = token_budget, seed, packing, dispatcher
         self.pad_id = eot_id if pad_id is None else pad_id
 
-    def step_pieces(self, step: int, micro_batches: int, split: str = "train"):
-        """The step's pieces in arrival order and their next-fit (document packing) assignment."""
+    def step_pieces(self, step: int, micro_batches: int, split: str = "train",
+                    capacities: Optional[Sequence[int]] = None):
+        """The step's pieces in arrival order and their next-fit (document packing) assignment;
+        capacities: each row's own budget, at most token_budget (then first_fit)."""
         pool = self.pieces[split]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
         # more draws than can fit: a step of micro_batches x budget never takes all of them
         draws = torch.randint(0, len(pool), (micro_batches * self.token_budget,), generator=g).tolist()
         candidates = [pool[i] for i in draws]
-        assignment, taken = next_fit([predictions(p) for p in candidates], micro_batches, self.token_budget)
+        lengths = [predictions(p) for p in candidates]
+        if capacities is None:
+            assignment, taken = next_fit(lengths, micro_batches, self.token_budget)
+        else:
+            if len(capacities) != micro_batches or any(not 1 <= c <= self.token_budget for c in capacities):
+                raise ValueError(f"capacities must give each of {micro_batches} rows 1..{self.token_budget} tokens, "
+                                 f"got {list(capacities)}")
+            assignment, kept = first_fit(lengths, capacities)
+            return [candidates[i] for i in kept], assignment
         return candidates[:taken], assignment
 
     def pack(self, pieces: Sequence[torch.Tensor], assignment: Sequence[Sequence[int]]) -> PackedBatch:

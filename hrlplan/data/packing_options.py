@@ -13,6 +13,10 @@ def packing_refusal(packing: str, data_name: str, puzzle: bool = False, plan=Non
     alone decides. Every plan runs packed documents: pipelines, data parallelism, tensor parallelism with
     or without sequence parallelism, heterogeneous replicas (`plan` is kept for what a plan may refuse)."""
     if packing == "concat":
+        own = [i for i, pipe in enumerate(getattr(plan, "pipelines", None) or []) if getattr(pipe, "seq_len", None)]
+        if own:
+            return (f"plan: pipelines[{own[0]}].seq_len gives a replica its own sequence length, which only packed "
+                    "documents fill; set data.packing=document|balanced or remove the replica's seq_len")
         return None
     if puzzle:
         return f"data.packing={packing}: HRM's puzzles are fixed-size examples; arch=hrm takes data.packing=concat"

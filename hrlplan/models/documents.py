@@ -38,6 +38,19 @@ def split_packed_inputs(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return x[:, 0], x[:, 1:]
 
 
+def trim_packed(inputs: torch.Tensor, targets: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A replica's packed rows cut to its own token budget (its plan's seq_len): the wire rows are
+    data.seq_len long and filled only up to `budget` (data/packed_stream.py); the two step columns
+    stay. Raises if a document would be cut off (a layout that does not match the plan's)."""
+    width = inputs.shape[-1]
+    if budget >= width:
+        return inputs, targets
+    if (inputs[:, 2, budget:] != PAD_DOCUMENT).any():
+        raise ValueError(f"packed rows hold documents past this replica's {budget}-token budget: the data's "
+                         "layout was not built from this plan")
+    return inputs[..., :budget], torch.cat([targets[:, :budget], targets[:, width:]], dim=1)
+
+
 def is_packed_targets(logits: torch.Tensor, targets: torch.Tensor) -> bool:
     return targets.dim() == 2 and targets.shape[-1] == logits.shape[-2] + TARGET_EXTRA_COLUMNS
 

@@ -24,7 +24,8 @@ bucketed, in the training dtype where safe, and started during the last micro-ba
 Packed documents (data.packing=document|balanced): a replica's rows hold its share of the step's
 documents (data/packed_stream.py lays them out over the replicas), every rank of the pipeline reads
 the positions and document ids of its micro-batch from its own rows, and the stages send only the
-activations. The packed loss is weighted by the step's useful tokens over all replicas and its rows,
+activations. A replica may take its own sequence length (its plan's seq_len, up to data.seq_len):
+its rows are filled only that far and cut to it here, so its activations are that long. The packed loss is weighted by the step's useful tokens over all replicas and its rows,
 so the batch-share weights above make the update the step's mean loss per token (token-weighted
 across replicas, models/documents.packed_micro_batch_loss).
 """
@@ -41,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hrlplan import schedules
 from hrlplan.config import TrainConfig, section
 from hrlplan.families import GENERIC_HF, family_for
-from hrlplan.models.documents import is_packed_inputs, split_packed_inputs
+from hrlplan.models.documents import is_packed_inputs, split_packed_inputs, trim_packed
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import PipelinePlan, Plan
 from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype, unit_order
@@ -255,6 +256,9 @@ class HeteroPipelineEngine:
         loss_share = torch.zeros(1, device=self.device)
         if self.me is None:
             return loss_share
+        budget = getattr(self.pipe, "seq_len", None)   # a replica's own sequence length (plan field to come)
+        if budget is not None and is_packed_inputs(inputs):   # concat: refused (data/packing_options.py)
+            inputs, targets = trim_packed(inputs, targets, int(budget))
         part = self.parts[self.gid]
         losses: List[torch.Tensor] = []
         with loss_context([part]):   # a vocabulary-parallel head's loss, forward and backward
