@@ -10,8 +10,9 @@ def packing_refusal(packing: str, data_name: str, puzzle: bool = False, plan=Non
     """One line saying why data.packing=document|balanced cannot run with these settings, or None.
     puzzle: the model trains on fixed-size puzzle examples (families.py: data kind); train: a TrainConfig or
     its plain mapping. Without `train` (the config check before any worker starts) only what the config
-    alone decides. Every plan runs packed documents: pipelines, data parallelism, tensor parallelism with
-    or without sequence parallelism, heterogeneous replicas (`plan` is kept for what a plan may refuse)."""
+    alone decides. Every plan layout runs packed documents (pipelines, data parallelism, tensor parallelism
+    with or without sequence parallelism, heterogeneous replicas); with `plan`, a replica's own seq_len
+    without packing is refused (only packed rows are filled to it)."""
     if packing == "concat":
         own = [i for i, pipe in enumerate(getattr(plan, "pipelines", None) or []) if getattr(pipe, "seq_len", None)]
         if own:

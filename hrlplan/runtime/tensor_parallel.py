@@ -29,6 +29,12 @@ rank of the next stage, as torchtitan does: the send is tp times smaller, no all
 a stage's end, and the micro-batches a schedule keeps in flight are stored sharded. The next stage
 recovers the whole length for its positions (HFStage.sequence_shards). Heterogeneous plans (stages
 of unequal tp, hetero.py) keep whole activations at their boundaries and do not use it.
+
+Packed documents (data.packing=document|balanced, models/documents.py) need nothing of their own here:
+each rank attends per document on its local heads (the block's q/k/v are column-sharded by head), the
+(positions, document ids) stay whole beside a sequence-sharded activation (the attention runs on the
+gathered sequence; GPT-2's position embedding is scattered to the shard like the token embedding), and
+stage_loss gives a vocabulary-parallel head the packed token-weighted loss under loss_parallel.
 """
 from __future__ import annotations
 
