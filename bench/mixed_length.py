@@ -86,7 +86,8 @@ def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quad
         seconds.append(result.seconds)
         methods[result.method] += 1
         useful.append(sum(lengths))
-        for name, assignment in (("document", arrival), ("min_max", min_max.assignment), ("balanced", result.assignment)):
+        packed = (("document", arrival), ("min_max", min_max.assignment), ("balanced", result.assignment))
+        for name, assignment in packed:
             times = D.bin_times(assignment, works, costed)
             rows[name].append({"step": step_of(times, costed), "slowest": max(times), **spread(times)})
         # no assignment of these pieces does better (one replica, equal stages): the last stage works
@@ -130,7 +131,8 @@ def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[st
 def _calibrate(args, calibration, passes: List[List[Dict]]):
     """From the calibration rows (median over the passes): the fixed-length row's per-stage forward
     and backward (the first row: one document filling it), and per stage the least-squares
-    time = fixed + per_square * S + per_document * n + per_useful * U as RowShares of that row."""
+    time = fixed + per_square * S + per_document * n + per_useful * U as RowShares of that row: of the
+    forward and backward together, and of each apart ({"F": [...], "B": [...]})."""
     import numpy as np
 
     from hrlplan.cost.lengths import RowShares
@@ -138,19 +140,25 @@ def _calibrate(args, calibration, passes: List[List[Dict]]):
     med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes) for k in range(args.pp)]
             for kind in ("F", "B")} for i in range(len(calibration))]
     full = med[0]
-    shares, fits = [], []
     x = np.array([[1.0, sq, n, u] for n, u, sq, _ in calibration], dtype=float)
-    for k in range(args.pp):
-        times = np.array([m["F"][k] + m["B"][k] for m in med])
+
+    def fitted(times):
         coef, *_ = np.linalg.lstsq(x, times, rcond=None)
         one = float(times[0])
-        fits.append({"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
-                     "per_useful_token_s": float(coef[3]), "rows_s": times.tolist(),
-                     "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))})
-        shares.append(RowShares(attention=max(float(coef[1]), 0.0) * args.budget ** 2 / one,
-                                per_document=max(float(coef[2]), 0.0) / one,
-                                useful=max(float(coef[3]), 0.0) * args.budget / one))
-    return full, shares, fits
+        shares = RowShares(attention=max(float(coef[1]), 0.0) * args.budget ** 2 / one,
+                           per_document=max(float(coef[2]), 0.0) / one, useful=max(float(coef[3]), 0.0) * args.budget / one)
+        return shares, {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
+                        "per_useful_token_s": float(coef[3]), "rows_s": times.tolist(),
+                        "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))}
+
+    shares, fits, per_kind = [], [], {"F": [], "B": []}
+    for k in range(args.pp):
+        together, fit = fitted(np.array([m["F"][k] + m["B"][k] for m in med]))
+        shares.append(together)
+        fits.append(fit)
+        for kind in ("F", "B"):
+            per_kind[kind].append(fitted(np.array([m[kind][k] for m in med]))[0])
+    return full, shares, fits, per_kind
 
 
 def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
@@ -174,20 +182,25 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                 per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
                           for j in range(args.micro_batches)]
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
-    full, shares, calibration = _calibrate(args, timing["calibration_rows"],
-                                           timing["before"] + [r["calibration"] for r in timing["rounds"]])
+    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
+                                                     timing["before"] + [r["calibration"] for r in timing["rounds"]])
     zero = [0.0] * args.pp
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
 
-    def simulated(sq, n_docs, useful, row_shares):
+    def simulated(sq, n_docs, useful, row_shares, backward_shares=None):
         work = micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, row_shares)
+        back = (micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, backward_shares)
+                if backward_shares is not None else None)
         return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
-                                 micro_batch_work=work).makespan
+                                 micro_batch_work=work, backward_work=back).makespan
 
-    # calibrated: each stage's RowShares from the calibration rows; flops_only: the planner's FLOP
-    # shares alone (what an uncalibrated planner would say)
-    predicted = {p: [simulated(*x, shares) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
+    # calibrated: each stage's forward and backward RowShares from the calibration rows; one_table: the
+    # two together (as the dispatch costs them); flops_only: the planner's FLOP shares alone (what an
+    # uncalibrated planner would say)
+    predicted = {p: [simulated(*x, per_kind["F"], per_kind["B"]) for x in zip(squares[p], docs[p], tokens[p])]
+                 for p in P}
+    one_table = {p: [simulated(*x, shares) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
     flops_only = {p: [simulated(*x, None) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
     rows_t, rows_sq, rows_docs = [], [], []
     for rnd in timing["rounds"]:
@@ -205,6 +218,7 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
               "dispatch_methods": dict(Counter(prepared["dispatch_methods"])),
               "loads": [(r["load_before"], r["load_after"]) for r in timing["rounds"]],
               "full_row_s": full, "row_fit": fit, "calibration": calibration, "row_shares": [vars(x) for x in shares],
+              "row_shares_by_kind": {kind: [vars(x) for x in v] for kind, v in per_kind.items()},
               "attention_share": {"full_row": fit["per_square_s"] * args.budget ** 2 / full_row_s,
                                   "document_rows": fit["per_square_s"] * statistics.fmean(
                                       x for sq in squares["document"] for x in sq) / statistics.fmean(rows_t)},
@@ -216,6 +230,7 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
             "mean_step_s_per_round": quantiles(steps_measured[p]),
             "predicted_mean_step_s": mean_pred,
             "predicted_mean_step_s_flops_only": statistics.fmean(flops_only[p]),
+            "predicted_mean_step_s_one_table": statistics.fmean(one_table[p]),
             "predicted_within_round_spread": min(steps_measured[p]) <= mean_pred <= max(steps_measured[p]),
             "predicted_over_measured": mean_pred / statistics.median(steps_measured[p]),
             "micro_batch_slowest_over_mean": quantiles(spreads[p]),
@@ -225,7 +240,8 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
             "measured_per_round": [r[p] / r["document"] for r in per_round],
             "measured": quantiles([r[p] / r["document"] for r in per_round]),
             "predicted": sum(predicted["document"]) / sum(predicted[p]),
-            "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p])}
+            "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p]),
+            "predicted_one_table": sum(one_table["document"]) / sum(one_table[p])}
     measured_rank = sorted(P, key=lambda p: statistics.median(steps_measured[p]))
     predicted_rank = sorted(P, key=lambda p: statistics.fmean(predicted[p]))
     report["ranking"] = {"measured": measured_rank, "predicted": predicted_rank}
@@ -249,7 +265,7 @@ def measure(args) -> Dict:
     stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
     calibration = M.calibration_rows(args, corpus.eot_id)
     before = [M.time_calibration(stages, calibration) for _ in range(3)]
-    full, shares, _ = _calibrate(args, calibration, before)
+    full, shares, _, _ = _calibrate(args, calibration, before)
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
     timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
     timing["before"], timing["calibration_rows"] = before, calibration
@@ -272,17 +288,20 @@ def print_measured(report: Dict) -> None:
           f"{report['attention_share']['document_rows']:.2f} of a document-packed row; loads {report['loads']}")
     for p, r in report["packings"].items():
         tps, st, sp = r["useful_tokens_per_cpu_s"], r["mean_step_s_per_round"], r["micro_batch_slowest_over_mean"]
+        paired = r["document_step_over_this_paired"]
         print(f"{p:9s} useful tokens per CPU-s median {tps['median']:.0f} ({tps['min']:.0f}-{tps['max']:.0f}); "
-              f"mean step {st['median']:.3f} s ({st['min']:.3f}-{st['max']:.3f}), simulator {r['predicted_mean_step_s']:.3f}"
-              f" s (within: {r['predicted_within_round_spread']}); slowest/mean micro-batch {sp['median']:.3f} "
-              f"(p10 {sp['p10']:.3f}, p90 {sp['p90']:.3f}); FLOP shares {r['predicted_mean_step_s_flops_only']:.3f} s; document/this per step {r['document_step_over_this_paired']['median']:.3f}"
-              f" ({r['document_step_over_this_paired']['p10']:.3f}-{r['document_step_over_this_paired']['p90']:.3f})")
+              f"mean step {st['median']:.3f} s ({st['min']:.3f}-{st['max']:.3f}), simulator "
+              f"{r['predicted_mean_step_s']:.3f} s (within: {r['predicted_within_round_spread']}; FLOP shares "
+              f"{r['predicted_mean_step_s_flops_only']:.3f} s); slowest/mean micro-batch {sp['median']:.3f} "
+              f"(p10 {sp['p10']:.3f}, p90 {sp['p90']:.3f}); document/this per step {paired['median']:.3f} "
+              f"({paired['p10']:.3f}-{paired['p90']:.3f})")
     for p in ("min_max", "balanced"):
         x = report[f"{p}_over_document"]
         print(f"{p} / document useful tokens per CPU-s: median {x['measured']['median']:.3f}x "
               f"({x['measured']['min']:.3f}-{x['measured']['max']:.3f}), simulator {x['predicted']:.3f}x "
               f"(uncalibrated FLOP shares: {x['predicted_flops_only']:.3f}x)")
-    print(f"ranking fastest first: measured {report['ranking']['measured']}, simulator {report['ranking']['predicted']}; "
+    print(f"ranking fastest first: measured {report['ranking']['measured']}, simulator "
+          f"{report['ranking']['predicted']}; "
           f"dispatch {report['dispatch_seconds']['median'] * 1e3:.0f} ms median, max "
           f"{report['dispatch_seconds']['max'] * 1e3:.0f} ms; calibrated row shares "
           f"{[{k: round(v, 4) for k, v in x.items()} for x in report['row_shares']]}")
@@ -351,7 +370,8 @@ def main(argv=None) -> Dict:
               f"{layout['balanced']['max_over_mean']['median']:.2f} (median); predicted useful tokens/s over "
               f"document: min-max {layout['predicted_min_max_over_document']:.3f}x, balanced "
               f"{layout['predicted_balanced_over_document']:.3f}x (per step p10 {speedup['p10']:.3f}, p90 "
-              f"{speedup['p90']:.3f}; at most {(layout['bound_over_document_per_step'] or {}).get('median', float('nan')):.3f}x "
+              f"{speedup['p90']:.3f}; at most "
+              f"{(layout['bound_over_document_per_step'] or {}).get('median', float('nan')):.3f}x "
               f"per step median for any dispatch); "
               f"dispatch {layout['dispatch_seconds']['median'] * 1e3:.0f} ms median, "
               f"max {layout['dispatch_seconds']['max'] * 1e3:.0f} ms, {layout['dispatch_methods']}")

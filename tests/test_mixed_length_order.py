@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from hrlplan.cost.lengths import (LengthDistribution, RowShares, dispatch_model, micro_batch_multipliers, packed_step_times,
-                                  simulator_step_of)
+from hrlplan.cost.lengths import (LengthDistribution, RowShares, dispatch_model, micro_batch_multipliers,
+                                  packed_step_times, simulator_step_of)
 from hrlplan.cost.simulator import Simulator
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 from hrlplan.data import dispatch as D
@@ -52,6 +52,22 @@ def test_shared_timeline_takes_the_same_work_and_equals_the_plain_one_unslowed()
     shared = simulate_shared_timeline("1f1b", P, 1, M, [1.0, 1.2], [2.0, 2.3], ZERO, [0.1, 0.0], [0.1, 0.0],
                                       [1.0] * P, contention=1.0, micro_batch_work=work)
     assert shared.makespan == pytest.approx(plain.makespan)
+
+
+def test_backward_work_scales_the_backward_alone_in_both_timelines():
+    work = [[1.0, 0.5, 2.0, 1.5], [0.7, 1.0, 1.3, 0.9]]
+    back = [[2.0, 1.0, 1.0, 0.5], [1.0, 1.5, 0.5, 1.0]]
+    trace = []
+    plain = simulate_timeline("1f1b", P, 1, M, [1.0, 1.2], [2.0, 2.3], ZERO, ZERO, ZERO, [1.0] * P, trace=trace,
+                              micro_batch_work=work, backward_work=back)
+    durations = {(kind, k, j): end - start for _, kind, k, j, start, end in trace}
+    assert durations[(0, 1, 2)] == pytest.approx(1.2 * 1.3) and durations[(1, 0, 0)] == pytest.approx(2.0 * 2.0)
+    shared = simulate_shared_timeline("1f1b", P, 1, M, [1.0, 1.2], [2.0, 2.3], ZERO, ZERO, ZERO, [1.0] * P,
+                                      contention=1.0, micro_batch_work=work, backward_work=back)
+    assert shared.makespan == pytest.approx(plain.makespan)
+    sim, lay = Simulator(toy_meta(), toy_cluster()), pipeline([(0, 4), (4, 8)], m=M)
+    ones = [[1.0] * M for _ in range(P)]
+    assert sim.evaluate(lay, micro_batch_work=ones, backward_work=back).step_time_s > sim.evaluate(lay).step_time_s
 
 
 def test_a_micro_batch_work_table_of_the_wrong_shape_is_refused():

@@ -72,14 +72,16 @@ class Simulator:
         return t
 
     def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None,
-                 micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> SimResult:
+                 micro_batch_work: Optional[Sequence[Sequence[float]]] = None,
+                 backward_work: Optional[Sequence[Sequence[float]]] = None) -> SimResult:
         """`contention` sets one compute slowdown for the whole step (hetero plans pass the world's
         mean field). Default, where ranks outnumber cores: each operation slowed by the ranks busy
         while it runs (simulate_shared_timeline). micro_batch_work[k][j]: model stage k's compute for
         micro-batch j over the fixed-length micro-batch it costs (packed documents of mixed length:
-        cost/lengths.py); None, every micro-batch alike."""
+        cost/lengths.py); None, every micro-batch alike. backward_work: the backward's, where it differs.
+        """
         self.evaluations += 1
-        run = _StepRun(self, layout, micro_batch_work)
+        run = _StepRun(self, layout, micro_batch_work, backward_work)
         run.simulate_pipeline(contention)
         totals = run.position_totals()
         step, finish, exposed = run.step_time(totals)
@@ -134,8 +136,9 @@ class _PositionTotals:
 class _StepRun:
     """One evaluation's working state: stage costs, the durations the timeline runs, the timeline."""
 
-    def __init__(self, sim: Simulator, layout: Layout, micro_batch_work: Optional[Sequence[Sequence[float]]] = None):
-        self.sim, self.layout, self.work = sim, layout, micro_batch_work
+    def __init__(self, sim: Simulator, layout: Layout, micro_batch_work: Optional[Sequence[Sequence[float]]] = None,
+                 backward_work: Optional[Sequence[Sequence[float]]] = None):
+        self.sim, self.layout, self.work, self.back = sim, layout, micro_batch_work, backward_work
         self.ov = sim.devices.overheads
         self.n = len(layout.spans)
         self.groups = [layout.groups[layout.stage_group(k)] for k in range(self.n)]
@@ -181,7 +184,7 @@ class _StepRun:
         return simulate_timeline(lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches,
                                  fwd, bwd, wgt, self.sends, self.sends, [c.activation for c in costs],
                                  [c.first_fwd_extra for c in costs], [0.0] * self.n, self.handshake,
-                                 micro_batch_work=self.work)
+                                 micro_batch_work=self.work, backward_work=self.back)
 
     def simulate_pipeline(self, contention: Optional[float]) -> None:
         """Sets stage_costs, the (fwd, bwd, wgt) durations and the timeline tl."""
@@ -212,7 +215,8 @@ class _StepRun:
             lay.schedule, lay.pp, lay.stages_per_rank, lay.num_microbatches, self.fwd, self.bwd, self.wgt,
             self.sends, self.sends, [c.activation for c in costs], [c.first_fwd_extra for c in costs],
             self.handshake, ranks=[len(g) for g in lay.groups], contention=ov.contention,
-            all_ranks=max(self.sim.cluster.world_size, sum(len(g) for g in lay.groups)), micro_batch_work=self.work)
+            all_ranks=max(self.sim.cluster.world_size, sum(len(g) for g in lay.groups)), micro_batch_work=self.work,
+            backward_work=self.back)
 
     def position_totals(self) -> _PositionTotals:
         lay = self.layout

@@ -102,7 +102,8 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
                       last_bwd_extra: Optional[Sequence[float]] = None,
                       recv_handshake: Optional[Sequence[float]] = None,
                       trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None,
-                      micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
+                      micro_batch_work: Optional[Sequence[Sequence[float]]] = None,
+                      backward_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
     """Per model stage k: fwd/bwd/wgt durations of one micro-batch, send_fwd[k] the delay of k's
     activation to k+1, send_bwd[k] the delay of the gradient from k+1 back to k, activation[k] the
     bytes one micro-batch keeps on k until its backward. first_fwd_extra[k] lengthens stage k's
@@ -114,10 +115,14 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
     a send that is late still arrives send_* after it was made. `trace`, when given, gets one
     (position, kind, stage, micro-batch, start, end) per operation, in execution order.
     micro_batch_work[k][j] (mixed-length data: cost/lengths.py) multiplies stage k's fwd/bwd/wgt for
-    micro-batch j, which then differ from one micro-batch to the next; None: every one alike."""
+    micro-batch j, which then differ from one micro-batch to the next; None: every one alike.
+    backward_work, where given, multiplies the backward and weight-gradient times instead (a forward
+    and a backward need not follow a micro-batch's contents alike: attention's backward is a larger
+    multiple of its forward than a matmul's)."""
     st = structure(schedule, pp, stages_per_rank, m)
     n = pp * stages_per_rank
     work = _work_table(micro_batch_work, n, m)
+    back = _work_table(backward_work, n, m) if backward_work is not None else work
     last = n - 1
     split = schedules.get(schedule, stages_per_rank).split_backward
     book = _Ledger(pp, n, m, split, activation, 0.0, trace, st.sent_after)
@@ -140,11 +145,11 @@ def simulate_timeline(schedule: str, pp: int, stages_per_rank: int, m: int,
         elif kind in (B, BW):
             ready = b_end[k + 1][j] + send_bwd[k] if k < last else f_end[k][j]
             dur = bwd[k] if kind == B else bwd[k] + wgt[k]
-            if work is not None:
-                dur *= work[k][j]
+            if back is not None:
+                dur *= back[k][j]
         else:
             ready = b_end[k][j]
-            dur = wgt[k] if work is None else wgt[k] * work[k][j]
+            dur = wgt[k] if back is None else wgt[k] * back[k][j]
         if b_extra is not None and kind in completes:
             done_b[k] += 1
             if done_b[k] == m:
@@ -166,7 +171,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
                              ranks: Optional[Sequence[int]] = None, contention: float = 1.0,
                              all_ranks: Optional[int] = None,
                              trace: Optional[List[Tuple[int, int, int, int, float, float]]] = None,
-                             micro_batch_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
+                             micro_batch_work: Optional[Sequence[Sequence[float]]] = None,
+                             backward_work: Optional[Sequence[Sequence[float]]] = None) -> TimelineResult:
     """simulate_timeline for positions that share too few cores: the durations are each operation's
     time with one rank alone on the cores, and while operations run their work progresses at
     1 / slowdown, the slowdown linear in the ranks busy between the two points calibration measures
@@ -177,7 +183,7 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     (contention x busy / all ranks, i.e. no other tenants) +11..+15%, this -2..-4% and +2%. Same
     operations, orders, inputs and handshake as simulate_timeline (equal to it when nothing is
     slowed); event-driven, so slower: the simulator uses it only when ranks outnumber cores.
-    micro_batch_work as in simulate_timeline."""
+    micro_batch_work, backward_work as in simulate_timeline."""
     ranks = list(ranks) if ranks is not None else [1] * pp
     # `contention` was measured with `all_ranks` busy (the whole job): a plan that leaves ranks
     # idle never reaches it
@@ -186,7 +192,8 @@ def simulate_shared_timeline(schedule: str, pp: int, stages_per_rank: int, m: in
     run = _SharedCoresRun(schedule, pp, stages_per_rank, m, (fwd, bwd, wgt), send_fwd, send_bwd, first_fwd_extra,
                           recv_handshake, _Ledger(pp, pp * stages_per_rank, m, split, activation, None, trace,
                                                   structure(schedule, pp, stages_per_rank, m).sent_after),
-                          _work_table(micro_batch_work, pp * stages_per_rank, m))
+                          _work_table(micro_batch_work, pp * stages_per_rank, m),
+                          _work_table(backward_work, pp * stages_per_rank, m))
     now = 0.0
     while True:
         run.start_ready(now)
@@ -211,13 +218,15 @@ class _SharedCoresRun:
     and the running one (op, work left, start)."""
 
     def __init__(self, schedule, pp, stages_per_rank, m, durations, send_fwd, send_bwd, first_fwd_extra,
-                 recv_handshake, book: "_Ledger", work: Optional[List[List[float]]]):
+                 recv_handshake, book: "_Ledger", work: Optional[List[List[float]]],
+                 backward_work: Optional[List[List[float]]] = None):
         self.ops = structure(schedule, pp, stages_per_rank, m).position_ops
         self.pp, self.last = pp, pp * stages_per_rank - 1
         self.fwd, self.bwd, self.wgt = durations
         self.send_fwd, self.send_bwd = send_fwd, send_bwd
         self.first_fwd_extra, self.recv_handshake = first_fwd_extra, recv_handshake
         self.book, self.work = book, work
+        self.back = backward_work if backward_work is not None else work
         self.seen_f = [False] * (pp * stages_per_rank)
         self.nxt = [0] * pp
         self.pending: List[Optional[Tuple[float, Tuple[int, int, int], float]]] = [None] * pp
@@ -242,8 +251,9 @@ class _SharedCoresRun:
             work = self.bwd[k] if kind == B else self.bwd[k] + self.wgt[k]
         else:
             ready, work = b_end[k][j], self.wgt[k]
-        if self.work is not None:
-            work *= self.work[k][j]
+        scale = self.work if kind == F else self.back
+        if scale is not None:
+            work *= scale[k][j]
         if ready is None:
             return
         if kind == F and self.first_fwd_extra is not None and not self.seen_f[k]:
