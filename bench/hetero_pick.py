@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -89,13 +90,58 @@ def same_layout(a, b) -> bool:
     return key(a) == key(b)
 
 
+def _cpu_metered_worker(config, plan_yaml: str, metrics_file: bool):
+    """launch/local_run's worker, each rank also writing to cpu-rank<r>.json the CPU time (all its
+    threads, user + system: what a quota meters, loopback copies included) of every training step
+    and of its parts: the schedule (forward_backward; of it, the recorded forwards and backwards),
+    gradient sync and clipping, the optimizer steps."""
+    from hrlplan.launch.local_run import _worker
+    from hrlplan.runtime.trainer import PipelineTrainer
+
+    steps: List[Dict[str, float]] = []
+    plain = PipelineTrainer.train_step
+
+    def metered(fn, key):
+        def run(*args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                steps[-1][key] = steps[-1].get(key, 0.0) + time.process_time() - c0
+        return run
+
+    def train_step(self, batch, step):
+        if not getattr(self, "_cpu_metered", False):
+            self._cpu_metered = True
+            self.engine.forward_backward = metered(self.engine.forward_backward, "schedule")
+            self.engine.sync_and_clip = metered(self.engine.sync_and_clip, "sync_and_clip")
+            for opt in self.optimizers.values():
+                opt.step = metered(opt.step, "optimizer")
+        steps.append({})
+        c0 = time.process_time()
+        out = plain(self, batch, step)
+        steps[-1]["step"] = time.process_time() - c0
+        steps[-1]["actions"] = sum(e.get("cpu_s") or 0.0 for e in self.recorder.events)
+        return out
+
+    PipelineTrainer.train_step = train_step
+    # wrapping optimizer.step after the learning-rate scheduler wrapped it is what torch warns about
+    warnings.filterwarnings("ignore", message=".*optimizer.step\\(\\)` has been overridden.*")
+    try:
+        return _worker(config, plan_yaml, metrics_file)
+    finally:
+        PipelineTrainer.train_step = plain
+        if steps:
+            (Path(config.run_dir) / f"cpu-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps))
+
+
 def train_capped(plan, config, shares: List[Optional[float]], run_dir: Path) -> Dict[str, Any]:
     """Train `plan` on its used workers, each keeping its job rank's CPU share. The summary gains
     `used` (the job rank of each trained rank) and `throttling` (each capped worker's cgroup cpu.stat)."""
     from hrlplan.config import as_config
     from hrlplan.launch import cpu_quota
     from hrlplan.launch.local import launch_workers
-    from hrlplan.launch.local_run import _worker
+    from hrlplan.runtime.timing import mean_step_time
     from hrlplan.search.placement import compact
 
     trained, used = compact(plan)
@@ -103,9 +149,17 @@ def train_capped(plan, config, shares: List[Optional[float]], run_dir: Path) -> 
     cfg = as_config(config)
     cfg.run_dir = str(run_dir)
     threads_for(trained.world_size)
-    summary = launch_workers(_worker, (cfg, trained.to_yaml(), False), trained.world_size, name="hetero-pick",
-                             cpu_shares=[shares[r] for r in used])[0]
-    return dict(summary, used=used, throttling={used[i]: s for i, s in enumerate(cpu_quota.last_job_throttling) if s})
+    for old in run_dir.glob("cpu-rank*.json"):
+        old.unlink()
+    summary = launch_workers(_cpu_metered_worker, (cfg, trained.to_yaml(), False), trained.world_size,
+                             name="hetero-pick", cpu_shares=[shares[r] for r in used])[0]
+    cpu = {}
+    for i in range(trained.world_size):
+        if (run_dir / f"cpu-rank{i}.json").exists():
+            steps = json.loads((run_dir / f"cpu-rank{i}.json").read_text())
+            cpu[used[i]] = {k: mean_step_time([s.get(k, 0.0) for s in steps]) for k in steps[0]}
+    return dict(summary, used=used, cpu_per_step=cpu,
+                throttling={used[i]: s for i, s in enumerate(cpu_quota.last_job_throttling) if s})
 
 
 def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
@@ -132,6 +186,10 @@ def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, 
                 row[f"measured_{kind}_wall_ms"] = wall[kind] * 1e3
             if kind in cpu:
                 row[f"measured_{kind}_cpu_ms"] = cpu[kind] * 1e3
+        parts = (summary.get("cpu_per_step") or {}).get(job_rank)
+        if parts:
+            row["measured_cpu_per_step_ms"] = parts["step"] * 1e3
+            row["measured_cpu_per_step_parts_ms"] = {k: v * 1e3 for k, v in parts.items() if k != "step"}
         stat = (summary.get("throttling") or {}).get(job_rank)
         if stat:
             row["throttled"] = {k: stat.get(k) for k in ("nr_periods", "nr_throttled", "throttled_time")}
@@ -148,7 +206,11 @@ def action_lines(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
         out.append(f"    {name:20s} rank {rank} {row.get('device', '?'):9s} F pred {ms(row, 'predicted_fwd_ms')} wall "
                    f"{ms(row, 'measured_F_wall_ms')} cpu {ms(row, 'measured_F_cpu_ms')} | B pred "
                    f"{ms(row, 'predicted_bwd_ms')} wall {ms(row, 'measured_B_wall_ms')} cpu "
-                   f"{ms(row, 'measured_B_cpu_ms')} | send {ms(row, 'predicted_send_ms')}{throttled}")
+                   f"{ms(row, 'measured_B_cpu_ms')} | send {ms(row, 'predicted_send_ms')} | CPU per step "
+                   f"{ms(row, 'measured_cpu_per_step_ms')}{throttled}")
+        parts = row.get("measured_cpu_per_step_parts_ms")
+        if parts:
+            out.append(" " * 36 + "CPU per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())))
     return out
 
 

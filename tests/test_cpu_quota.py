@@ -161,18 +161,3 @@ def test_the_probe_reads_its_own_cpu_quota(tmp_path):
     (group / "cpu.cfs_quota_us").write_text("-1\n")
     assert cpu_quota_period(str(proc), str(tmp_path / "cpu")) is None
     assert cpu_quota_period(str(tmp_path / "missing"), str(tmp_path / "cpu")) is None
-
-
-def test_calibration_times_a_capped_block_at_its_sustained_rate():
-    """A short run under a quota bursts at full speed: calibrate/compute.measure_block scales the
-    median of short runs to the rate over several CFS periods, and leaves uncapped figures alone."""
-    from hrlplan.runtime.calibrate.compute import sustained_scale
-
-    clock = [0.0]
-
-    def run_once():   # what a capped worker sustains: 30 ms a run, though a burst times 10 ms
-        clock[0] += 0.03
-
-    assert sustained_scale(run_once, 0.01, None, lambda: clock[0]) == 1.0
-    assert sustained_scale(run_once, 0.01, 0.1, lambda: clock[0]) == pytest.approx(3.0)
-    assert sustained_scale(run_once, 0.05, 0.1, lambda: clock[0]) == 1.0   # never faster than measured

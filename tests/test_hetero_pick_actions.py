@@ -85,3 +85,38 @@ def test_the_bench_sets_each_ranks_measured_actions_beside_its_stages_prediction
     assert "measured_B_wall_ms" not in rows[0] and rows[0]["measured_F_cpu_ms"] == pytest.approx(3.0)
     lines = hetero_pick.action_lines("pp", rows)
     assert len(lines) == 2 and "throttled 4/10 periods" in lines[1]
+
+
+class _Sleeps(torch.nn.Module):
+    """A block that waits 30 ms in its forward (no CPU time) and computes a little."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(0.03)
+        return self.lin(x)
+
+
+def test_a_capped_workers_block_is_timed_in_cpu_time(monkeypatch):
+    """Calibration times a block under a CPU quota (one intra-op thread) in its CPU time, the work the
+    quota meters: what it waits (a throttled period, a core taken by another process) is not its cost."""
+    from hrlplan.runtime.calibrate import compute
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(compute, "cpu_quota", lambda: None)
+    assert compute.quota_timer(cpu) is None                # uncapped: wall time, as before
+    monkeypatch.setattr(compute, "cpu_quota", lambda: (0.1, 0.33))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        timer = compute.quota_timer(cpu)
+        assert timer is compute.cpu_timed_forward_backward
+        assert compute.quota_timer(torch.device("meta")) is None
+        fwd, bwd = timer(_Sleeps(), torch.randn(4, 8, requires_grad=True))
+        assert 0.0 <= fwd < 0.02 and bwd >= 0.0
+        torch.set_num_threads(2)
+        assert compute.quota_timer(cpu) is None            # one thread's CPU time would miss the others'
+    finally:
+        torch.set_num_threads(threads)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from hrlplan.cluster import cpu_quota_period
+from hrlplan.cluster import cpu_quota
 from hrlplan.config import Config, TrainConfig, as_config, section
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import options_for_train
@@ -42,42 +43,55 @@ from hrlplan.schedules import DEFAULT
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
                   repeats: int = REPEATS) -> List[Dict[str, float]]:
     """Median forward and backward time of one block per micro-batch size, and each repeat's
-    forward + backward (samples_s: their spread says how steady the machine was)."""
+    forward + backward (samples_s: their spread says how steady the machine was).
+
+    Under a CPU quota (cluster.cpu_shares) the block's CPU time (quota_timer): the work the quota
+    meters, which the cost model bounds a capped rank's step by (CPU work over its share: simulator
+    cpu_quota_bounds). A capped rank otherwise runs each operation at full speed, in a burst, and
+    one idle most of a step gets a core at once when it wakes. Measured on gpt2-tiny at shares
+    [1, 1/3, 1/3], load 1-14: the capped ranks' forwards and backwards in training took their CPU
+    time in wall time too, 1.3-1.8 ms, the uncapped rank's figure; the same block in calibration,
+    every rank busy at once, read 1-4x that in wall time, and scaled to the rate over several CFS
+    periods (the old figure) it costed them 2.8x and the pp3 layouts 1.3-1.6x their step."""
     block, hidden = block_stage(arch, device)
+    timer = quota_timer(device) or (lambda blk, x: timed_forward_backward(blk, x, device))
     out = []
     for mbs in microbatch_sizes:
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
         fwd, bwd = [], []
         for i in range(repeats + 1):   # the first run pays for allocation
-            f, b = timed_forward_backward(block, x, device)
+            f, b = timer(block, x)
             if i:
                 fwd.append(f)
                 bwd.append(b)
-        f, b = statistics.median(fwd), statistics.median(bwd)
-        scale = sustained_scale(lambda: timed_forward_backward(block, x, device), f + b, cpu_quota_period(),
-                                lambda: now(device))
-        out.append({"tokens": mbs * seq_len, "fwd_s": f * scale, "bwd_s": b * scale,
-                    "samples_s": [(f + b) * scale for f, b in zip(fwd, bwd)]})
+        out.append({"tokens": mbs * seq_len, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
+                    "samples_s": [f + b for f, b in zip(fwd, bwd)]})
     return out
+
+
+def cpu_timed_forward_backward(block: torch.nn.Module, x: torch.Tensor) -> Tuple[float, float]:
+    """(forward s, backward s) of one run of `block` on `x` in this thread's CPU time (a CPU tensor,
+    torch on one intra-op thread: then every operation runs on this thread)."""
+    c0 = time.thread_time()
+    y = block(x)
+    c1 = time.thread_time()
+    y.backward(torch.ones_like(y))
+    return c1 - c0, time.thread_time() - c1
+
+
+def quota_timer(device: torch.device):
+    """cpu_timed_forward_backward where this worker runs under a CPU quota on one intra-op thread
+    (cluster.cpu_shares' workers), else None (wall time). With more threads the CPU time of one
+    thread would miss the others' work."""
+    if device.type != "cpu" or cpu_quota() is None or torch.get_num_threads() != 1:
+        return None
+    return cpu_timed_forward_backward
 
 
 def measure_compile(arch: Dict[str, Any], seq_len: int, microbatch_size: int, device: torch.device) -> Dict[str, float]:
     """train.compile's speed-up of one block on this device (runtime/compile.measure_compile_speedup)."""
     block, hidden = block_stage(arch, device)
     return measure_compile_speedup(block, lambda: torch.randn(microbatch_size, seq_len, hidden, device=device))
-
-
-def sustained_scale(run_once, median_s: float, quota_period_s: Optional[float], clock, periods: int = 4) -> float:
-    """Under a CPU quota (cluster.cpu_shares) a short run bursts at full speed until the period's quota is
-    spent, so a median of short runs shows the uncapped speed: the rate over several CFS periods is the
-    speed the worker trains at. The factor that brings the median to it (1.0 without a quota)."""
-    if quota_period_s is None or median_s <= 0:
-        return 1.0
-    count, t0 = 0, clock()
-    while clock() - t0 < periods * quota_period_s or count < 2:
-        run_once()
-        count += 1
-    return max(1.0, (clock() - t0) / count / median_s)
 
 
 def fit_compute(samples: List[Dict[str, float]], flops_per_token: float, peak: float) -> Dict[str, float]:
