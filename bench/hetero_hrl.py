@@ -132,12 +132,16 @@ def main(argv=None) -> int:
     ap.add_argument("--exact-s", type=float, default=30.0)
     ap.add_argument("--no-scale", action="store_true", help="leave out the 1024-GPU instance")
     ap.add_argument("--only", default="")
+    ap.add_argument("--slice", default="", help="first:last instances (0-based; to run parts side by side)")
     ap.add_argument("--out", default="bench/results/hetero_hrl.json")
     args = ap.parse_args(argv)
     instances = [(a, load_preset_config(p), b) for a, p, b in bench_hetero.PRESETS]
     instances += [bench_hetero.generated(s) for s in range(args.generated)]
     instances += [] if args.no_scale else [scale_instance()]
     instances = [i for i in instances if args.only in i[1]["name"]]
+    if args.slice:
+        first, last = (int(v) if v else None for v in args.slice.split(":"))
+        instances = instances[first:last]
     bench_hetero.run_and_report(instances, lambda arch, cfg, gbs: run(arch, cfg, gbs, args.calls, args.own_calls,
                                                                       args.exact_s),
                                 table, headline, args.out)

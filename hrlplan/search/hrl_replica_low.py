@@ -41,8 +41,10 @@ class ReplicaTemplates:
         self.train = train
         self.top, self.slack = top, tuple(slack)
         self._ranked: Dict[tuple, List[Tuple[float, Any]]] = {}
+        self._fitting: Dict[tuple, Dict[int, List[Tuple[float, Any]]]] = {}
         self._spaces: Dict[tuple, ReplicaSpace] = {}
         self._bottleneck: Dict[tuple, float] = {}
+        self._fails_from: Dict[tuple, int] = {}
         self.templates: Dict[tuple, Template] = {}
         ov = sim.devices.overheads
         self._scale, self._step = sim.devices.time_scale, max(0.0, ov.step)
@@ -58,26 +60,62 @@ class ReplicaTemplates:
         return self._spaces[key]
 
     def ranked(self, key) -> List[Tuple[float, Any]]:
-        """(estimate, configuration), fastest first; the configurations that fit memory only."""
+        """(optimistic estimate, configuration), fastest first: the bottleneck of the tables at
+        min(m, pp) micro-batches, which every row count with this micro-batch size shares. Memory
+        only grows with the micro-batches (receive buffers, activations in flight), so the estimate
+        at the configuration's own m is never below it."""
         if key not in self._ranked:
             rs = self.replica_space(key)
             out = []
             for c in rs.configs():
-                # memory grows with the micro-batches in flight: at min(m, pp) the tables are shared by
-                # every row count with this micro-batch size (exact under 1F1B, optimistic under gpipe)
                 probe = replace(c, num_microbatches=min(c.num_microbatches, c.pp))
                 shared = (rs._replica_pool, probe)
                 if shared not in self._bottleneck:
                     self._bottleneck[shared] = SplitTables(self.sim, rs, probe).minmax()
                 b = self._bottleneck[shared]
                 if b < INF:
-                    out.append(((c.num_microbatches + c.n_stages - 1) * b * self._scale + self._step, c))
+                    out.append((self._step_of(c, b), c))
             out.sort(key=lambda x: x[0])
             self._ranked[key] = out
         return self._ranked[key]
 
+    def _step_of(self, c, bottleneck: float) -> float:
+        return (c.num_microbatches + c.n_stages - 1) * bottleneck * self._scale + self._step
+
+    def fitting(self, key, want: int = 1, scan: int = 12) -> List[Tuple[float, Any]]:
+        """(estimate, configuration) at the configuration's own micro-batches, fastest first: a
+        best-first scan of `ranked` that stops once `want` fit and the next optimistic estimate
+        cannot beat them (or after `scan` tables)."""
+        cache = self._fitting.setdefault(key, {})
+        if want not in cache:
+            rs = self.replica_space(key)
+            found: List[Tuple[float, Any]] = []
+            for n, (optimistic, c) in enumerate(self.ranked(key)):
+                if n >= scan or (len(found) >= want and optimistic >= found[want - 1][0]):
+                    break
+                b = self._bottleneck_of(rs, c)
+                if b < INF:
+                    found.append((self._step_of(c, b), c))
+                    found.sort(key=lambda x: x[0])
+            cache[want] = found[:max(want, 1)]
+        return cache[want]
+
+    def _bottleneck_of(self, rs: ReplicaSpace, c) -> float:
+        shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)))
+        if c.num_microbatches <= c.pp:
+            return self._bottleneck[shared]
+        own = (rs._replica_pool, c)
+        if own not in self._bottleneck:
+            # memory grows with the micro-batches: past a count that does not fit, none does
+            if c.num_microbatches >= self._fails_from.get(shared, INF):
+                return INF
+            self._bottleneck[own] = SplitTables(self.sim, rs, c).minmax()
+            if self._bottleneck[own] == INF:
+                self._fails_from[shared] = min(self._fails_from.get(shared, INF), c.num_microbatches)
+        return self._bottleneck[own]
+
     def estimate(self, key) -> float:
-        r = self.ranked(key)
+        r = self.fitting(key)
         return r[0][0] if r else INF
 
     def template(self, key) -> Template:
@@ -85,7 +123,7 @@ class ReplicaTemplates:
         if key not in self.templates:
             rs = self.replica_space(key)
             best = Template(INF, None)
-            for _, c in self.ranked(key)[:self.top]:
+            for _, c in self.fitting(key, self.top):
                 tables = SplitTables(self.sim, rs, c)
                 for spans in tables.candidates(self.slack):
                     layout = rs.layout(c, spans, recompute=tables.recompute_of(spans))

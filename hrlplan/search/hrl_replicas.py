@@ -49,6 +49,7 @@ FEATURES = 12
 POLICY_FILE = Path(__file__).resolve().parent / "hrl" / "pretrained" / "replicas.pth"
 OFF = None
 INFEASIBLE_REWARD = -3.0
+DEFAULT_TIME_S = 40.0   # the whole search, under planning's 60 s at 1024 GPUs
 LOW_LEVEL = "estimate-screened proposals; exact planner's min-max DP splits (search/splits.py)"
 
 Entry = Tuple[str, Shape, int]   # (device type, replica shape, replica count)
@@ -168,9 +169,9 @@ class ReplicaEnv:
             * self.sim.devices.time_scale
         overlap = math.inf
         for (t, s, _), r in zip(chosen, rows):
-            ranked = self.low.ranked((t, s, r, tp))
-            if ranked:
-                est, c = ranked[0]
+            fitting = self.low.fitting((t, s, r, tp))
+            if fitting:
+                est, c = fitting[0]
                 overlap = min(overlap, (2 / 3) * est / (c.num_microbatches + c.n_stages - 1))
         return max(0.0, reduce_s - (overlap if overlap < math.inf else 0.0))
 
@@ -212,34 +213,48 @@ def sample(env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, greedy:
     return chosen, logp, entropy
 
 
-def _alone(env: ReplicaEnv) -> List[List[Entry]]:
-    """Each type alone at each of its options: the single-type plans are always proposals."""
-    return [[(t, *o)] for t in env.space.types for o in env.options[t] if o is not OFF]
+def _alone(env: ReplicaEnv, policy: ReplicaPolicy) -> List[List[Entry]]:
+    """Each type alone at each of its options, the policy's favourites first: single-type plans
+    are always proposals (where the screening time allows)."""
+    scored = []
+    for t in env.space.types:
+        logits = policy(env.features[t])
+        scored += [(-float(logits[i]), j, [(t, *o)]) for j, (i, o) in enumerate(enumerate(env.options[t]))
+                   if o is not OFF]
+    return [chosen for _, _, chosen in sorted(scored, key=lambda x: (x[0], x[1]))]
 
 
-def propose(env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, draws: int,
-            deadline: float) -> List[Tuple[float, List[Entry], Optional[int], List[int]]]:
-    """The greedy decision, each type alone, then `draws` samples; screened, fastest estimate first."""
-    seen, screened = set(), []
+class Proposals:
+    """The greedy decision, each type alone (the policy's favourites first), then `draws` samples,
+    screened by estimate in batches as time allows."""
 
-    def samples():
-        with torch.no_grad():
-            yield sample(env, policy, gen, greedy=True)[0]
-            yield from _alone(env)
-            for _ in range(draws):
-                yield sample(env, policy, gen)[0]
-    for chosen in samples():
-        if time.perf_counter() > deadline and screened:
-            break
-        key = tuple(chosen)
-        if not chosen or key in seen:
-            continue
-        seen.add(key)
-        est, tp, rows = env.screen(chosen)
-        if rows is not None:
-            screened.append((est, chosen, tp, rows))
-    screened.sort(key=lambda x: x[0])
-    return screened
+    def __init__(self, env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, draws: int):
+        self.env, self.seen, self.count = env, set(), 0
+
+        def stream():
+            with torch.no_grad():
+                yield sample(env, policy, gen, greedy=True)[0]
+                yield from _alone(env, policy)
+                for _ in range(draws):
+                    yield sample(env, policy, gen)[0]
+        self.stream = stream()
+
+    def screen(self, until: float) -> List[Tuple[float, List[Entry], Optional[int], List[int]]]:
+        """The next proposals screened until `until` (past it, on while none fits, up to the
+        search's deadline); fastest estimate first."""
+        screened = []
+        for chosen in self.stream:
+            key = tuple(chosen)
+            if chosen and key not in self.seen:
+                self.seen.add(key)
+                est, tp, rows = self.env.screen(chosen)
+                if rows is not None:
+                    screened.append((est, chosen, tp, rows))
+                    self.count += 1
+            now = time.perf_counter()
+            if now > until and (screened or now > self.env.deadline):
+                break
+        return sorted(screened, key=lambda x: x[0])
 
 
 def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int = 2
@@ -257,6 +272,8 @@ def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int =
             # the others as they are, or one of them off (a type taking the rows another had)
             keeps = [others] + [[e for e in others if e is not off] for off in others if len(others) > 1]
             for o in env.options[t]:
+                if time.perf_counter() > deadline:
+                    return best
                 for kept in keeps:
                     trial = sorted(kept + ([] if o is OFF else [(t, *o)]), key=lambda e: e[0])
                     if not trial or trial == best[1]:
@@ -271,6 +288,7 @@ def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int =
 
 def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, seed: int = 0,
                         policy: Optional[ReplicaPolicy] = None, deadline: float = math.inf,
+                        time_s: float = DEFAULT_TIME_S,
                         draws: int = 64, top: int = 2, slack=(0.0,), improve_top: int = 4) -> Dict[str, Any]:
     """Zero-shot: proposals screened by estimate, the best simulated in full (then once more with
     rows rebalanced by the simulation), until `calls` simulator evaluations are spent or the
@@ -278,48 +296,55 @@ def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, 
     policy = policy or load_replica_policy()
     gen = torch.Generator().manual_seed(seed)
     start, t0 = sim.evaluations, time.perf_counter()
+    deadline = min(deadline, t0 + time_s)
     env = ReplicaEnv(sim, meta, cluster, planner_cfg, train_cfg, top=top, slack=slack)
     env.deadline = deadline
-    # screening gets at most a third of the time left, so that proposals get simulated
-    screen_until = t0 + (deadline - t0) / 3 if deadline < math.inf else math.inf
-    screened = propose(env, policy, gen, draws, screen_until)
-    # the best few proposals refined on the estimate (coordinate descent over each type's options)
-    refined = [improve(env, chosen, screen_until) for _, chosen, _, _ in screened[:improve_top]]
-    unique = {}
-    for est, chosen, tp, rows in refined + screened:
-        if rows is not None and tuple(chosen) not in unique:
-            unique[tuple(chosen)] = (est, chosen, tp, rows)
-    screened = sorted(unique.values(), key=lambda x: x[0])
-    best, simulated, tried = (math.inf, None, None), 0, set()
+    proposals = Proposals(env, policy, gen, draws)
+    best, simulated, tried, done = (math.inf, None, None), 0, set(), set()
 
     def left() -> bool:
         return sim.evaluations - start < calls and time.perf_counter() < deadline
 
-    for est, chosen, tp, rows in screened:
-        if not left():
+    first = True
+    while left():
+        # each round: screening takes a third of the time left (a fifth more for refining, the first
+        # time), then the screened proposals are simulated, the best estimate first
+        now = time.perf_counter()
+        batch = proposals.screen(now + (deadline - now) / 3)
+        if first:   # the best few refined on the estimate (coordinate descent over each type's options)
+            until = time.perf_counter() + (deadline - now) / 5
+            batch += [improve(env, chosen, until) for _, chosen, _, _ in batch[:improve_top]]
+            first = False
+        batch = sorted({tuple(c): (e, c, tp, r) for e, c, tp, r in sorted(batch, key=lambda x: -x[0])
+                        if r is not None and tuple(c) not in done}.values(), key=lambda x: x[0])
+        if not batch:
             break
-        simulated += 1
-        for attempt in range(3):
-            key = (tuple(chosen), tp, tuple(rows))
-            if key in tried:
-                break
-            tried.add(key)
-            got = env.assemble(chosen, tp, rows)
-            if got[0] < best[0]:
-                best = got
+        for est, chosen, tp, rows in batch:
             if not left():
                 break
-            # rebalance: the estimates corrected by what the templates simulated to
-            _, tp2, rows2 = env.screen(chosen, env.correction(chosen, tp, rows))
-            if rows2 is None:
-                break
-            tp, rows = tp2, rows2
+            done.add(tuple(chosen))
+            simulated += 1
+            for attempt in range(3):
+                key = (tuple(chosen), tp, tuple(rows))
+                if key in tried:
+                    break
+                tried.add(key)
+                got = env.assemble(chosen, tp, rows)
+                if got[0] < best[0]:
+                    best = got
+                if not left():
+                    break
+                # rebalance: the estimates corrected by what the templates simulated to
+                _, tp2, rows2 = env.screen(chosen, env.correction(chosen, tp, rows))
+                if rows2 is None:
+                    break
+                tp, rows = tp2, rows2
     used = sim.evaluations - start
     # every proposal simulated before the calls ran out: the baselines get the whole budget still
     # (`calls`), `calls_used` says what this search spent
     return {"step_time_s": best[0], "plan": best[1], "replicas": best[2],
             "calls": calls if used < calls and calls < 10 ** 8 else used, "calls_used": used,
-            "time_s": time.perf_counter() - t0, "low_level": LOW_LEVEL, "decisions": len(screened),
+            "time_s": time.perf_counter() - t0, "low_level": LOW_LEVEL, "decisions": proposals.count,
             "simulated": simulated}
 
 
