@@ -52,21 +52,25 @@ FUSED_QKV_BLOCKS = ("GPT2Block", "GPTBigCodeBlock", "GPTNeoXLayer", "FalconDecod
 
 
 def held_per_token(meta, tp: int, recompute: str, fused_attention: bool = True,
-                   sequence_parallel: bool = False) -> float:
+                   sequence_parallel: bool = False, compiled: bool = False) -> float:
     """Bytes per token (16-bit values) one block keeps for its backward between forward and backward.
 
     none: everything; selective: op-level selective activation checkpointing (runtime/recompute.py):
     the block's input, the outputs of every other matmul and of the attention kernel
     (op_sac_saved_per_token); full: only the block's input (torch.utils.checkpoint keeps the
     wrapped block's arguments), 2h. With sequence parallelism (tp > 1) the block input and the
-    norms are sharded over tp as well."""
+    norms are sharded over tp as well. `compiled` (train.compile): what the compiled block's
+    graph saves instead of eager's (compiled_saved_per_token), where that is less."""
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return 2.0 * meta.hidden_size / (tp if sp else 1)
     none = _held_without_recompute(meta, tp, fused_attention, sp)
     if recompute == "selective" and is_language_model(meta):
+        # compiled with the op policy, the partitioner keeps what the policy marks as saved
         return min(op_sac_saved_per_token(meta, tp, sp), none)
-    return none   # another family's blocks: nothing claimed for the op policy
+    if compiled and is_language_model(meta):
+        return min(compiled_saved_per_token(meta, tp, sp), none)
+    return none   # another family's blocks: nothing claimed for the op policy or compile
 
 
 def _held_without_recompute(meta, tp: int, fused_attention: bool, sp: bool) -> float:
@@ -75,6 +79,32 @@ def _held_without_recompute(meta, tp: int, fused_attention: bool, sp: bool) -> f
     # sequence parallelism shards the replicated terms too (Korthikanti et al. 2022: 34sbh/t):
     # measured on llama-tiny at tp 2, it saves more than that (tests/test_sp_memory.py)
     return (rep if not sp else rep / tp) + (shard + kept_scores) / tp
+
+
+def compiled_saved_per_token(meta, tp: int, sp: bool) -> float:
+    """Bytes per token (16-bit) a regionally compiled block (runtime/compile.py) saves for backward.
+    AOTAutograd's partitioner saves a min cut between forward and backward and recomputes the
+    cheap elementwise ops (norms, activations, rotary, residual adds) from it; what it keeps is:
+      - the block's input (its first norm's backward starts from it);
+      - each distinct matmul input, for the weight gradients: the attention's input (q, k and v
+        share it), the output projection's (the attention's output, laid out again), the MLP's
+        input and its down projection's (tokens x ffn);
+      - scaled_dot_product_attention's q, k, v, output and fp32 log-sum-exp;
+      - the MLP nonlinearity's inputs: gate and up (gated) or the up projection's output;
+      - each norm's fp32 statistics (mean and 1/rms: 2 values; RMSNorm has one).
+    Measured tensor by tensor on llama-tiny and gpt2-tiny (tests/test_compile_memory.py), this is
+    what torch 2.13's inductor saves exactly; the residual stream between attention and MLP is not
+    kept (its norm's backward is rebuilt from the norm's output). Over tp as eager's terms are: the
+    whole-width ones replicated (sharded under SP), the rest sharded."""
+    x = meta.extra or {}
+    h = float(meta.hidden_size)
+    q, kv = float(x.get("query_width") or h), float(x.get("kv_width") or h)
+    ffn = ffn_width(meta)
+    norms = float(x.get("norms_per_block") or 2)
+    replicated = 2.0 * (h + h + h) + 4.0 * 2 * norms       # input, attention and MLP inputs, norm statistics
+    nonlinearity = (2 if x.get("gated_mlp") else 1) * ffn
+    sharded = 2.0 * (q + (q + 2 * kv + q) + ffn + nonlinearity) + 4.0 * meta.num_heads
+    return replicated / (tp if sp else 1) + sharded / tp
 
 
 def block_matmuls(meta):
@@ -138,10 +168,11 @@ def op_sac_recomputed_fraction(meta) -> float:
     return min(rerun / flops, 1.0) if flops > 0 and is_language_model(meta) else 1.0
 
 
-def live_per_token(meta, tp: int, fused_attention: bool = True, sequence_parallel: bool = False) -> float:
+def live_per_token(meta, tp: int, fused_attention: bool = True, sequence_parallel: bool = False,
+                   compiled: bool = False) -> float:
     """Bytes per token of one block's full activations: what recomputation rebuilds for the one
     block whose backward runs (the transient a full-recompute stage adds at its peak)."""
-    return held_per_token(meta, tp, "none", fused_attention, sequence_parallel)
+    return held_per_token(meta, tp, "none", fused_attention, sequence_parallel, compiled=compiled)
 
 
 # Backward's working set, beside what the forward saved (saved tensors are freed node by node as the
@@ -188,7 +219,8 @@ def loss_backward_per_token(meta, vocab_tp: int) -> float:
 
 
 def stage_transient(meta, tp: int, vocab_tp: int, tokens: float, scale: float, recompute: str, n_blocks,
-                    last: bool, fused_attention: bool = True, sequence_parallel: bool = False):
+                    last: bool, fused_attention: bool = True, sequence_parallel: bool = False,
+                    compiled: bool = False):
     """Bytes of the largest working set one backward of this stage adds on top of what the schedule
     holds (one backward runs at a time on a rank): a block's (block_backward_per_token and its fresh
     weight gradient; with full recomputation the block is rebuilt first, and that backward works
@@ -198,11 +230,11 @@ def stage_transient(meta, tp: int, vocab_tp: int, tokens: float, scale: float, r
     repeats = getattr(meta, "block_repeats", 1)
     work = (tokens * block_backward_per_token(meta, tp, sequence_parallel) * scale * repeats
             + weight_gradient_temporary(meta, tp))
-    live = live_per_token(meta, tp, fused_attention, sequence_parallel)
+    live = live_per_token(meta, tp, fused_attention, sequence_parallel, compiled=compiled)
     if recompute == "full":
         work = work + tokens * live * scale * repeats   # the rebuilt block, then its backward beside it
     elif recompute == "selective":
-        kept = held_per_token(meta, tp, recompute, fused_attention, sequence_parallel)
+        kept = held_per_token(meta, tp, recompute, fused_attention, sequence_parallel, compiled=compiled)
         work = work + (live - kept) * tokens * scale * repeats
     head = tokens * loss_backward_per_token(meta, vocab_tp) if last else 0.0
     if isinstance(n_blocks, np.ndarray):

@@ -27,26 +27,30 @@ from typing import Callable, Dict
 import torch
 import torch.nn as nn
 
+from hrlplan.activations import saved_activation_bytes
+
 # The calibration record's key for the measured figure (cost.device_model.Overheads.compile_speedup)
 SPEEDUP_KEY = "compile_speedup"
 
 
-def apply_compile(part: nn.Module, fullgraph: bool = True) -> nn.Module:
+def apply_compile(part: nn.Module, fullgraph: bool = True, backend: str = "inductor") -> nn.Module:
     """Compile every block of an HFStage (its ModuleDict of blocks) in place; returns the part.
 
     nn.Module.compile keeps the module's identity, names and state_dict keys (no `_orig_mod.`
     prefix): checkpoints, FSDP and the tied-weight bookkeeping see the same parameters."""
     blocks = getattr(part.base, part.blocks_attr)
     for block in blocks.values():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, backend=backend)
     return part
 
 
 def eager_while(measuring: bool):
-    """Compiled blocks run eagerly while the memory meter's TorchDispatchMode is on (the first
-    steps): dynamo cannot trace under a Python dispatch mode and would mark the block's code as
-    skipped for good -- never compiling it -- or, with fullgraph, fail. force_eager leaves the
-    compiled code untouched for the steps after; the measured memory is then eager's."""
+    """Compiled blocks run eagerly while a TorchDispatchMode tracker measures: dynamo cannot trace
+    under a Python dispatch mode and would mark the block's code as skipped for good -- never
+    compiling it -- or, with fullgraph, fail. force_eager leaves the compiled code untouched for the
+    steps after. The memory meter no longer runs its tracker over compiled blocks (it measures them
+    from the allocator, runtime/memory.AllocatorPeak), so `measuring` is False there and the
+    measured steps run compiled; this stays for a caller that does trace compiled code."""
     return torch.compiler.set_stance("force_eager") if measuring else nullcontext()
 
 
@@ -82,3 +86,24 @@ def measure_compile_speedup(block: nn.Module, make_input: Callable[[], torch.Ten
         ratios.append(eager / max(fast, 1e-12))
     block.zero_grad(set_to_none=True)
     return {SPEEDUP_KEY: statistics.median(ratios), "min": min(ratios), "max": max(ratios), "compile_s": compile_s}
+
+
+def measure_saved_bytes(part: nn.Module, make_input: Callable[[], torch.Tensor], backend: str = "inductor"
+                        ) -> Dict[str, int]:
+    """Bytes one forward of a stage `part` (an HFStage of blocks) saves for its backward, eager and
+    with its blocks compiled as apply_compile compiles them: {"eager": ..., "compiled": ...}.
+    AOTAutograd's compiled function saves its tensors through autograd's save_for_backward, so
+    saved-tensor hooks see them (hrlplan.activations); the cost model's compiled term
+    (cost/memory.compiled_saved_per_token) is checked against this. The compiled copy runs once
+    first: dynamo compiles outside the hooks."""
+    compiled = apply_compile(copy.deepcopy(part), backend=backend)
+    _fwd_bwd_s(compiled, make_input)
+    out = {}
+    for name, module in (("eager", part), ("compiled", compiled)):
+        x = make_input().requires_grad_(True)
+        kept = []
+        out[name] = saved_activation_bytes(lambda: kept.append(module(x)), exclude=list(module.parameters()))
+        result = kept[0]
+        (result[0] if isinstance(result, tuple) else result).float().sum().backward()
+    part.zero_grad(set_to_none=True)
+    return out
