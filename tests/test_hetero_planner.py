@@ -280,6 +280,6 @@ def test_out_of_time_bounding_keeps_options_by_estimate_and_claims_no_proof():
     options = enumerate_options(table, space, 8, 4, [TP_ANY])
     assert options and table.out_of_time and not table.bounds
     key = options[0].key
-    assert options[0].time_s == table.estimate(key) > 0
+    assert options[0].time_s == table.estimate(key) > 0 and table.peaks
     out = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=0.001), train, float("inf"))
     assert not out["proven"] and "not proven" in out["note"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.search.common import Scored
-from hrlplan.search.exact import lower_bound
+from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place, same_tp_required,
@@ -87,6 +87,7 @@ class TemplateTable:
         self.bounds: Dict[tuple, float] = {}
         self.bottlenecks: Dict[tuple, float] = {}
         self.peaks: Dict[tuple, float] = {}
+        self.guesses: Dict[tuple, Dict[Any, float]] = {}
         self.table: Dict[tuple, Tuple[float, Any]] = {}
         self.searches = 0
         self.unproven = 0
@@ -142,8 +143,9 @@ class TemplateTable:
 
     def estimate(self, key) -> float:
         """Past the bounding deadline, in place of a bound: the replica's rows at its devices' summed
-        sustained peak (exact.lower_bound's estimate over a whole pool, no split tables) -- an order
-        for the program, not a bound: the result is then unproven (out_of_time), never claimed."""
+        sustained peak (exact.lower_bound's estimate over a whole pool; no split tables, one sum per
+        shape: thousands of options in well under a second) -- an order for the program, not a
+        bound: the result is then unproven (out_of_time), never claimed."""
         if not self.may_hold_state(key):
             return float("inf")
         nproc, device_type, shape, rows, _ = key
@@ -155,6 +157,11 @@ class TemplateTable:
             * self.sim.devices.time_scale
 
     def exact(self, key) -> Tuple[float, Any]:
+        if key not in self.table and key not in self.bounds and not self._may_fit(key):
+            # never bounded (out of time, so unproven): no configuration fits by search/estimate.py's
+            # memory model -- out without a template search (70B replicas: 1-2 s each under load)
+            self.unproven += 1
+            self.table[key] = (float("inf"), None)
         if key not in self.table:
             # one search takes at most a quarter of what is left, so that plans get assembled (an
             # unfinished template is the best found, and the result unproven)
@@ -171,6 +178,17 @@ class TemplateTable:
             self.table[key] = (best.time, best.layout) if best is not None else (float("inf"), None)
         return self.table[key]
 
+    def _guesses(self, key) -> Dict[Any, float]:
+        """search/estimate.py's memory-aware estimate per configuration of the replica (inf: does not fit)."""
+        if key not in self.guesses:
+            rs = self._space(key)
+            configs = list(rs.configs())
+            self.guesses[key] = dict(zip(configs, (e.step_s for e in estimates(self.sim, rs, configs))))
+        return self.guesses[key]
+
+    def _may_fit(self, key) -> bool:
+        return self.may_hold_state(key) and min(self._guesses(key).values(), default=float("inf")) < float("inf")
+
     def _quick(self, key, tries: int = 3) -> Optional[Scored]:
         """A template when the search ran out before simulating any that fits: the DP split of the
         configurations with the best bounds (a plan to assemble, not a proof)."""
@@ -178,10 +196,11 @@ class TemplateTable:
 
         def bound(c):
             shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)))
-            if shared not in self.bottlenecks:   # never bounded (the bounding ran out): the estimate
-                return lower_bound(self.sim, rs, c) * (c.num_microbatches + c.pp - 1) / c.num_microbatches
+            if shared not in self.bottlenecks:   # never bounded (the bounding ran out): its estimate
+                return guesses.get(c, float("inf"))
             return c.num_microbatches * self.bottlenecks[shared]
-        for c in sorted((c for c in rs.configs() if bound(c) < float("inf")), key=bound)[:tries]:
+        guesses = self._guesses(key)
+        for c in sorted((c for c in guesses if bound(c) < float("inf")), key=bound)[:tries]:
             tables = SplitTables(self.sim, rs, c)
             spans = next(iter(tables.candidates()), None)
             if spans is not None:
