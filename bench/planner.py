@@ -148,9 +148,13 @@ def main() -> None:
             f"{'rnd/ex':>8}{'0shot':>7}{'evals':>7}{'train s':>8}{'infer s':>8}{'0shot s':>8}{'exact s':>8}")
     print(head)
     print("-" * len(head))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for inst in items:
         r = run(inst, args.train_steps, args.samples, args.seed)
         rows.append(r)
+        # written as it goes: a run cut short (the large instances take minutes each) keeps its rows
+        out.write_text(json.dumps({"rows": rows, "held_out": [], "summary": None, "args": vars(args)}, indent=1))
         print(f"{r['arch']:<12}{r['cluster']:<16}{r['gpus']:>5}{r['schedule'][:9]:>10}{r['exact_s'] * 1e3:>11.1f}"
               f"{'y' if r['exact_proven'] else 'n':>5}{r['hrl_ratio']:>8.3f}{r['random_ratio']:>8.3f}"
               f"{r['zero_shot_ratio']:>7.3f}{r['evaluations']:>7}{r['hrl_train_s']:>8.1f}{r['hrl_infer_s']:>8.2f}"
@@ -175,8 +179,6 @@ def main() -> None:
         "zero_shot_mean_ratio_held_out": (sum(h["zero_shot_ratio"] for h in held) / len(held)) if held else None,
     }
     print(json.dumps(summary, indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "held_out": held, "summary": summary, "args": vars(args)}, indent=1))
 
 
