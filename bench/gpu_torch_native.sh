@@ -54,6 +54,12 @@ def ms(x):
 print(f"{name:>15}: step measured {ms(meas.get('step_time_s'))} predicted {ms(pred.get('step_time_s'))}"
       f" | peak measured {size(row.get('measured_bytes'))} predicted {size(row.get('predicted_bytes'))}"
       f" ({memory.get('measured_kind', '')}) | compile={opts.get('compile')} float8={opts.get('float8')}")
+split = {k: v for k, v in (row.get("measured_split") or {}).items() if v}
+if split:   # the live-tensor tracker's split at its own peak (eager runs): what the allocator's peak adds beyond
+    print(f"{'':>15}  tracker's split {', '.join(f'{k} {size(v)}' for k, v in split.items())}"
+          f" = {size(sum(split.values()))}; predicted split "
+          + ", ".join(f"{k} {size(v)}" for k, v in (row.get("predicted_split") or {}).items()
+                      if v and k not in ("total", "tensors")))
 EOF
 }
 
