@@ -151,10 +151,11 @@ def sharded_step(cp_mesh, seq_len: int, device: torch.device, parts: Iterable[to
             F.scaled_dot_product_attention = patched
             for part in parts:
                 part.position_ids = None
-        if not calls[0] and any(_blocks(part) for part in parts):
-            raise UserError(f"{CP_KEY}={cp_mesh.size()}: a step ran blocks whose attention never called torch's "
-                            "SDPA, so it never reached the ring and each rank attended to its own tokens only; "
-                            "use a model whose attention runs through SDPA, or plan with cp: 1")
+    # after torch's context has exited: some torch releases undo their patch only on a clean exit
+    if not calls[0] and any(_blocks(part) for part in parts):
+        raise UserError(f"{CP_KEY}={cp_mesh.size()}: a step ran blocks whose attention never called torch's "
+                        "SDPA, so it never reached the ring and each rank attended to its own tokens only; "
+                        "use a model whose attention runs through SDPA, or plan with cp: 1")
 
 
 def _blocks(part: torch.nn.Module) -> int:
