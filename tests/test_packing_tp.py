@@ -80,11 +80,11 @@ def test_packed_tp2_trains_as_one_process(tmp_path, arch):
 @pytest.mark.slow
 @pytest.mark.skipif(_hf_refuses_sequence_parallel(), reason="models/hf.py still refuses packed documents under "
                     "sequence parallelism: apply /work/brief/diff_H8_hf.diff")
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_packed_tp2_sequence_parallel_trains_as_one_process(tmp_path, arch):
-    run = train_with_options(_plan(arch, [(0, 2)]), [*ARCHS[arch], *COMMON], tmp_path / "sp", STEPS,
+def test_packed_gpt2_tp2_sequence_parallel_trains_as_one_process(tmp_path):
+    """GPT-2's learned position embedding scattered to the sequence shard (llama: the pp 2 case below)."""
+    run = train_with_options(_plan("gpt2", [(0, 2)]), [*ARCHS["gpt2"], *COMMON], tmp_path / "sp", STEPS,
                              stage_options={"sequence_parallel": True})
-    assert run["losses"] == pytest.approx(one_process_losses(arch, tmp_path), abs=1e-5)
+    assert run["losses"] == pytest.approx(one_process_losses("gpt2", tmp_path), abs=1e-5)
 
 
 @pytest.mark.slow
