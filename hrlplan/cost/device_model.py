@@ -273,7 +273,7 @@ _GUESSES = {   # cost_options key: (the table lacking it, what is guessed)
     "kernel_table_missing": ("hrlplan/cost/kernels.py GPU_FACTS", "HBM bandwidth and SM count are guessed"),
     "datasheet_missing": ("hrlplan/devices.py PEAKS", "float32 peak is guessed from its 16-bit one"),
     "bf16_missing": ("its datasheet's bf16 column (no bf16 tensor cores)", "bfloat16 is costed at its fp16 peak"),
-    "attention_curve_missing": ("hrlplan/cost/kernels.py FLASH2_FWD_BWD (published FlashAttention-2 rates)",
+    "attention_curve_missing": ("hrlplan/cost/kernels.py FLASH2_FWD_BWD (published or measured fused-attention rates)",
                                 "fused attention runs at ATTENTION_FRACTION of its peak"),
 }
 
@@ -288,7 +288,7 @@ def fp8_speedup(device, bytes_per_value: int, tf32: bool) -> float:
 
 def guessed_device_facts(cluster, shape_aware: bool, float32: bool, fused_attention: bool = True) -> Dict[str, list]:
     """GPU names whose kernel facts (HBM bandwidth, SMs: kernels.GPU_FACTS), float32 ratio
-    (hrlplan.devices.PEAKS), bf16 path (V100, T4) or fused-attention rate (a published curve) the
+    (hrlplan.devices.PEAKS), bf16 path (V100, T4) or fused-attention rate (a published or measured curve) the
     tables lack, so the cost model guesses; each warned of once."""
     gpus = sorted({d.name for d in cluster.devices if d.kind == "cuda"})
     out = {"kernel_table_missing": [n for n in gpus if shape_aware and not kernels.in_kernel_table(n)],
