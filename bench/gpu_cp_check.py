@@ -14,8 +14,10 @@ What runs depends on the GPUs there are (NCCL, one rank per GPU, hrlplan's own p
   sequence shards). Their losses must equal cp1's (fp32).
 Two ranks sharing ONE GPU cannot stand in for two GPUs: NCCL refuses it and gloo on CUDA tensors of
 one device crashed (SIGSEGV) in the lead's probe (torch 2.11), so on one GPU the cp > 1 variants are
-skipped and said. Each variant prints one JSON line (losses, torch ring-kernel calls, or the error's
-first line); the last line compares each with its baseline. Without CUDA it says so and exits 0.
+skipped and said. Each variant prints one JSON line: its losses; ring_fn and ring_calls, the function
+the blocks called as the ring (torch's context_parallel patch of SDPA, `inner_fn`) and how often;
+ring_kernel_calls, torch's ring kernels' calls where its release lets them be counted; or the error's
+first line. The last line compares each with its baseline. Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -64,6 +66,24 @@ def _count_ring_kernels() -> Dict[str, int]:
     return counts
 
 
+def _watch_ring(seen: Dict[str, Any]) -> None:
+    """Record which function the engine's blocks got as the ring (torch's context_parallel patch of
+    SDPA: its `inner_fn`) and how often they called it."""
+    from hrlplan.runtime import context_parallel
+
+    torch_ring = context_parallel.ring_attention
+
+    def watched(mesh, positions):
+        ring = torch_ring(mesh, positions)
+        seen["ring_fn"] = f"{getattr(ring, '__module__', '?')}.{getattr(ring, '__qualname__', '?')}"
+
+        def attention(*args, **kwargs):
+            seen["ring_calls"] = seen.get("ring_calls", 0) + 1
+            return ring(*args, **kwargs)
+        return attention
+    context_parallel.ring_attention = watched
+
+
 def _fit(plan, config, run_dir: Path, device, force_ring: bool) -> Dict[str, Any]:
     import torch
 
@@ -89,16 +109,20 @@ def _worker(configs: Dict[str, Any], plan_yamls: Dict[str, str], variants: List[
 
     device = init_distributed("cuda", {"collective_timeout_min": 3}).device
     counts = _count_ring_kernels()
+    seen: Dict[str, Any] = {}
+    _watch_ring(seen)
     out: Dict[str, Any] = {}
     try:
         for variant in variants:
             name, dtype = variant.rsplit("@", 1)
             before = dict(counts)
+            seen.clear()
             start = time.perf_counter()
             try:
                 row = _fit(Plan.from_yaml(plan_yamls[name]), configs[dtype], Path(root) / variant, device,
                            force_ring=name == "cp1_ring")
                 row["ring_kernel_calls"] = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
+                row.update(seen)   # ring_fn, ring_calls: what the blocks called inside the context
                 row["ok"] = True
             except Exception as err:   # said, and the next variant still runs
                 traceback.print_exc()
@@ -171,8 +195,8 @@ def main(argv=None) -> int:
         a, b = rows.get(variant, {}), rows.get(baseline, {})
         if a.get("ok") and b.get("ok"):
             diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-            verdict[variant] = {"max_abs_loss_diff": diff, "vs": baseline,
-                                "torch_ring_ran": bool(a.get("ring_kernel_calls"))}
+            verdict[variant] = {"max_abs_loss_diff": diff, "vs": baseline, "ring_calls": a.get("ring_calls", 0),
+                                "ring_fn": a.get("ring_fn"), "torch_ring_kernels_counted": bool(a.get("ring_kernel_calls"))}
     print(json.dumps({"verdict": verdict}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "verdict": verdict}, indent=1))
