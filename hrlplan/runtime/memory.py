@@ -6,7 +6,9 @@ and `UntypedStorage.resize_` (how FSDP2 allocates and frees its unsharded parame
 too. That is what torch.cuda.max_memory_allocated counts on a GPU, where the allocator's own
 figure is the total and the tracker only splits it.
 
-At the peak (a snapshot whenever the live bytes pass the last snapshot by SNAPSHOT_STEP), every
+At the peak (a snapshot whenever the live bytes pass the last snapshot by SNAPSHOT_STEP; on CUDA
+whenever max_memory_allocated does, so the split is the real peak's, whose bytes beyond the live
+tensors -- kernels' workspaces, an optimizer's internal temporaries -- count as other), every
 live storage is put in the first category that claims it:
   weights      parameters and buffers of the rank's stage modules, FSDP2's sharded and unsharded
                copies of them;
@@ -62,7 +64,8 @@ class LiveStorageTracker(TorchDispatchMode):
     `owners()` returns (modules, optimizers) whose parameters, gradients and states name the
     categories; it is called at each snapshot, since FSDP2 swaps parameters as it unshards."""
 
-    def __init__(self, device_type: str, owners: Callable[[], Tuple[Sequence[torch.nn.Module], Sequence]]):
+    def __init__(self, device_type: str, owners: Callable[[], Tuple[Sequence[torch.nn.Module], Sequence]],
+                 allocator_peak: Optional[Callable[[], int]] = None):
         super().__init__()
         self.device_type = device_type
         self.owners = owners
@@ -72,6 +75,11 @@ class LiveStorageTracker(TorchDispatchMode):
         self.split: Dict[str, int] = {c: 0 for c in CATEGORIES}
         self._snapshot_at = 0
         self._orig_resize = None
+        # CUDA: the allocator's own peak (max_memory_allocated) decides when to split, so the split is
+        # taken where the real peak is (the allocator also counts what no operator returns: kernels'
+        # workspaces, the optimizer's internal temporaries); the tracker's own peak does elsewhere
+        self.allocator_peak = allocator_peak
+        self._allocator_top = 0
 
     # ------------------------------------------------------------ bookkeeping
     def _track(self, st: torch.UntypedStorage, phase: str) -> None:
@@ -93,8 +101,15 @@ class LiveStorageTracker(TorchDispatchMode):
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
-            if self.current > self._snapshot_at * (1.0 + SNAPSHOT_STEP):
+            if self.allocator_peak is None and self.current > self._snapshot_at * (1.0 + SNAPSHOT_STEP):
                 self._snapshot()
+
+    def _follow_allocator(self) -> None:
+        top = self.allocator_peak()
+        if top > self._allocator_top * (1.0 + SNAPSHOT_STEP):
+            self._allocator_top = top
+            self._snapshot()
+        self._allocator_top = max(self._allocator_top, top)
 
     def track_tensors(self, tensors: Iterable[torch.Tensor], phase: str = "other") -> None:
         """Storages that exist before tracking starts (parameters, optimizer state)."""
@@ -112,6 +127,8 @@ class LiveStorageTracker(TorchDispatchMode):
                     if id(st) not in self.live:
                         phase = phase or _phase()
                         self._track(st, phase)
+        if self.allocator_peak is not None:
+            self._follow_allocator()
         return out
 
     def __enter__(self):
@@ -173,10 +190,12 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def result(self) -> Dict[str, int]:
         """{peak, weights, gradients, optimizer, activations, other} in bytes; the split is the
-        snapshot nearest the peak, its shortfall (< SNAPSHOT_STEP) counted as other."""
+        snapshot nearest the peak, its shortfall (< SNAPSHOT_STEP; with the allocator's peak, what
+        the allocator held beyond the live tensors) counted as other."""
         out = dict(self.split)
-        out["other"] += max(self.peak - sum(self.split.values()), 0)
-        out["peak"] = self.peak
+        peak = self._allocator_top if self.allocator_peak is not None else self.peak
+        out["other"] += max(peak - sum(self.split.values()), 0)
+        out["peak"] = peak
         return out
 
 
@@ -264,7 +283,8 @@ class MemoryMeter:
     def __init__(self, device: torch.device, owners, enabled: bool = True):
         self.device = device
         self.enabled = enabled
-        self.tracker = LiveStorageTracker(device.type, owners) if enabled else None
+        allocator = (lambda: torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        self.tracker = LiveStorageTracker(device.type, owners, allocator) if enabled else None
         self.allocator: Optional[AllocatorPeak] = None
         self.steps = 0
         self.start_bytesed = False

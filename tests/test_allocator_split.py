@@ -1,0 +1,45 @@
+"""The memory split on CUDA is taken at the allocator's peak (runtime/memory.LiveStorageTracker with
+allocator_peak), not the live tensors' own: the GPU run 2 peak lay 0.5 GiB above the tracker's, at
+another moment. Here on the CPU, a stand-in allocator that also holds a hidden weights-sized buffer
+during the optimizer step (as a foreach AdamW's temporaries would) moves the split there."""
+from __future__ import annotations
+
+import torch
+
+from hrlplan.runtime.memory import LiveStorageTracker
+
+
+def _run(allocator_hidden: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    hidden = {"now": 0}
+    opt.register_step_pre_hook(lambda *a: hidden.update(now=4 * weights))
+    opt.register_step_post_hook(lambda *a: hidden.update(now=0))
+    top = {"max": 0}
+    tracker = None
+
+    def allocator_peak():
+        top["max"] = max(top["max"], tracker.current + hidden["now"])
+        return top["max"]
+    tracker = LiveStorageTracker("cpu", lambda: ([model], [opt]), allocator_peak if allocator_hidden else None)
+    tracker.track_tensors(list(model.parameters()))
+    with tracker:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(32, 64)).sum().backward()
+            opt.step()
+    return tracker.result(), weights
+
+
+def test_the_split_follows_the_allocators_peak():
+    own, weights = _run(allocator_hidden=False)
+    real, _ = _run(allocator_hidden=True)
+    # the live tensors' own peak: the second step's optimizer state beside the backward's gradients
+    assert own["peak"] == sum(own[k] for k in ("weights", "gradients", "optimizer", "activations", "other"))
+    # the allocator's: the optimizer step with its hidden temporaries, which land in other
+    assert real["peak"] > own["peak"]
+    assert real["optimizer"] > 0 and real["gradients"] > 0 and real["activations"] == 0
+    assert real["other"] >= 4 * weights
+    assert real["peak"] == sum(real[k] for k in ("weights", "gradients", "optimizer", "activations", "other"))
