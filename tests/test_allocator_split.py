@@ -43,3 +43,21 @@ def test_the_split_follows_the_allocators_peak():
     assert real["optimizer"] > 0 and real["gradients"] > 0 and real["activations"] == 0
     assert real["other"] >= 4 * weights
     assert real["peak"] == sum(real[k] for k in ("weights", "gradients", "optimizer", "activations", "other"))
+
+
+def test_a_foreach_optimizer_steps_beside_one_fp32_copy_of_its_parameters():
+    """cost/memory: the foreach AdamW's sqrt(exp_avg_sq) is charged at the step, beside the gradients
+    (activations gone), and raises the peak only where it exceeds the backward's."""
+    import numpy as np
+
+    from hrlplan.cost import memory as cm
+
+    params = 1e6
+    assert cm.optimizer_step_bytes(params, foreach=False) == 0.0
+    assert cm.optimizer_step_bytes(params, foreach=True) == 4e6
+    static, grads = 20e6, 4e6     # weights, both moments, gradients: 16 B/parameter + workspace
+    assert cm.position_peak_bytes(static, grads, 10e6, 1e6) == cm.position_peak_bytes(static, grads, 10e6, 1e6, 0.0, 0.0, 4e6)
+    assert cm.position_peak_bytes(static, grads, 1e6, 1e6, optimizer_step=4e6) == static + 4e6
+    arr = cm.position_peak_bytes(np.array([static, static]), np.array([grads, grads]), np.array([10e6, 1e6]),
+                                 np.array([1e6, 1e6]), optimizer_step=np.array([4e6, 4e6]))
+    assert list(arr) == [static - grads + 10e6, static + 4e6]

@@ -319,8 +319,21 @@ def state_split(params_per_rank, dp: int, dp_mode: str, bytes_per_value: int, mi
     return {"weights": p * 4.0, "gradients": p * 4.0, "optimizer": p * 8.0}
 
 
+# torch's foreach AdamW (_multi_tensor_adamw), the runtime's on CUDA for DTensor parameters (FSDP2, tp;
+# devices.optimizer_impl), makes sqrt(exp_avg_sq) of every parameter it steps at once: one fp32 temporary
+# of their size beside the weights, gradients and both moments, when no activation is left. The fused
+# kernel (CUDA, plain tensors) and the per-parameter loop (CPU) make none.
+FOREACH_ADAMW_FP32_TEMPORARIES = 1
+
+
+def optimizer_step_bytes(params_stepped, foreach: bool):
+    """Bytes the optimizer step adds to what the rank holds while it runs (`params_stepped`: the
+    parameters this rank's optimizer updates, its FSDP shard; may be an array)."""
+    return 4.0 * FOREACH_ADAMW_FP32_TEMPORARIES * params_stepped if foreach else 0.0 * params_stepped
+
+
 def position_peak_bytes(static, gradients, activations_before_grads, activations_with_grads, transient=0.0,
-                        rebuilt=0.0):
+                        rebuilt=0.0, optimizer_step=0.0):
     """A rank's peak: its `static` state (weights, optimizer, receive buffers, workspace and its
     `gradients`; no transient) and the largest of
       - the activations held before its first backward (the step's zero_grad(set_to_none) left no
@@ -329,11 +342,13 @@ def position_peak_bytes(static, gradients, activations_before_grads, activations
       - with full recomputation (`rebuilt`: its largest stage_transient), the gradients beside the
         inputs still held: a rebuilt block's transient recurs up to the backward's last block, when
         the gradients exist.
-    `transient` is the largest stage_transient of its other stages: one backward runs at a time."""
+    `transient` is the largest stage_transient of its other stages: one backward runs at a time.
+    `optimizer_step` (optimizer_step_bytes): the step's temporaries, beside the gradients once every
+    activation is gone."""
     before, after = activations_before_grads, gradients + activations_with_grads
-    arrays = any(isinstance(x, np.ndarray) for x in (before, after, transient, rebuilt))
+    arrays = any(isinstance(x, np.ndarray) for x in (before, after, transient, rebuilt, optimizer_step))
     top = np.maximum if arrays else max
-    held = top(before, after) + transient
+    held = top(top(before, after) + transient, gradients + optimizer_step)
     if arrays:
         held = np.where(np.asarray(rebuilt) > 0, np.maximum(held, gradients + before + rebuilt), held)
     elif rebuilt:
