@@ -61,3 +61,19 @@ def test_a_foreach_optimizer_steps_beside_one_fp32_copy_of_its_parameters():
     arr = cm.position_peak_bytes(np.array([static, static]), np.array([grads, grads]), np.array([10e6, 1e6]),
                                  np.array([1e6, 1e6]), optimizer_step=np.array([4e6, 4e6]))
     assert list(arr) == [static - grads + 10e6, static + 4e6]
+
+
+def test_the_meter_names_what_it_measured():
+    from hrlplan.runtime.memory import MemoryMeter
+
+    model = torch.nn.Linear(8, 8)
+    meter = MemoryMeter(torch.device("cpu"), lambda: ([model], []))
+    assert meter.kind() == "process peak RSS"   # nothing measured yet
+    with meter.step():
+        model(torch.randn(2, 8)).sum().backward()
+    assert meter.kind() == "live tensor storages"
+    model.compile(backend="eager")
+    compiled = MemoryMeter(torch.device("cpu"), lambda: ([model], []))
+    with compiled.step():
+        model(torch.randn(2, 8)).sum().backward()
+    assert compiled.kind().startswith("CPU allocator") and compiled.result()["peak"] > 0

@@ -309,6 +309,14 @@ class MemoryMeter:
         self.tracker.track_tensors((t for m in modules for t in (*m.parameters(), *m.buffers())))
         self.tracker.track_tensors(v for o in optimizers for s in o.state.values() for v in s.values())
 
+    def kind(self) -> str:
+        """What the peak is (plan_info.json's memory_kind)."""
+        if self.device.type == "cuda":
+            return "cuda max_memory_allocated" + (", split at its peak" if self.tracker is not None else "")
+        if self.allocator is not None:
+            return "CPU allocator (profiler memory events; compiled blocks)"
+        return "live tensor storages" if self.tracker is not None and self.steps else "process peak RSS"
+
     def result(self) -> Dict[str, int]:
         """Bytes: peak and (when tracked) its split; {} when nothing was measured."""
         out: Dict[str, int] = dict(self.tracker.result()) if self.tracker is not None and self.steps else {}
