@@ -236,10 +236,22 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
     """Per-call overhead of torch.distributed.pipelining: a one-block middle stage alone in a
     one-rank group, its schedule run with 1 and with m micro-batches of one sequence. The slope per
     micro-batch minus the bare block's forward + backward is the overhead of one F and one B; the
-    recorded forward span (minus the bare forward) is the F part."""
+    recorded forward span (minus the bare forward) is the F part.
+
+    On a CPU worker with one intra-op thread everything is timed in CPU time, the block's forward
+    and backward included (block_fwd_s / block_bwd_s are then not used): the overhead is the small
+    difference of two larger times, and wall times on a shared host carry whatever the other
+    processes took of the core -- with the host at load 20, op_overhead_s read 2.7-8.1 ms per
+    backward instead of ~0.02 ms, and every pipelined plan was costed that much more per backward.
+    The contention_factor scales the alone figure as before."""
     block, hidden = block_stage(arch, device)
     recorder = StepRecorder(device)
     loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
+    cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
+    if cpu_clock:
+        x1 = torch.randn(1, seq_len, hidden, device=device, requires_grad=True)
+        runs = [cpu_timed_forward_backward(block, x1) for _ in range(repeats + 1)][1:]
+        block_fwd_s, block_bwd_s = (statistics.median(r[i] for r in runs) for i in (0, 1))
 
     def run(n: int) -> float:
         stage = PipelineStage(block, 0, 1, device, group=group)
@@ -252,15 +264,24 @@ def measure_pipeline_ops(arch: Dict[str, Any], seq_len: int, device: torch.devic
             block.zero_grad(set_to_none=True)
             recorder.begin()
             sched.step(x, target=target, losses=[])
-        return median_time(step, repeats, device)
+        if not cpu_clock:
+            return median_time(step, repeats, device)
+        samples = []
+        for i in range(repeats + 1):   # the first run pays for allocation
+            c0 = time.thread_time()
+            step()
+            if i:
+                samples.append(time.thread_time() - c0)
+        return statistics.median(samples)
 
     one = run(1)
     many = run(m)
-    f_spans = [e["end_s"] - e["start_s"] for e in recorder.events if e["kind"] == "F"]
+    f_spans = [(e["cpu_s"] if cpu_clock else e["end_s"] - e["start_s"]) for e in recorder.events if e["kind"] == "F"]
     per_mb = max((many - one) / (m - 1), 0.0)
     op_f = max(statistics.median(f_spans) - block_fwd_s, 0.0) if f_spans else 0.0
     op_b = max(per_mb - block_fwd_s - block_bwd_s - op_f, 0.0)
-    return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one}
+    return {"fwd": op_f, "bwd": op_b, "per_microbatch_s": per_mb, "one_microbatch_step_s": one,
+            "clock": "cpu" if cpu_clock else "wall"}
 
 
 CONTENTION_SLACK = 1.15                 # contention beyond ranks/cores allowed for (memory bandwidth, caches)
