@@ -283,9 +283,8 @@ def headline(rows) -> dict:
             "instances_over_60s": sum(r["plan_time_s"] > 60 for r in ok),
             "replica_wins_if_sync_matched": sum(sync_matched_s(r) < r.get("single_s", math.inf) for r in ok),
             "replica_wins_if_tied_reduce_charged": sum(
-                r.get("replica_s", math.inf) < r.get("single_s", math.inf) + (r.get("single_tied_reduce_uncharged_s")
-                                                                              or 0.0) and r.get("planned_kind") != "replicas"
-                for r in ok),
+                r.get("planned_kind") != "replicas" and r.get("replica_s", math.inf)
+                < r.get("single_s", math.inf) + (r.get("single_tied_reduce_uncharged_s") or 0.0) for r in ok),
             "proven": sum(bool(r.get("proof")) for r in ok)}
 
 

@@ -103,7 +103,9 @@ def test_emitted_plan_validates_round_trips_and_predicts_the_same():
     again = Plan.from_yaml(plan.to_yaml())
     assert again.layout() == plan.layout() and again.heterogeneous
     assert sum(p.batch_size for p in again.pipelines) == 8
-    assert predict_any_plan(again, meta, cluster)["step_time_s"] == pytest.approx(out["predicted"]["step_time_s"])
+    # at the cost options the search priced it with (a fresh simulator: nothing cached)
+    again_s = predict_any_plan(again, meta, cluster, opts=sim.opts)["step_time_s"]
+    assert again_s == pytest.approx(out["predicted"]["step_time_s"])
     # GPT-2 replicas hold every block at one tp degree (the runtime refuses anything else)
     assert len({s.tp for p in plan.pipelines for s in p.stages}) == 1
 
@@ -171,7 +173,7 @@ def test_baselines_sample_the_same_space_at_the_given_simulator_calls():
         best, plan = search(Sampler(sim, meta, cluster, cfg, train, seed=1), 60)
         assert 60 <= sim.evaluations < 60 + 8   # one plan's replicas past the budget at most
         validate(plan)
-        assert best == pytest.approx(predict_any_plan(plan, meta, cluster)["step_time_s"])
+        assert best == pytest.approx(predict_any_plan(plan, meta, cluster, opts=sim.opts)["step_time_s"])
 
 
 def test_cross_replica_reduce_overlaps_the_last_backward():
@@ -191,8 +193,20 @@ def test_cross_replica_reduce_overlaps_the_last_backward():
 
 
 def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
-    out, sim, meta, cluster = _fast_slow_search()
-    predicted = out["predicted"]
+    # two one-device replicas of the fast node and one of the slow node's two devices: every unit
+    # is held by three ranks, so there is a reduce to overlap
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({2: space})
+    fast, slow = table.exact((2, "fast", Shape(1, 1), 3, TP_ANY))[1], table.exact((2, "slow", Shape(2, 1), 2, 1))[1]
+    replicas = [Replica("fast", place(fast, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)] + \
+        [Replica("slow", place(slow, space.shape_devices("slow", Shape(2, 1), 0)))]
+    _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim)
+    out = {"replicas": replicas}
     b = predicted["breakdown"]
     assert b["cross_replica_reduce_s"] > 0
     assert 0.0 <= b["cross_replica_reduce_exposed_s"] <= b["cross_replica_reduce_s"] + 1e-12
@@ -216,7 +230,8 @@ def test_learned_replica_policy_plans_within_its_calls_and_its_rows_sum_to_the_b
     out = search_hrl_replicas(sim, meta, cluster, cfg, train, calls=40)
     assert 40 <= out["calls"] < 40 + 8
     validate(out["plan"])
-    assert out["step_time_s"] == pytest.approx(predict_any_plan(out["plan"], meta, cluster)["step_time_s"])
+    again_s = predict_any_plan(out["plan"], meta, cluster, opts=sim.opts)["step_time_s"]
+    assert out["step_time_s"] == pytest.approx(again_s)
 
 
 def test_sliced_shapes_place_replicas_side_by_side_on_their_nodes():
