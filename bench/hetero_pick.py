@@ -214,6 +214,20 @@ def action_lines(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
     return out
 
 
+# Below this share of a core for the uncapped worker, other processes took the cores: every worker got
+# about what the capped ones are allowed (at load 14-23: 0.16-0.4 of a core, fast-only 3-7x its quiet
+# step), so the layouts' order says nothing about heterogeneous planning.
+BUSY_HOST_SHARE = 0.7
+
+
+def uncapped_core_share(runs: Dict[str, List[Dict[str, Any]]], shares: List[Optional[float]]) -> Optional[float]:
+    """The median over rounds of fast-only's CPU per step over its mean step on the uncapped worker."""
+    uncapped = next((r for r, s in enumerate(shares) if s is None), None)
+    got = [x["ranks"][uncapped]["measured_cpu_per_step_ms"] / 1e3 / x["measured_s"] for x in runs.get("fast-only", [])
+           if uncapped is not None and "measured_cpu_per_step_ms" in x["ranks"].get(uncapped, {}) and x["measured_s"]]
+    return statistics.median(got) if got else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -292,10 +306,15 @@ def main() -> None:
     rank = _measure.ranking(rows, pick)
     report = {"world": world, "shares": shares, "rounds": args.rounds, "steps": args.steps, "layouts": rows,
               "picks": picks, "pick": pick, **rank, "load_average": loads,
-              "calibrations": calibrations}
+              "calibrations": calibrations, "uncapped_core_share": uncapped_core_share(runs, shares)}
     print()
     print("\n".join(_measure.timing_lines(rows, rank, label="layout")))
     print(f"load average per round: {loads}")
+    share = report["uncapped_core_share"]
+    if share is not None:
+        print(f"the uncapped worker trained fast-only on {share:.2f} of a core (CPU per step / step)"
+              + ("" if share >= BUSY_HOST_SHARE else f": below {BUSY_HOST_SHARE}, the host was too busy for "
+                 "this bench to see the caps (capped workers got no less than the uncapped); rerun when quiet"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=float))
 

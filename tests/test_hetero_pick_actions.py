@@ -122,3 +122,14 @@ def test_a_capped_workers_block_is_timed_in_cpu_time(monkeypatch):
         assert compute.quota_timer(cpu) is None            # one thread's CPU time would miss the others'
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_bench_says_when_the_host_gave_the_uncapped_worker_too_little_of_a_core():
+    import hetero_pick
+
+    runs = {"fast-only": [{"measured_s": 0.10, "ranks": {0: {"measured_cpu_per_step_ms": 30.0}}},
+                          {"measured_s": 0.04, "ranks": {0: {"measured_cpu_per_step_ms": 36.0}}},
+                          {"measured_s": 0.20, "ranks": {0: {"measured_cpu_per_step_ms": 30.0}}}]}
+    assert hetero_pick.uncapped_core_share(runs, [None, 0.33, 0.33]) == pytest.approx(0.3)
+    assert hetero_pick.uncapped_core_share(runs, [0.5, 0.33]) is None          # no uncapped worker
+    assert hetero_pick.uncapped_core_share({}, [None, 0.33]) is None          # fast-only not trained
