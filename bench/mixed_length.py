@@ -161,9 +161,31 @@ def _calibrate(args, calibration, passes: List[List[Dict]]):
     return full, shares, fits, per_kind
 
 
-def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
-    from hrlplan.cost.lengths import micro_batch_multipliers, pipeline_step
+def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens):
+    """Per packing and step, the simulator's step: `predicted` with each stage's forward and backward
+    RowShares from the calibration rows; `one_table` with the two together (as the dispatch costs
+    them); `flops_only` with the planner's FLOP shares alone (what an uncalibrated planner would say)."""
+    from hrlplan.cost.lengths import micro_batch_multipliers
     from hrlplan.cost.timeline import simulate_timeline
+
+    zero = [0.0] * args.pp
+
+    def simulated(sq, n_docs, useful, row_shares, backward_shares=None):
+        work = micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, row_shares)
+        back = (micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, backward_shares)
+                if backward_shares is not None else None)
+        return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
+                                 micro_batch_work=work, backward_work=back).makespan
+
+    def over(row_shares, backward_shares=None):
+        return {p: [simulated(*x, row_shares, backward_shares) for x in zip(squares[p], docs[p], tokens[p])]
+                for p in M.PACKINGS}
+
+    return over(per_kind["F"], per_kind["B"]), over(shares), over(None)
+
+
+def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
+    from hrlplan.cost.lengths import pipeline_step
 
     P = M.PACKINGS
     timed = timing["timed_steps"]
@@ -184,24 +206,9 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
     full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
                                                      timing["before"] + [r["calibration"] for r in timing["rounds"]])
-    zero = [0.0] * args.pp
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
-
-    def simulated(sq, n_docs, useful, row_shares, backward_shares=None):
-        work = micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, row_shares)
-        back = (micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, backward_shares)
-                if backward_shares is not None else None)
-        return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
-                                 micro_batch_work=work, backward_work=back).makespan
-
-    # calibrated: each stage's forward and backward RowShares from the calibration rows; one_table: the
-    # two together (as the dispatch costs them); flops_only: the planner's FLOP shares alone (what an
-    # uncalibrated planner would say)
-    predicted = {p: [simulated(*x, per_kind["F"], per_kind["B"]) for x in zip(squares[p], docs[p], tokens[p])]
-                 for p in P}
-    one_table = {p: [simulated(*x, shares) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
-    flops_only = {p: [simulated(*x, None) for x in zip(squares[p], docs[p], tokens[p])] for p in P}
+    predicted, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
     rows_t, rows_sq, rows_docs = [], [], []
     for rnd in timing["rounds"]:
         for p in P:

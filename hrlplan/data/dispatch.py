@@ -29,6 +29,13 @@ replicas the sums differ, and only the pipeline objective balances them. It is c
   highspy) searching only for steps better than the greedy's, stopped at the step's time budget
   (its best solution so far is kept).
 
+Given `step_of` -- the pipeline's step from the bins' times in micro-batch order (one_f_one_b: 1F1B
+over equal stages, data/dispatch_pipeline.py; or the simulator's, cost/lengths.dispatch_model) -- the
+result is then refined for that step (refine_for_step), which sees what min-max cannot: with one
+replica the total work is fixed, but the pipeline's fill waits on the first micro-batch's forward,
+its drain on the last one's backward, and in the steady state a slot waits for the slower of two
+different micro-batches (lock-step), so the order and the inequality of the micro-batches matter.
+
 Whatever runs, the result holds each piece exactly once (checked before it is returned).
 """
 from __future__ import annotations
@@ -414,12 +421,17 @@ def dispatch_bins(lengths: Sequence[int], bins: Sequence[Bin], linear: float, qu
             method += "-optimal"   # the integer program proved nothing beats it
     value = step_time(best, works, bins, stages)
     if step_of is not None:
-        start = best
-        if fallback is not None and step_of(bin_times(fallback, works, bins), bins) < step_of(
-                bin_times(best, works, bins), bins):
-            start = [list(g) for g in fallback]
-        refined = refine_for_step(lengths, works, bins, start, step_of, begin + 0.9 * time_budget_s)
-        value = step_of(bin_times(refined, works, bins), bins)
+        # local optima differ by start: the min-max result and the caller's arrival order, each refined
+        # in its share of what is left of the budget; the better is kept
+        starts = [best] + ([[list(g) for g in fallback]] if fallback is not None else [])
+        refined, value = best, step_of(bin_times(best, works, bins), bins)
+        for i, start in enumerate(starts):
+            left = begin + 0.9 * time_budget_s - time.perf_counter()
+            candidate = refine_for_step(lengths, works, bins, start, step_of,
+                                        time.perf_counter() + left / (len(starts) - i))
+            got = step_of(bin_times(candidate, works, bins), bins)
+            if got < value:
+                refined, value = candidate, got
         if refined != best:
             best, method = refined, method + "+pipeline"
     check_assignment(best, lengths, bins)
