@@ -249,6 +249,13 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
             "predicted": sum(predicted["document"]) / sum(predicted[p]),
             "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p]),
             "predicted_one_table": sum(one_table["document"]) / sum(one_table[p])}
+    tables = [t for rnd in timing["rounds"] for p in P for t in rnd["tables"][p]]
+    report["same_documents"] = {
+        "loss_max_abs_difference": max(abs(a["loss"] - b["loss"]) for rnd in timing["rounds"]
+                                       for a, b in zip(rnd["tables"]["document"], rnd["tables"]["balanced"])),
+        "loss_mean": statistics.fmean(t["loss"] for t in tables),
+        "gradient_max_abs_difference": max(t["gradient_max_abs_difference"] for t in tables),
+        "gradient_max_abs": max(t["gradient_max_abs"] for t in tables)}
     measured_rank = sorted(P, key=lambda p: statistics.median(steps_measured[p]))
     predicted_rank = sorted(P, key=lambda p: statistics.fmean(predicted[p]))
     report["ranking"] = {"measured": measured_rank, "predicted": predicted_rank}
@@ -312,6 +319,10 @@ def print_measured(report: Dict) -> None:
           f"dispatch {report['dispatch_seconds']['median'] * 1e3:.0f} ms median, max "
           f"{report['dispatch_seconds']['max'] * 1e3:.0f} ms; calibrated row shares "
           f"{[{k: round(v, 4) for k, v in x.items()} for x in report['row_shares']]}")
+    same = report["same_documents"]
+    print(f"same documents, same step: the step's loss differs by at most {same['loss_max_abs_difference']:.2g} "
+          f"(per token {same['loss_mean'] / report['settings']['micro_batches']:.3f}), its gradient by {same['gradient_max_abs_difference']:.2g} "
+          f"(largest entry {same['gradient_max_abs']:.2g})")
     if "loss_curves_max_abs_difference" in report:
         print(f"loss curves of document and balanced differ by at most {report['loss_curves_max_abs_difference']:.2g}")
 

@@ -102,6 +102,7 @@ def time_micro_batches(stages, inputs, targets, micro_batches: int) -> Dict[str,
 
     clock = time.thread_time
     out = {kind: [[0.0] * micro_batches for _ in stages] for kind in ("F", "B")}
+    out["loss"] = 0.0   # the micro-batches' losses summed: the step's, whatever the packing
     for j in range(micro_batches):
         carried, received = (inputs[j:j + 1],), []
         for k, stage in enumerate(stages):
@@ -110,6 +111,8 @@ def time_micro_batches(stages, inputs, targets, micro_batches: int) -> Dict[str,
             if k == len(stages) - 1:
                 out_k = causal_lm_loss(out_k, targets[j:j + 1])
             out["F"][k][j] = clock() - t0
+            if k == len(stages) - 1:
+                out["loss"] += float(out_k.detach())
             received.append(out_k)
             if k < len(stages) - 1:
                 h = out_k[0].detach().requires_grad_(True)
@@ -176,11 +179,18 @@ def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
         order = PACKINGS if r % 2 == 0 else PACKINGS[::-1]
         per = {p: [] for p in PACKINGS}
         for step in timed:
+            gradients = {}
             for p in order:
                 inputs, targets = batches[p][step]
                 per[p].append(time_micro_batches(stages, inputs, targets, args.micro_batches))
+                # the step's gradient (the weights never change here): a packing moves documents, not the sum
+                gradients[p] = torch.cat([q.grad.flatten() for s in stages for q in s.parameters() if q.grad is not None])
                 for s in stages:
                     s.zero_grad(set_to_none=True)
+            scale = float(gradients["document"].abs().max())
+            for p in PACKINGS:
+                per[p][-1]["gradient_max_abs_difference"] = float((gradients[p] - gradients["document"]).abs().max())
+                per[p][-1]["gradient_max_abs"] = scale
         rows = time_calibration(stages, calibration)
         rounds.append({"round": r, "load_before": load, "load_after": os.getloadavg()[0], "tables": per,
                        "calibration": rows})
