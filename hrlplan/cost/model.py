@@ -442,7 +442,7 @@ class StageCostModel:
         # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
         def transient_of(blocks, with_loss: bool):
             return mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, blocks, with_loss,
-                                       fused, sp)
+                                       fused, sp, compiled=o.compile)
         if recompute != "full":
             return activation, transient_of(n_blocks, last)
         # a rebuilt block peaks once the micro-batch has freed all but its first block's input; the
@@ -456,10 +456,11 @@ class StageCostModel:
         """Bytes per token (16-bit) one block keeps for its backward. runtime=megatron: Korthikanti et
         al. 2022's count of Megatron's fused block (Table 2: 10h replicated + 24h/tp, all of 34h/tp
         under sequence parallelism, + 5as/tp of scores unless fused; full recomputation 2h, /tp under
-        SP); torch: memory.held_per_token (what this package's blocks were measured to keep)."""
+        SP); torch: memory.held_per_token (what this package's blocks were measured to keep, compiled
+        or eager as train.compile says)."""
         meta = self.meta
         if self.opts.runtime != "megatron" or not is_language_model(meta):
-            return mem.held_per_token(meta, tp, recompute, fused, sp)
+            return mem.held_per_token(meta, tp, recompute, fused, sp, compiled=self.opts.compile)
         h = float(meta.hidden_size)
         if recompute == "full":
             return 2.0 * h / (tp if sp else 1)
