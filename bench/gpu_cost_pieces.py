@@ -5,8 +5,9 @@
 - unfused attention (Megatron's path: Q K^T by baddbmm with the 1/sqrt(d) scale, softmax, dropout 0.1,
   the product with V; causal mask left out, as Megatron fuses it into the softmax) forward and
   forward + backward, bf16, against cost.kernels.unfused_attention_core;
-- a fused AdamW step (torch.optim.AdamW(fused=True)) and torch's gradient clipping over 2^28 fp32
-  parameters, against cost.kernels.optimizer_step_s (OPTIMIZER_BYTES_PER_PARAM at HBM x MEMORY_FRACTION).
+- AdamW steps (torch.optim.AdamW fused=True and foreach=True) and torch's gradient clipping over 2^28
+  fp32 parameters, against cost.kernels.optimizer_step_s (OPTIMIZER_STEP_BYTES + CLIP_BYTES at HBM x
+  MEMORY_FRACTION).
 On a machine without CUDA it says so and exits 0.
 """
 from __future__ import annotations
@@ -62,18 +63,21 @@ def unfused_attention(k: kernels.GpuKernels, batch: int, heads: int, seq: int, h
             "predicted_fwd_bwd_ms": (pf + pb) * 1e3, "ratio_fwd_bwd": (pf + pb) * 1e3 / measured_fb}
 
 
-def optimizer_step(k: kernels.GpuKernels, numel: int = 1 << 28, tensors: int = 64) -> dict:
+def optimizer_step(k: kernels.GpuKernels, impl: str, numel: int = 1 << 28, tensors: int = 64) -> dict:
     params = [torch.nn.Parameter(torch.randn(numel // tensors, device="cuda")) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{impl: True})
     step = _ms(opt.step, repeats=5)
-    clip = _ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), repeats=5)
-    predicted = kernels.optimizer_step_s(k, numel) * 1e3
-    return {"piece": "optimizer", "params": numel, "measured_adamw_ms": step, "measured_clip_ms": clip,
-            "predicted_step_and_clip_ms": predicted, "ratio": predicted / (step + clip),
-            "adamw_bytes_per_param_at_memory_fraction": step * 1e-3 * k.hbm * kernels.MEMORY_FRACTION / numel,
-            "clip_bytes_per_param_at_memory_fraction": clip * 1e-3 * k.hbm * kernels.MEMORY_FRACTION / numel}
+    clip = _ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True), repeats=5)
+    rate = k.hbm * kernels.MEMORY_FRACTION
+    predicted = kernels.optimizer_step_s(k, numel, kernels.OPTIMIZER_STEP_BYTES[impl] + kernels.CLIP_BYTES["torch"])
+    return {"piece": f"optimizer_{impl}", "params": numel, "measured_adamw_ms": step, "measured_clip_ms": clip,
+            "predicted_step_and_clip_ms": predicted * 1e3, "ratio": predicted * 1e3 / (step + clip),
+            "adamw_bytes_per_param_at_memory_fraction": step * 1e-3 * rate / numel,
+            "counted_adamw_bytes": kernels.OPTIMIZER_STEP_BYTES[impl],
+            "clip_bytes_per_param_at_memory_fraction": clip * 1e-3 * rate / numel,
+            "counted_clip_bytes": kernels.CLIP_BYTES["torch"]}
 
 
 def main() -> int:
@@ -92,10 +96,12 @@ def main() -> int:
         except Exception as e:   # one shape failing must not lose the others
             print(json.dumps({"piece": "unfused_attention", "seq": seq, "error": f"{type(e).__name__}: {e}"}))
         torch.cuda.empty_cache()
-    try:
-        print(json.dumps(optimizer_step(k)), flush=True)
-    except Exception as e:
-        print(json.dumps({"piece": "optimizer", "error": f"{type(e).__name__}: {e}"}))
+    for impl in ("fused", "foreach"):
+        try:
+            print(json.dumps(optimizer_step(k, impl)), flush=True)
+        except Exception as e:
+            print(json.dumps({"piece": f"optimizer_{impl}", "error": f"{type(e).__name__}: {e}"}))
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -50,10 +50,15 @@ ELEMENTWISE_W = 2.0
 # an unfused attention's passes over its scores beyond its GEMMs' (forward: softmax read + write,
 # dropout read + write; backward: dropout's read + write, softmax's two reads + write), plus a mask byte
 UNFUSED_SCORE_PASSES = (4, 5)
-# A fused AdamW step (torch.optim.AdamW(fused=True); Apex/Transformer Engine FusedAdam) reads each fp32
-# parameter, gradient and both moments and writes the parameter and moments back: 7 x 4 bytes; the
-# gradient-norm clipping before it reads the gradients once more (4 bytes). A count, not a measurement.
-OPTIMIZER_BYTES_PER_PARAM = 7 * 4 + 4
+# Bytes an AdamW step moves per fp32 parameter (counts, not measurements). fused (torch's fused=True,
+# Apex / Transformer Engine FusedAdam): the parameter, gradient and both moments read, the parameter and
+# moments written, 7 x 4. foreach (torch's multi-tensor path, which this package's runtime takes for
+# DTensor parameters: devices.optimizer_impl): one pass per op -- weight decay 8, exp_avg lerp 12,
+# exp_avg_sq mul 8 and addcmul 12, sqrt 8, divide 8, add eps 8, addcdiv into the parameter 16 -- 80.
+OPTIMIZER_STEP_BYTES = {"fused": 7 * 4, "foreach": 80}
+# The gradient clipping before it: the norm reads the gradients (4); torch's clip_grads_with_norm_
+# then scales them whatever the norm (read + write, 8 more); Megatron scales only a gradient over the limit.
+CLIP_BYTES = {"megatron": 4, "torch": 12}
 # (HBM bytes/s, SMs) by the whole tokens of the device name, the first row whose tokens the name has
 # (see docs/cost-model.md for the sources). "H100 96GB": the HBM2e part of Meta's Grand Teton hosts,
 # 2.4 TB/s (pytorch/torchtitan docs/performance.md), before the 80 GB HBM3 SXM5 part.
@@ -172,10 +177,17 @@ def block_widths(meta, matmul_params: float) -> Tuple[float, float]:
     return attn / (4.0 * h), max(matmul_params - attn, 0.0) / (2.0 * h)
 
 
-def optimizer_step_s(k: GpuKernels, params: float) -> float:
-    """Seconds of a fused AdamW step over `params` parameters on this GPU: memory-bound, every
-    parameter's OPTIMIZER_BYTES_PER_PARAM moved at HBM bandwidth x MEMORY_FRACTION."""
-    return params * OPTIMIZER_BYTES_PER_PARAM / (k.hbm * MEMORY_FRACTION)
+def optimizer_bytes_per_param(runtime: str, dtensor: bool) -> float:
+    """A parameter's bytes through clipping and AdamW: Megatron's FusedAdam; this package's runtime
+    fused on plain CUDA parameters, foreach on DTensor ones (FSDP2 shards, tp's sharded linears)."""
+    impl = "foreach" if runtime != "megatron" and dtensor else "fused"
+    return OPTIMIZER_STEP_BYTES[impl] + CLIP_BYTES.get(runtime, CLIP_BYTES["torch"])
+
+
+def optimizer_step_s(k: GpuKernels, params: float, bytes_per_param: float) -> float:
+    """Seconds of clipping and an AdamW step over `params` parameters on this GPU: memory-bound,
+    `bytes_per_param` (optimizer_bytes_per_param) at HBM bandwidth x MEMORY_FRACTION."""
+    return params * bytes_per_param / (k.hbm * MEMORY_FRACTION)
 
 
 def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: int, bpv: int,

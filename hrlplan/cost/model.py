@@ -322,7 +322,9 @@ class StageCostModel:
         optimizer = opt_units * ov.optimizer_per_block(shards, tp)
         if all(self.kernels[d] is not None for d in group):   # uncalibrated GPUs: the step's bytes at HBM speed
             stepped = per_rank / shards if o.dp_mode == "fsdp" else per_rank
-            optimizer = kernels.optimizer_step_s(min((self.kernels[d] for d in group), key=lambda k: k.hbm), stepped)
+            dtensor = tp > 1 or (o.dp_mode == "fsdp" and shards > 1)
+            optimizer = kernels.optimizer_step_s(min((self.kernels[d] for d in group), key=lambda k: k.hbm), stepped,
+                                                 kernels.optimizer_bytes_per_param(o.runtime, dtensor))
         fwd_dp, bwd_dp, first_extra, last_extra = self._data_parallel_time(
             shards, n_blocks, own_units, reshard, per_rank, (dp_bw, dp_lat), microbatches, lockstep)
         fwd, bwd = fwd + fwd_dp, bwd + bwd_dp
