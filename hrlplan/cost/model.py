@@ -444,7 +444,7 @@ class StageCostModel:
         # the largest working set one of its backwards adds (a block's gradients, a rebuilt block, the loss's)
         def transient_of(blocks, with_loss: bool):
             return mem.stage_transient(meta, tp, self.vocab_tp(tp), tokens, scale, recompute, blocks, with_loss,
-                                       fused, sp, compiled=o.compile)
+                                       fused, sp, compiled=o.compile and o.runtime != "megatron")
         if recompute != "full":
             return activation, transient_of(n_blocks, last)
         # a rebuilt block peaks once the micro-batch has freed all but its first block's input; the
