@@ -204,7 +204,7 @@ def test_llama_stages_restart_rotary_positions_per_document():
 
 def test_a_plans_layout_lays_a_balanced_step_over_its_replicas_and_refuses_what_cannot_run(tmp_path):
     """build_lm_data given the plan (the trainer's call): rows replica-major, each replica's own
-    micro-batches; a heterogeneous plan or tensor-parallel stages refused in one line."""
+    micro-batches; context parallelism refused in one line (tensor-parallel stages run: test_packing_tp.py)."""
     from hrlplan.data.lm import build_lm_data
     from hrlplan.plan import homogeneous_plan
 
@@ -220,5 +220,6 @@ def test_a_plans_layout_lays_a_balanced_step_over_its_replicas_and_refuses_what_
     stream.close()
     tp = homogeneous_plan("gpt2-tiny", 2, [(0, 1), (1, 2)], dp=1, tp=2, microbatch_size=1, num_microbatches=2,
                           schedule="1f1b")
-    with pytest.raises(UserError, match="tensor-parallel stages"):
-        build_lm_data(data, 4096, 0, plan=tp)
+    build_lm_data(data, 4096, 0, plan=tp).close()   # tensor-parallel stages take packed documents (test_packing_tp.py)
+    with pytest.raises(UserError, match="context parallelism"):
+        build_lm_data(data, 4096, 0, plan=tp, train={"context_parallel": 2})

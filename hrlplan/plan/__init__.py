@@ -76,6 +76,9 @@ class PipelinePlan:
     stages: List[StagePlan]           # in model order; each stage's ranks are its tp ranks (dp is 1)
     num_microbatches: int
     batch_size: int                   # rows of the global batch this pipeline trains per step
+    # its own sequence length (HSPMD's SEQ_LEN_LIST): packed rows of this replica are filled up to it,
+    # at most data.seq_len (data.packing=document|balanced only); None: data.seq_len
+    seq_len: Optional[int] = None
 
     @property
     def microbatch_size(self) -> int:
@@ -184,6 +187,9 @@ class Plan:
                 stage.pop("cp")
         if d.get("reshard_after_forward") is None:
             d.pop("reshard_after_forward", None)
+        for pipe in d["pipelines"]:
+            if pipe.get("seq_len") is None:
+                pipe.pop("seq_len", None)
         if not self.pipelines:   # the usual plan's YAML stays as short as it always was
             d.pop("pipelines")
             if not self.unused_ranks:
@@ -325,14 +331,19 @@ def _parse_pipelines(raw: Any, source: str) -> List[PipelinePlan]:
             raise PlanError(where, "must be a mapping with stages, num_microbatches, batch_size", source)
         extra = set(entry) - set(PipelinePlan.__dataclass_fields__)
         if extra:
-            raise PlanError(f"{where}.{sorted(extra)[0]}", "unknown key; known: stages, num_microbatches, batch_size", source)
+            raise PlanError(f"{where}.{sorted(extra)[0]}", "unknown key; known: stages, num_microbatches, batch_size, "
+                            "seq_len", source)
+        seq_len = entry.get("seq_len")
+        if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+            raise PlanError(f"{where}.seq_len", f"must be a positive integer or null, got {seq_len!r}", source)
         for key in ("stages", "num_microbatches", "batch_size"):
             if key not in entry:
                 raise PlanError(f"{where}.{key}", "missing", source)
             if key != "stages" and (not isinstance(entry[key], int) or isinstance(entry[key], bool)):
                 raise PlanError(f"{where}.{key}", f"must be an integer, got {entry[key]!r}", source)
         out.append(PipelinePlan(stages=_parse_stages(entry["stages"], f"{where}.stages", source),
-                                num_microbatches=entry["num_microbatches"], batch_size=entry["batch_size"]))
+                                num_microbatches=entry["num_microbatches"], batch_size=entry["batch_size"],
+                                seq_len=seq_len))
     return out
 
 
