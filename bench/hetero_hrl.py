@@ -86,27 +86,32 @@ def x(other: float, mine: float) -> float:
 
 
 def headline(rows) -> dict:
+    base_of = lambda r: min(r[f"{b}_s"] for b, _ in BASELINES)  # noqa: E731
+    # where no search (exact, hrl, baselines) found a replica plan that fits, there is nothing to compare
+    nothing = [r for r in rows if not any(map(math.isfinite, (r["exact_s"], r["hrl_s"], r["hrl_own_s"], base_of(r))))]
+    rows = [r for r in rows if r not in nothing]
     proven = [r for r in rows if r["exact_proven"]]
     unproven = [r for r in rows if not r["exact_proven"]]
     vs_exact = [x(r["exact_s"], r["hrl_s"]) for r in proven]
     own_vs_exact = [x(r["exact_s"], r["hrl_own_s"]) for r in proven]
-    vs_base = [v for v in (x(min(r[f"{b}_s"] for b, _ in BASELINES), r["hrl_s"]) for r in unproven)
-               if math.isfinite(v)]
+    vs_base = [x(base_of(r), r["hrl_s"]) for r in unproven]   # inf: only hrl found a plan that fits
     median = lambda v: statistics.median(v) if v else None  # noqa: E731
-    big = [r for r in rows if r["gpus"] >= 512]
-    return {"instances": len(rows), "exact_proven": len(proven),
+    big = [r for r in rows + nothing if r["gpus"] >= 512]
+    return {"instances": len(rows) + len(nothing), "no_replica_plan_found_by_any_search": [r["cluster"] for r in nothing],
+            "exact_proven": len(proven),
             "hrl_vs_exact_where_proven_min": min(vs_exact, default=None),
             "hrl_vs_exact_where_proven_median": median(vs_exact),
             "hrl_own_vs_exact_where_proven_min": min(own_vs_exact, default=None),
             "hrl_own_vs_exact_where_proven_median": median(own_vs_exact),
             "hrl_vs_best_baseline_where_unproven_median": median(vs_base),
             "hrl_vs_best_baseline_where_unproven_min": min(vs_base, default=None),
+            "hrl_vs_best_baseline_where_unproven_only_hrl_fits": sum(v == math.inf for v in vs_base),
             "hrl_vs_best_baseline_where_unproven_at_least_1.05": f"{sum(v >= 1.05 for v in vs_base)} of {len(vs_base)}",
             "hrl_vs_exact_where_unproven_median": median([v for v in (x(r["exact_s"], r["hrl_s"]) for r in unproven)
                                                           if math.isfinite(v)]),
-            "hrl_time_s_max": max((r["hrl_time_s"] for r in rows), default=None),
+            "hrl_time_s_max": max((r["hrl_time_s"] for r in rows + nothing), default=None),
             "hrl_time_s_max_at_512_gpus_or_more": max((r["hrl_time_s"] for r in big), default=None),
-            "hrl_own_time_s_max": max((r["hrl_own_time_s"] for r in rows), default=None)}
+            "hrl_own_time_s_max": max((r["hrl_own_time_s"] for r in rows + nothing), default=None)}
 
 
 def table(rows) -> str:
