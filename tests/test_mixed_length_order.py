@@ -222,6 +222,10 @@ def test_the_plan_info_costs_the_chosen_plan_from_the_corpus_lengths(tmp_path):
     assert out["packing"] == "balanced" and out["lengths"]["max"] <= 64
     assert 0 < out["balanced"]["step_s_mean"] <= out["document"]["step_s_mean"] * (1 + 1e-9)
     assert out["document"]["step_s_max"] <= out["fixed_length_step_s"] * (1 + 1e-9)   # no row costs more than full
+    replicas = homogeneous_plan("gpt2-tiny", 4, [(0, 2), (2, 4)], dp=2, tp=1, microbatch_size=1, num_microbatches=2,
+                                schedule="1f1b")
+    two = packed_step_prediction(config, meta, toy_cluster(n=4), replicas, {}, steps=3)
+    assert 0 < two["balanced"]["step_s_mean"] <= two["document"]["step_s_mean"] * (1 + 1e-9)
     assert packed_step_prediction(as_config(compose(overrides)), meta, toy_cluster(n=2), plan, {}) is None
     missing = as_config(compose(overrides + ["data.packing=document", f"data.path={tmp_path / 'none'}"]))
     assert "not built yet" in packed_step_prediction(missing, meta, toy_cluster(n=2), plan, {})["skipped"]

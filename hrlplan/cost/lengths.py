@@ -84,11 +84,11 @@ class PackedStep:
 
 def sample_steps(distribution: LengthDistribution, rows: int, packing: str, steps: int, seed: int = 0,
                  stages: Optional[int] = None, model: Optional[DispatchModel] = None,
-                 time_budget_s: float = 0.05) -> List[PackedStep]:
+                 time_budget_s: float = 0.05, replicas: int = 1) -> List[PackedStep]:
     """Steps drawn as PackedDocuments draws them (pieces at random, taken in arrival order while they
     fit next-fit), packed as `packing` would: arrival order, or the dispatch's greedy (its integer
     program only improves on it, within its time budget); given a DispatchModel, the dispatch
-    refined for its simulated step."""
+    refined for its simulated step over `replicas` replicas of rows / replicas micro-batches each."""
     rng = random.Random(seed)
     budget = distribution.budget
     out = []
@@ -100,7 +100,8 @@ def sample_steps(distribution: LengthDistribution, rows: int, packing: str, step
             greedy = D.lpt(lengths, [float(n * n) for n in lengths], D.micro_batch_bins(rows, budget), stages)
             assignment = greedy if greedy is not None else arrival
         elif packing == "balanced":
-            assignment = D.dispatch_bins(lengths, model.bins(rows, budget), model.linear, model.quadratic,
+            assignment = D.dispatch_bins(lengths, model.bins(rows // replicas, budget, replicas), model.linear,
+                                         model.quadratic,
                                          time_budget_s, fallback=arrival, stages=stages, ilp_min_gain=0.01,
                                          step_of=model.step_of).assignment
         elif packing == "document":
@@ -213,8 +214,9 @@ class DispatchModel:
     quadratic: float
     step_of: D.StepOf
 
-    def bins(self, micro_batches: int, capacity: int) -> List[D.Bin]:
-        return [D.Bin(capacity, base_work=self.base) for _ in range(micro_batches)]
+    def bins(self, micro_batches: int, capacity: int, replicas: int = 1) -> List[D.Bin]:
+        """micro_batches bins for each of `replicas` replicas, replica-major (as the engines slice rows)."""
+        return [D.Bin(capacity, 1.0, r, self.base) for r in range(replicas) for _ in range(micro_batches)]
 
 
 def dispatch_model(step_of_work: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
@@ -232,8 +234,11 @@ def dispatch_model(step_of_work: Callable[[List[List[float]]], float], meta, spa
     variable_full = max(attention + useful, 1e-12)
 
     def step_of(times: Sequence[float], bins: Sequence[D.Bin]) -> float:
-        share = [max(t * b.speed - b.base_work, 0.0) / variable_full for t, b in zip(times, bins)]
-        return step_of_work([[f + (1.0 - f) * x for x in share] for f in fixed])
+        """The slowest replica's simulated step (data-parallel replicas run their pipelines side by side)."""
+        shares_of: Dict[int, List[float]] = {}
+        for t, b in zip(times, bins):
+            shares_of.setdefault(b.replica, []).append(max(t * b.speed - b.base_work, 0.0) / variable_full)
+        return max(step_of_work([[f + (1.0 - f) * x for x in share] for f in fixed]) for share in shares_of.values())
 
     return DispatchModel(base, useful / budget, attention / (budget * budget), step_of)
 
@@ -270,16 +275,24 @@ def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -
 def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans: Sequence[Tuple[int, int]],
                       distribution: LengthDistribution, micro_batches: int, packing: str, steps: int = 20,
                       seed: int = 0, order_aware: bool = True,
-                      shares: Optional[Sequence[RowShares]] = None) -> List[float]:
+                      shares: Optional[Sequence[RowShares]] = None, replicas: int = 1) -> List[float]:
     """The predicted step of `steps` steps sampled from the distribution and packed as `packing`
-    (micro-batches of one row): step_of(multipliers) costs one step given its [stage][micro-batch]
-    work multipliers -- simulator_step_of(sim, layout), or a timeline over fixed-length stage times
-    (bench/mixed_length.py). `balanced` is dispatched for that same step (order_aware; else min-max).
-    shares: as micro_batch_multipliers."""
+    (micro-batches of one row, `micro_batches` per replica): step_of(multipliers) costs one replica's
+    step given its [stage][micro-batch] work multipliers -- simulator_step_of(sim, layout), or a
+    timeline over fixed-length stage times (bench/mixed_length.py); a step is its slowest replica's.
+    `balanced` is dispatched for that same step (order_aware; else min-max). shares: as
+    micro_batch_multipliers."""
     budget = distribution.budget
     model = (dispatch_model(step_of, meta, spans, budget, shares=shares)
              if order_aware and packing == "balanced" else None)
-    return [step_of(micro_batch_multipliers(meta, spans, budget, step.square_sums, step.documents,
-                                            [sum(r) for r in step.rows], shares))
-            for step in sample_steps(distribution, micro_batches, packing, steps, seed, stages=len(spans),
-                                     model=model)]
+    out = []
+    for step in sample_steps(distribution, micro_batches * replicas, packing, steps, seed, stages=len(spans),
+                             model=model, replicas=replicas):
+        per_replica = []
+        for r in range(replicas):
+            rows = step.rows[r * micro_batches:(r + 1) * micro_batches]
+            part = PackedStep(rows)
+            per_replica.append(step_of(micro_batch_multipliers(meta, spans, budget, part.square_sums, part.documents,
+                                                               [sum(x) for x in rows], shares)))
+        out.append(max(per_replica))
+    return out

@@ -23,8 +23,9 @@ SAMPLED_STEPS = 12
 
 def packed_step_prediction(config, meta, cluster, plan, planner: Dict[str, Any],
                            steps: int = SAMPLED_STEPS) -> Optional[Dict[str, Any]]:
-    """{packing, lengths, fixed_length_step_s, per packing the sampled steps' predicted step and useful
-    tokens per second}, or {packing, skipped: why}; None when data.packing is concat."""
+    """{packing, lengths, fixed_length_step_s, per packing the sampled steps' predicted step (each
+    replica's pipeline costed with its own micro-batches, the step the slowest's)}, or {packing,
+    skipped: why}; None when data.packing is concat."""
     data = config.data
     packing = str(getattr(data.packing, "value", data.packing))
     if packing == "concat":
@@ -45,7 +46,7 @@ def packed_step_prediction(config, meta, cluster, plan, planner: Dict[str, Any],
                            "attention_share_per_stage": [s.attention for s in shares]}
     for name in ("document", "balanced"):
         times = packed_step_times(step_of, meta, layout.spans, distribution, layout.num_microbatches, name, steps,
-                                  seed=int(config.train.seed), shares=shares)
+                                  seed=int(config.train.seed), shares=shares, replicas=int(plan.dp))
         out[name] = {"step_s_median": statistics.median(times), "step_s_mean": statistics.fmean(times),
                      "step_s_min": min(times), "step_s_max": max(times)}
     out["balanced_over_document"] = out["document"]["step_s_mean"] / out["balanced"]["step_s_mean"]
@@ -59,6 +60,6 @@ def _why_not_costed(data, plan) -> str:
     path = Path(str(data.path or "data/code"))
     if not (path / "meta.json").exists():
         return f"the corpus at {path} is not built yet (training builds it); its lengths are costed on the next plan"
-    if plan.heterogeneous or plan.dp != 1 or plan.microbatch_size != 1:
-        return "costed for one replica of one-row micro-batches only (dp 1, microbatch_size 1)"
+    if plan.heterogeneous or plan.microbatch_size != 1:
+        return "costed for homogeneous plans of one-row micro-batches only (microbatch_size 1)"
     return ""
