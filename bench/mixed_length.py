@@ -161,6 +161,15 @@ def _calibrate(args, calibration, passes: List[List[Dict]]):
     return full, shares, fits, per_kind
 
 
+def _slowest_replica(args, table) -> float:
+    """A step's measured time: each replica's micro-batches (replica-major) walked through 1F1B, the slowest."""
+    from hrlplan.cost.lengths import pipeline_step
+
+    m = args.micro_batches
+    return max(pipeline_step("1f1b", args.pp, [row[r * m:(r + 1) * m] for row in table["F"]],
+                             [row[r * m:(r + 1) * m] for row in table["B"]]) for r in range(args.dp))
+
+
 def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens):
     """Per packing and step, the simulator's step: `predicted` with each stage's forward and backward
     RowShares from the calibration rows; `one_table` with the two together (as the dispatch costs
@@ -177,16 +186,20 @@ def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
         return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
                                  micro_batch_work=work, backward_work=back).makespan
 
+    m = args.micro_batches
+
+    def slowest(sq, n_docs, useful, row_shares, backward_shares):
+        return max(simulated(sq[r * m:(r + 1) * m], n_docs[r * m:(r + 1) * m], useful[r * m:(r + 1) * m], row_shares,
+                             backward_shares) for r in range(args.dp))
+
     def over(row_shares, backward_shares=None):
-        return {p: [simulated(*x, row_shares, backward_shares) for x in zip(squares[p], docs[p], tokens[p])]
+        return {p: [slowest(*x, row_shares, backward_shares) for x in zip(squares[p], docs[p], tokens[p])]
                 for p in M.PACKINGS}
 
     return over(per_kind["F"], per_kind["B"]), over(shares), over(None)
 
 
 def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
-    from hrlplan.cost.lengths import pipeline_step
-
     P = M.PACKINGS
     timed = timing["timed_steps"]
     useful = [sum(prepared["lengths"][s]) for s in timed]
@@ -195,14 +208,14 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     docs = {p: [[len(g) for g in prepared["assignments"][p][s]] for s in timed] for p in P}
     per_round, steps_measured, spreads, paired = [], {p: [] for p in P}, {p: [] for p in P}, {p: [] for p in P}
     for rnd in timing["rounds"]:
-        steps = {p: [pipeline_step("1f1b", args.pp, t["F"], t["B"]) for t in rnd["tables"][p]] for p in P}
+        steps = {p: [_slowest_replica(args, t) for t in rnd["tables"][p]] for p in P}
         per_round.append({p: sum(useful) / sum(steps[p]) for p in P})
         for p in P:
             steps_measured[p].append(statistics.fmean(steps[p]))
             paired[p] += [d / x for d, x in zip(steps["document"], steps[p])]
             for t in rnd["tables"][p]:
                 per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
-                          for j in range(args.micro_batches)]
+                          for j in range(args.micro_batches * args.dp)]
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
     full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
                                                      timing["before"] + [r["calibration"] for r in timing["rounds"]])
@@ -213,7 +226,7 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     for rnd in timing["rounds"]:
         for p in P:
             for i, t in enumerate(rnd["tables"][p]):
-                for j in range(args.micro_batches):
+                for j in range(args.micro_batches * args.dp):
                     rows_t.append(sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp)))
                     rows_sq.append(squares[p][i][j])
                     rows_docs.append(docs[p][i][j])
@@ -296,7 +309,7 @@ def measure(args) -> Dict:
 
 def print_measured(report: Dict) -> None:
     s = report["settings"]
-    print(f"pp {s['pp']} 1F1B, {s['micro_batches']} micro-batches of one {s['budget']}-token row, width {s['n_embd']}, "
+    print(f"dp {s['dp']} x pp {s['pp']} 1F1B, {s['micro_batches']} micro-batches of one {s['budget']}-token row, width {s['n_embd']}, "
           f"{s['n_layer']} blocks {report['spans']}, vocabulary {s['vocab']}; attention share: "
           f"{report['attention_share']['full_row']:.2f} of a one-document row, "
           f"{report['attention_share']['document_rows']:.2f} of a document-packed row; loads {report['loads']}")
@@ -321,7 +334,7 @@ def print_measured(report: Dict) -> None:
           f"{[{k: round(v, 4) for k, v in x.items()} for x in report['row_shares']]}")
     same = report["same_documents"]
     print(f"same documents, same step: the step's loss differs by at most {same['loss_max_abs_difference']:.2g} "
-          f"(per token {same['loss_mean'] / report['settings']['micro_batches']:.3f}), its gradient by {same['gradient_max_abs_difference']:.2g} "
+          f"(per token {same['loss_mean'] / (s['micro_batches'] * s['dp']):.3f}), its gradient by {same['gradient_max_abs_difference']:.2g} "
           f"(largest entry {same['gradient_max_abs']:.2g})")
     if "loss_curves_max_abs_difference" in report:
         print(f"loss curves of document and balanced differ by at most {report['loss_curves_max_abs_difference']:.2g}")
@@ -350,6 +363,9 @@ def main(argv=None) -> Dict:
     parser.add_argument("--warmup", type=int, default=1, help="--measure: first steps left out (and of each run)")
     parser.add_argument("--train-rounds", type=int, default=0,
                         help="--measure: real pp training runs of document and balanced, for the loss curves")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="--measure: data-parallel replicas, each its pipeline of --micro-batches (the step: "
+                             "the slowest replica's; the gradient all-reduce, alike for every packing, left out)")
     parser.add_argument("--spans", default="", help="--measure: stage cuts, e.g. 3 for blocks 0-2 | 3-(n-1)")
     parser.add_argument("--n-head", type=int, default=4)
     args = parser.parse_args(argv)

@@ -75,24 +75,25 @@ def step_batches(args, documents, meta, spans, calibrated: Dict) -> Dict:
 
     model = dispatch_model(timeline_step_of_work(calibrated["full"]["F"], calibrated["full"]["B"], args.micro_batches),
                            meta, spans, args.budget, shares=calibrated["shares"])
-    bins = D.micro_batch_bins(args.micro_batches, args.budget)
+    dp, m = args.dp, args.micro_batches
+    bins = D.replica_bins(m, [args.budget] * dp, [1.0] * dp)
     out = {"lengths": [], "assignments": {p: [] for p in PACKINGS}, "batches": {p: [] for p in PACKINGS},
            "dispatch_seconds": [], "dispatch_methods": []}
     for step in range(args.steps):
-        pieces, arrival = documents.step_pieces(step, args.micro_batches)
+        pieces, arrival = documents.step_pieces(step, m * dp)   # rows replica-major, as the engines slice them
         lengths = [predictions(p) for p in pieces]
         common = dict(time_budget_s=args.time_budget, fallback=arrival, stages=args.pp, fixed_shapes=True,
                       ilp_min_gain=0.01)
         min_max = D.dispatch_bins(lengths, bins, 0.0, 1.0, **common)   # as data.packing=balanced trains today
         common["fixed_shapes"] = False   # the model's bins carry the base work
-        balanced = D.dispatch_bins(lengths, model.bins(args.micro_batches, args.budget), model.linear,
+        balanced = D.dispatch_bins(lengths, model.bins(m, args.budget, dp), model.linear,
                                    model.quadratic, step_of=model.step_of, **common)
         out["dispatch_seconds"].append(balanced.seconds)
         out["dispatch_methods"].append(balanced.method)
         out["lengths"].append(lengths)
         for p, assignment in (("document", arrival), ("min_max", min_max.assignment), ("balanced", balanced.assignment)):
             out["assignments"][p].append(assignment)
-            out["batches"][p].append(to_wire(documents.pack(pieces, assignment), sum(lengths), args.micro_batches))
+            out["batches"][p].append(to_wire(documents.pack(pieces, assignment), sum(lengths), m * dp))
     return out
 
 
@@ -182,7 +183,7 @@ def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
             gradients = {}
             for p in order:
                 inputs, targets = batches[p][step]
-                per[p].append(time_micro_batches(stages, inputs, targets, args.micro_batches))
+                per[p].append(time_micro_batches(stages, inputs, targets, args.micro_batches * args.dp))
                 # the step's gradient (the weights never change here): a packing moves documents, not the sum
                 gradients[p] = torch.cat([q.grad.flatten() for s in stages for q in s.parameters() if q.grad is not None])
                 for s in stages:
