@@ -249,6 +249,9 @@ def lost_text(r: dict) -> str:
     parts = r.get("lost_on_s") or {}
     if not parts:
         return str(r["lost_on"])
+    if str(r["lost_on"]).startswith("nothing"):   # none of the five parts: the optimizer or the step's collectives
+        return (f"the rest of the step {(r['replica_s'] - r['single_s']) * 1e3:+.3g} ms (no more sync, bubble, compute, "
+                "p2p or tp)")
     key = f"{r['lost_on']}_s"
     out = f"{r['lost_on']} {parts.get(key, 0.0) * 1e3:+.3g} ms"
     tied = r.get("single_tied_reduce_uncharged_s") or 0.0
