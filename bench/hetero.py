@@ -126,7 +126,7 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     try:
         plan, info = make_plan(meta, cluster, dict(cfg, heterogeneous="true"), train)
     except UserError as e:
-        row.update(planned_s=math.inf, planned_error=str(e)[:200], plan_time_s=time.perf_counter() - t0)
+        row.update(planned_s=math.inf, planned_error=str(e)[:500], plan_time_s=time.perf_counter() - t0)
         return row
     row["plan_time_s"] = time.perf_counter() - t0
     hetero = info["planner"]["heterogeneous"]
