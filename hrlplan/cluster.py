@@ -315,6 +315,17 @@ def cpu_device_name(quota: Optional[Tuple[float, float]]) -> str:
     return "cpu" if quota is None else f"cpu@{quota[1]:.2g}"
 
 
+def cpu_quota_share(device_name: str) -> Optional[float]:
+    """The share of one core a device name from cpu_device_name carries ('cpu@0.33' -> 0.33), else None
+    (the cost model bounds such a worker's step by its CPU work over the share: simulator.cpu_quota_bounds)."""
+    if not device_name.startswith("cpu@"):
+        return None
+    try:
+        return float(device_name[len("cpu@"):])
+    except ValueError:
+        return None
+
+
 def _measure_device(device, matmul_n: int, repeats: int, dtype: str = "float32") -> Dict[str, Any]:
     """This rank's device: name, free memory, matmul FLOP/s in the training dtype (fp32 as the
     trainer runs it: on TF32 unless switched off)."""
