@@ -224,16 +224,38 @@ def _alone(env: ReplicaEnv, policy: ReplicaPolicy) -> List[List[Entry]]:
     return [chosen for _, _, chosen in sorted(scored, key=lambda x: (x[0], x[1]))]
 
 
+def _uniform(env: ReplicaEnv) -> List[List[Entry]]:
+    """For each replica size, every type's devices in replicas of about that size (node slices or
+    whole nodes, all its nodes used): plans whose replicas are alike in size across types, which
+    one-type-at-a-time moves cannot reach from a single-type plan on a fine row grid."""
+    out = []
+    sizes = sorted({s.size for t in env.space.types for s in env.space.replica_shapes(t, sliced=False)})
+    for size in sizes:
+        chosen = []
+        for t in env.space.types:
+            shapes = env.space.replica_shapes(t, sliced=False)
+            shape = min(shapes, key=lambda s: (abs(math.log2(s.size / size)), -s.size))
+            counts = [k for k in env.space.shape_counts(t, shape) if k * env.grid_unit <= env.B]
+            if counts:
+                chosen.append((t, shape, max(counts)))
+        if len(chosen) > 1:
+            out.append(chosen)
+    return out
+
+
 class Proposals:
-    """The greedy decision, each type alone (the policy's favourites first), then `draws` samples,
-    screened by estimate in batches as time allows."""
+    """The greedy decision, replicas of one size on every type, each type alone (the policy's
+    favourites first), then `draws` samples, screened by estimate in batches as time allows."""
 
     def __init__(self, env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, draws: int):
-        self.env, self.seen, self.count = env, set(), 0
+        self.env, self.seen, self.count, self.uniform = env, set(), 0, set()
 
         def stream():
             with torch.no_grad():
                 yield sample(env, policy, gen, greedy=True)[0]
+                for chosen in _uniform(env):
+                    self.uniform.add(tuple(chosen))
+                    yield chosen
                 yield from _alone(env, policy)
                 for _ in range(draws):
                     yield sample(env, policy, gen)[0]
@@ -257,6 +279,13 @@ class Proposals:
         return sorted(screened, key=lambda x: x[0])
 
 
+def _halved(env: ReplicaEnv, entry: Entry) -> Optional[Entry]:
+    """The entry at the largest replica count of its shape that is at most half its own."""
+    t, shape, k = entry
+    fewer = [c for c in env.space.shape_counts(t, shape) if c <= k // 2]
+    return (t, shape, max(fewer)) if fewer else None
+
+
 def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int = 2
             ) -> Tuple[float, List[Entry], Optional[int], Optional[List[int]]]:
     """Coordinate descent on the screening estimate from a proposal: each type in turn takes the
@@ -269,8 +298,11 @@ def improve(env: ReplicaEnv, chosen: List[Entry], deadline: float, sweeps: int =
             if time.perf_counter() > deadline:
                 return best
             others = [e for e in best[1] if e[0] != t]
-            # the others as they are, or one of them off (a type taking the rows another had)
+            # the others as they are, one of them off (a type taking the rows another had), or one at
+            # half its replicas (making room on the row grid for this type's)
             keeps = [others] + [[e for e in others if e is not off] for off in others if len(others) > 1]
+            keeps += [[halved if e is other else e for e in others] for other in others
+                      for halved in [_halved(env, other)] if halved is not None]
             for o in env.options[t]:
                 if time.perf_counter() > deadline:
                     return best
@@ -313,7 +345,9 @@ def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, 
         batch = proposals.screen(now + (deadline - now) / 3)
         if first:   # the best few refined on the estimate (coordinate descent over each type's options)
             until = time.perf_counter() + (deadline - now) / 5
-            batch += [improve(env, chosen, until) for _, chosen, _, _ in batch[:improve_top]]
+            # the best uniform-size plans first: they reach mixed plans that the others' moves cannot
+            starts = [b for b in batch if tuple(b[1]) in proposals.uniform][:2] + batch[:improve_top]
+            batch += [improve(env, chosen, until) for _, chosen, _, _ in starts]
             first = False
         batch = sorted({tuple(c): (e, c, tp, r) for e, c, tp, r in sorted(batch, key=lambda x: -x[0])
                         if r is not None and tuple(c) not in done}.values(), key=lambda x: x[0])
