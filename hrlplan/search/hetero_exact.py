@@ -357,6 +357,15 @@ def what_did_not_fit(table: TemplateTable, spaces: Dict[int, HeteroSpace], globa
     return "no replica of the sub-space fits: " + "; ".join(parts)
 
 
+def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
+    """The sub-space exact proves over, as plan_info.json's planner.heterogeneous.sub_space says it."""
+    return (f"replicas grouped by device type (per type: k replicas of one shape -- q devices on each of j "
+            f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
+            f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
+            f"one nproc-per-node out of {nprocs}" + ("; one tp degree across replicas (GPT-2)" if one_tp else "") +
+            "; each template the exact planner's optimum for its replica")
+
+
 def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float,
                   started: Optional[float] = None) -> Dict[str, Any]:
     """The best plan of the sub-space that beats `incumbent_s` (the single-template optimum; inf if
@@ -424,13 +433,7 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
                 program.cut(chosen)
         lower_bound = min(lower_bound, best_s)
     proven = not gave_up and table.unproven == 0
-    grid = row_grid(global_batch, steps)
-    sub_space = (f"replicas grouped by device type (per type: k replicas of one shape -- q devices on each of j "
-                 f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
-                 f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
-                 f"one nproc-per-node out of {sorted(spaces)}" +
-                 ("; one tp degree across replicas (GPT-2)" if tps != [TP_ANY] else "") +
-                 "; each template the exact planner's optimum for its replica")
+    sub_space = describe_sub_space(row_grid(global_batch, steps), sorted(spaces), tps != [TP_ANY])
     note = (f"optimal under the simulator over the sub-space: {sub_space}" if proven else
             f"gave up ({gave_up or 'a replica template search ran out of budget'}); best of what was searched in "
             f"the sub-space {sub_space}, not proven")
