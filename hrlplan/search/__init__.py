@@ -57,6 +57,9 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     if tracker.best is None:
         over_memory = least_memory_need(sim, space)
         if over_memory:
+            note = (hetero or {}).get("note") or ""
+            replicas = note[note.index("no replica"):] if "no replica" in note else ""   # per device type
+            over_memory = f"{over_memory}; {replicas}" if replicas else over_memory
             raise UserError(f"no plan fits {meta.name} on {cluster.summary()}: {over_memory}. Try more devices, "
                             "train.dtype=bfloat16, a smaller global_batch_size, a larger planner.max_pp, or "
                             "planner.memory_margin closer to 1")
@@ -77,13 +80,21 @@ def make_plan(meta, cluster, planner_cfg: Dict[str, Any], train_cfg: TrainConfig
     return plan, info
 
 
+LEAST_NEED_BUDGET_S = 10.0
+
+
 def least_memory_need(sim, space) -> str:
     """When nothing fits: over every configuration (at its even layer split), the one whose worst
     device is least over its memory, as "smallest need X GiB on device Y, capacity Z"; "" when
     some configuration fits or none exists."""
     L = sim.meta.n_layer
-    best = None
+    best, cut = None, False
+    # the refusal must come quickly: a 516-GPU space scored in full took most of a 151 s "no plan fits"
+    deadline = time.perf_counter() + LEAST_NEED_BUDGET_S
     for c in space.configs():
+        if time.perf_counter() > deadline:
+            cut = True
+            break
         bounds = [round(i * L / c.n_stages) for i in range(c.n_stages + 1)]
         result = sim.evaluate(space.layout(c, list(zip(bounds[:-1], bounds[1:]))))
         if result.feasible:
@@ -97,8 +108,9 @@ def least_memory_need(sim, space) -> str:
     _, d, need = best
     dev = sim.cluster.devices[d]
     limit = sim.devices.memory_limit(d, sim.opts.memory_margin)
-    return (f"smallest need {need / 2**30:.2f} GiB on device {d} ({dev.name}), capacity {limit / 2**30:.2f} GiB "
-            f"({sim.opts.memory_margin:g} x {dev.memory_bytes / 2**30:.2f} GiB)")
+    scored = f" (of the configurations scored in {LEAST_NEED_BUDGET_S:g} s)" if cut else ""
+    return (f"smallest need{scored} {need / 2**30:.2f} GiB on device {d} ({dev.name}), capacity "
+            f"{limit / 2**30:.2f} GiB ({sim.opts.memory_margin:g} x {dev.memory_bytes / 2**30:.2f} GiB)")
 
 
 def _info(meta, cluster, sim, best: Scored, detail, runner_up, planner_meta, history=None) -> Dict[str, Any]:
