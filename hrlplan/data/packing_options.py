@@ -24,6 +24,9 @@ def packing_refusal(packing: str, data_name: str, puzzle: bool = False, plan=Non
     if data_name != "code":
         return (f"data.packing={packing}: data={data_name} has no documents (packing keeps whole documents ending "
                 f"in an end-of-text token apart); use data=code or data.packing=concat")
+    if plan is not None and getattr(plan, "cp", 1) > 1:
+        return (f"data.packing={packing}: context parallelism (the plan's cp: {plan.cp}) shards one sequence and its "
+                "ring attention takes no per-document mask; use data.packing=concat or a plan with cp: 1")
     if train is not None:
         setting = train.get if isinstance(train, Mapping) else functools.partial(getattr, train)
         if int(setting("context_parallel", 1) or 1) > 1:

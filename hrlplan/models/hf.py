@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hrlplan.errors import UserError
 from hrlplan.model_record import ModelResolutionError
 from hrlplan.models.documents import (document_attention_kwargs, is_packed_inputs, is_packed_targets,
-                                      packed_micro_batch_loss, split_packed_inputs, use_document_attention)
+                                      packed_micro_batch_loss, sharded_packed_micro_batch_loss, split_packed_inputs,
+                                      use_document_attention)
 
 _NOT_HF_KEYS = {"name", "family", "model_type", "model_id", "pretrained"}
 
@@ -330,9 +331,8 @@ def sharded_causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh) ->
     gathering the logits. Returns the loss as a plain tensor, equal on every rank of `mesh`; not a
     view of the DTensor's local tensor (to_local's output is one), because zero-bubble schedules
     detach the loss in place after its input-gradient pass, which a view refuses."""
-    if is_packed_targets(logits, targets):
-        raise UserError("data.packing: packed documents do not run with a vocabulary-parallel head yet; "
-                        "set train.vocab_parallel=false or data.packing=concat")
+    if is_packed_targets(logits, targets):   # data.packing=document|balanced: token-weighted over the step
+        return sharded_packed_micro_batch_loss(logits, targets, mesh)
     local = logits.reshape(-1, logits.size(-1)).float()
     sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
     return F.cross_entropy(sharded, targets.reshape(-1)).to_local().clone()
@@ -400,10 +400,9 @@ class HFStage(nn.Module):
 
     def _forward_packed(self, x: torch.Tensor, side: Optional[torch.Tensor]):
         """Packed documents (models/documents.py): positions restart per document, attention stays inside
-        each; returns (activations, side) for the next stage, the logits on the last."""
-        if self.sequence_shards > 1:
-            raise UserError("data.packing: packed documents do not run with sequence parallelism yet; "
-                            "use data.packing=concat or a plan without sequence_parallel")
+        each; returns (activations, side) for the next stage, the logits on the last. Under sequence
+        parallelism h holds this rank's 1/sequence_shards of the positions while `side` stays whole: the
+        position embedding is scattered to h's shard, and the attention, gathered, sees every document whole."""
         base = self.base
         blocks = getattr(base, self.blocks_attr).values()
         if self.attention_kind is None:

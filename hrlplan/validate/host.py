@@ -20,7 +20,7 @@ from hrlplan.validate.environ import check_environment_variables
 from hrlplan.validate.files import read_file, refuse_on
 from hrlplan.validate.manual_plan import check_manual_plan
 from hrlplan.validate.model_files import check_model_config, model_shape
-from hrlplan.validate.train_options import train_options_refusal
+from hrlplan.validate.train_options import context_parallel_length_refusal, train_options_refusal
 
 LM_DATA_SETS = ("synthetic", "code")
 CHECKPOINT_METADATA = ".metadata"   # torch.distributed.checkpoint's index beside its shards
@@ -50,6 +50,9 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
     if str(planner.get("name")) == "manual":
         plan = check_manual_plan(config, _explicit(config, overrides), shape, spec, launching)
         train = dict(train, context_parallel=plan.cp)   # the plan decides cp: the device check below refuses it
+        short = context_parallel_length_refusal(plan.cp, int(data.get("seq_len") or 0)) if lm and plan.cp > 1 else None
+        if short:
+            raise ConfigError("data.seq_len", data.get("seq_len"), message=short)
     if train.get("device") == "cuda":
         import torch   # why: composing and checking a config never needs torch (`--help`, completion)
 
