@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hrlplan.cost import context_parallel as cpc, kernels, memory as mem
+from hrlplan.cost import context_parallel as cpc, float8_time, kernels, memory as mem
 from hrlplan.cost.calibration_keys import CALIBRATION_KEYS  # noqa: F401 (documented keys, re-exported)
 from hrlplan.cost.device_model import (  # noqa: F401 (re-exported: the planners and tests import them here)
     GiB, DeviceModel, Overheads, all_reduce_time, calibrated_peak_flops, fp8_speedup, guessed_device_facts,
@@ -299,6 +299,10 @@ class StageCostModel:
         elif recompute == "selective":
             # kept reduce-scatters under SP: only the all-gathers (half the volume) run again
             bwd = bwd + fwd_share * blocks_c * mem.op_sac_recomputed_fraction(meta) + (tp_comm / 2 if sp else tp_comm)
+        if o.float8:   # the dynamic-scaling casts beside the fp8 matmuls (cost/float8_time.py)
+            cast_f, cast_b = float8_time.stage_cast_seconds(meta, [self.dev.cluster.devices[d] for d in group], tokens,
+                                                            tp, o.bytes_per_value, o.compile, recompute)
+            fwd, bwd = fwd + n_blocks * cast_f, bwd + n_blocks * cast_b
         activation, transient = self._activation(start, end, last, tp, tokens, recompute, n_blocks, sp)
         transient = transient + self._option_transient(tp, cp, shards, tokens, n_blocks, recompute)
         params = self.span_params(start, end, first, last, pp)
