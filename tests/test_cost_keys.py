@@ -233,3 +233,11 @@ def test_gpu_facts_match_whole_tokens_and_the_grand_teton_h100():
     assert {d.name for d in cluster.devices} == {"H100-96GB"}
     hbm = {kernels.kernels_for(d, 989e12, measured=False).hbm for d in cluster.devices}
     assert hbm == {2.4e12}
+
+
+def test_tp_comm_overlap_is_a_megatron_key():
+    train = {"dtype": "bfloat16", "dp_mode": "fsdp"}
+    assert options_for_train(train, {"cost": {"runtime": "megatron", "tp_comm_overlap": True}}).tp_comm_overlap
+    assert options_for_train(train, {}).tp_comm_overlap is False
+    with pytest.raises(UserError, match="tp_comm_overlap"):
+        options_for_train(train, {"cost": {"tp_comm_overlap": True}})

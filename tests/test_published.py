@@ -64,6 +64,7 @@ def test_one_row_per_source_through_the_command_line_is_the_bench_figure(tmp_pat
     shown = info["chosen"]["breakdown"]["cost_options"]
     assert shown["runtime"] == "megatron" and shown["receive_buffers"] is False
     assert shown["fused_attention"] is (source_key == "megatron-h100")
+    assert shown["tp_comm_overlap"] is (source_key == "megatron-h100")
     tflops = source.flops(row, source.seq, source.vocab) / info["chosen"]["step_time_s"] / row.gpus / 1e12
     figure = next(r for r in committed(source_key)["rows"] if r["model"] == name)
     assert tflops == pytest.approx(figure["predicted_tflops"], rel=1e-6), REGENERATE

@@ -34,9 +34,11 @@ RUNTIME_DEFAULTS: Dict[str, Dict[str, bool]] = {
 
 
 def cost_settings(planner: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """planner.cost (a mapping, a CostConfig, or absent) resolved: {runtime, fused_attention, receive_buffers}."""
+    """planner.cost (a mapping, a CostConfig, or absent) resolved: {runtime, fused_attention, receive_buffers,
+    tp_comm_overlap}."""
     raw = (planner or {}).get("cost") or {}
-    raw = raw if isinstance(raw, dict) else {k: getattr(raw, k) for k in ("runtime", "fused_attention", "receive_buffers")}
+    raw = raw if isinstance(raw, dict) else {k: getattr(raw, k, None)
+                                             for k in ("runtime", "fused_attention", "receive_buffers", "tp_comm_overlap")}
     runtime = str(raw.get("runtime") or "torch")
     if runtime not in RUNTIME_DEFAULTS:
         raise UserError(f"planner.cost.runtime={runtime!r} is not one of {', '.join(RUNTIME_DEFAULTS)}")
@@ -44,6 +46,10 @@ def cost_settings(planner: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     for key, default in RUNTIME_DEFAULTS[runtime].items():
         value = raw.get(key)
         out[key] = default if value is None else bool(value)
+    out["tp_comm_overlap"] = bool(raw.get("tp_comm_overlap") or False)
+    if out["tp_comm_overlap"] and runtime != "megatron":
+        raise UserError("planner.cost.tp_comm_overlap=true prices Megatron-Core's --tp-comm-overlap, which this "
+                        "package's torch runtime does not run: set planner.cost.runtime=megatron or drop the key")
     return out
 
 
