@@ -5,7 +5,7 @@ take their own rows and a resumed run continues with exactly the batches it woul
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -58,11 +58,13 @@ class TokenWindows:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def build_lm_data(data: DataConfig, vocab_size: int, seed: int, plan=None, train=None):
+def build_lm_data(data: DataConfig, vocab_size: int, seed: int, plan=None, train=None,
+                  coefficients: Optional[Tuple[float, float]] = None):
     """The language-model stream `data` (a DataConfig, or its plain mapping) names. data.packing=document|
     balanced gives a PackedLMStream (data/packed_stream.py); `plan` lays a balanced step out over its
     replicas and micro-batches (without it: one replica, one row a micro-batch), and with `train`
-    refuses what packed documents do not run with."""
+    refuses what packed documents do not run with. `coefficients` (linear, quadratic: a document's cost,
+    cost/lengths.document_coefficients) let `balanced` weigh whole steps; without them it weighs attention."""
     data = section(DataConfig, data)
     name = str(data.name)
     packing = str(getattr(data.packing, "value", data.packing))
@@ -86,7 +88,8 @@ def build_lm_data(data: DataConfig, vocab_size: int, seed: int, plan=None, train
             layout = StepLayout.of_plan(plan) if plan is not None else None
             budget_s, prefetch = float(data.dispatch_budget_s), int(data.dispatch_prefetch)
             return build_packed_stream(packing, corpus.train_tokens, corpus.val_tokens, int(corpus.eot_id),
-                                       int(data.seq_len), seed, layout, time_budget_s=budget_s, prefetch=prefetch)
+                                       int(data.seq_len), seed, layout, coefficients=coefficients or (0.0, 1.0),
+                                       time_budget_s=budget_s, prefetch=prefetch)
         return TokenWindows(corpus.train_tokens, corpus.val_tokens, int(data.seq_len), seed)
     raise ValueError(f"data.name={name!r} is not a language-model data set; choose synthetic or code "
                      "(sudoku is for arch=hrm)")

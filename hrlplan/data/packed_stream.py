@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hrlplan.data import dispatch as D
+from hrlplan.data.dispatch_pipeline import one_f_one_b
 from hrlplan.data.packing import PackedBatch, PackedDocuments, predictions
 from hrlplan.errors import UserError
 
@@ -169,9 +170,12 @@ class PackedLMStream:
         layout = self._layout(rows)
         pieces, arrival = self.documents.step_pieces(step, rows, capacities=self._capacities(rows))
         linear, quadratic = self.coefficients
+        # the pipeline's step (fill, drain, lock-step), not only the slowest micro-batch; it needs a linear
+        # coefficient (cost/lengths.document_coefficients), else an empty micro-batch looks free
+        step_of = one_f_one_b(layout.depth) if layout.depth and linear > 0 else None
         result = D.dispatch_bins([predictions(p) for p in pieces], layout.bins(self.documents.token_budget), linear,
                                  quadratic, time_budget_s=self.time_budget_s, fallback=arrival,
-                                 stages=layout.depth, fixed_shapes=True, ilp_min_gain=ILP_MIN_GAIN)
+                                 stages=layout.depth, fixed_shapes=True, ilp_min_gain=ILP_MIN_GAIN, step_of=step_of)
         self.dispatches.append({"step": step, "method": result.method, "seconds": result.seconds,
                                 "step_time": result.step_time, "lower_bound": result.lower_bound})
         return result.assignment

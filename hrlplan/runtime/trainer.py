@@ -29,6 +29,7 @@ from hrlplan.config import Config, as_config
 from hrlplan.cost.plans import options_for_train, plan_memory
 from hrlplan.data.lm import build_lm_data
 from hrlplan.errors import UserError
+from hrlplan.cost.lengths import document_coefficients
 from hrlplan.model_meta import ModelMeta
 from hrlplan.models.hf import build_hf_model, hf_config_from_arch, materialize
 from hrlplan.plan import Plan
@@ -115,6 +116,13 @@ class MFUBasis(NamedTuple):
     peak_flops: float
 
 
+def _packing_coefficients(run_dir: Path):
+    """A document's cost (linear, quadratic) from the job's model_meta.json, for data.packing=balanced's
+    step-aware dispatch (cost/lengths.document_coefficients); None where the run has no record."""
+    path = Path(run_dir) / "model_meta.json"
+    return document_coefficients(ModelMeta.load(path)) if path.exists() else None
+
+
 class PipelineTrainer(TrainAdapter):
     """The language-model adapter of the training core (runtime/train_core.py): a Plan's stages on
     this rank, their optimizers, the LM data stream, one pipelined step, evaluation and the
@@ -134,7 +142,7 @@ class PipelineTrainer(TrainAdapter):
         self.recorder = timing.StepRecorder(self.device)
         # before the engine: a packing the plan cannot run is refused before any stage is built
         self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed), plan=plan,
-                                  train=self.train)
+                                  train=self.train, coefficients=_packing_coefficients(self.run_dir))
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
         if Engine is HeteroPipelineEngine:
