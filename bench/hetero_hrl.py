@@ -105,8 +105,8 @@ def headline(rows) -> dict:
             "hrl_own_vs_exact_where_proven_median": median(own_vs_exact),
             "hrl_vs_best_baseline_where_unproven_median": median(vs_base),
             "hrl_vs_best_baseline_where_unproven_min": min(vs_base, default=None),
-            "hrl_vs_best_baseline_where_unproven_only_hrl_fits": sum(v == math.inf for v in vs_base),
-            "hrl_vs_best_baseline_where_unproven_at_least_1.05": f"{sum(v >= 1.05 for v in vs_base)} of {len(vs_base)}",
+            "hrl_vs_best_baseline_where_unproven_only_hrl_fits": int(sum(v == math.inf for v in vs_base)),
+            "hrl_vs_best_baseline_where_unproven_at_least_1.05": f"{int(sum(v >= 1.05 for v in vs_base))} of {len(vs_base)}",
             "hrl_vs_exact_where_unproven_median": median([v for v in (x(r["exact_s"], r["hrl_s"]) for r in unproven)
                                                           if math.isfinite(v)]),
             "hrl_time_s_max": max((r["hrl_time_s"] for r in rows + nothing), default=None),
