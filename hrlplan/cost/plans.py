@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost.model import CostOptions, Layout
-from hrlplan.cost.simulator import Simulator, _StepRun
+from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.schedules import resolve_schedule
 
@@ -181,10 +181,7 @@ def cross_replica_finish(buckets: Dict[Tuple[int, ...], float], end: Dict[int, f
 
 def _pipeline_timing(sim: Simulator, layout: Layout, contention: Optional[float]) -> Tuple[List[float], List[float]]:
     """(end, duration of the last backward) per pipeline position, as Simulator.evaluate runs it."""
-    run = _StepRun(sim, layout)
-    run.simulate_pipeline(contention)
-    _, finish, _ = run.step_time(run.position_totals())
-    return finish, list(run.tl.last_backward)
+    return sim.pipeline_timing(layout, contention)
 
 
 # Per simulator: a replica's results by its shape. On a preset every device of a type is the same

@@ -72,6 +72,14 @@ class Simulator:
                 t += ov.allreduce(2, tied, small if ov.tied_allreduce is None else ov.tied_allreduce)
         return t
 
+    def pipeline_timing(self, layout: Layout, contention: Optional[float] = None):
+        """(end, duration of the last backward) per pipeline position, as evaluate runs the step: what
+        a heterogeneous plan's cross-replica reduce overlaps (cost/plans.py)."""
+        run = _StepRun(self, layout)
+        run.simulate_pipeline(contention)
+        _, finish, _ = run.step_time(run.position_totals())
+        return list(finish), list(run.tl.last_backward)
+
     def evaluate(self, layout: Layout, detail: bool = False, contention: Optional[float] = None,
                  micro_batch_work: Optional[Sequence[Sequence[float]]] = None,
                  backward_work: Optional[Sequence[Sequence[float]]] = None) -> SimResult:
