@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,20 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hrlplan.cost import kernels  # noqa: E402
 from hrlplan.devices import peak_flops  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_kernels  # noqa: E402  (bench/: one CUDA-event timer)
+
 
 def _ms(fn, repeats: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return gpu_kernels.time_ms(fn, repeats, warmup)["median_ms"]
 
 
 def unfused_attention(k: kernels.GpuKernels, batch: int, heads: int, seq: int, head_dim: int) -> dict:

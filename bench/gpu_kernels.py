@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _time_ms(fn, repeats: int = 10, warmup: int = 3) -> dict:
+def time_ms(fn, repeats: int = 10, warmup: int = 3) -> dict:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -48,7 +48,7 @@ def gemms(dtype=torch.bfloat16) -> list:
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
-        t = _time_ms(lambda: torch.mm(a, b), repeats=7)
+        t = time_ms(lambda: torch.mm(a, b), repeats=7)
         rows.append({"m": m, "n": n, "k": k, **t, "tflops": 2 * m * n * k / (t["median_ms"] * 1e-3) / 1e12})
     return rows
 
@@ -70,7 +70,7 @@ def elementwise(numel: int = 1 << 28, dtype=torch.bfloat16) -> list:
     }
     rows = []
     for name, (fn, nbytes) in cases.items():
-        t = _time_ms(fn)
+        t = time_ms(fn)
         rows.append({"kernel": name, "numel": numel, "bytes": nbytes, **t,
                      "bytes_per_s": nbytes / (t["median_ms"] * 1e-3)})
     return rows
@@ -106,8 +106,8 @@ def attention(tokens: int = 16384, heads: int = 16, head_dim: int = 128) -> list
             out = fwd()
             out.backward(grad)
 
-        tf = _time_ms(fwd)
-        tfb = _time_ms(fwd_bwd)
+        tf = time_ms(fwd)
+        tfb = time_ms(fwd_bwd)
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2     # causal, as FlashAttention-2 counts
         rows.append({"seq": seq, "batch": batch, "heads": heads, "head_dim": head_dim, "fwd": tf, "fwd_bwd": tfb,
                      "fwd_tflops": flops_fwd / (tf["median_ms"] * 1e-3) / 1e12,
@@ -140,7 +140,7 @@ def blocks() -> list:
             fwd().sum().backward()
 
         rows.append({"family": "llama", "hidden": hidden, "heads": heads, "intermediate": inter, "seq": seq,
-                     "batch": batch, "fwd": _time_ms(fwd, repeats=5), "fwd_bwd": _time_ms(fwd_bwd, repeats=5)})
+                     "batch": batch, "fwd": time_ms(fwd, repeats=5), "fwd_bwd": time_ms(fwd_bwd, repeats=5)})
         del layer, x
     for hidden, heads, seq, batch in ((768, 12, 1024, 8), (1600, 25, 1024, 8)):
         cfg = GPT2Config(n_embd=hidden, n_head=heads, n_positions=seq, attn_implementation="sdpa")
@@ -155,7 +155,7 @@ def blocks() -> list:
             fwd().sum().backward()
 
         rows.append({"family": "gpt2", "hidden": hidden, "heads": heads, "intermediate": 4 * hidden, "seq": seq,
-                     "batch": batch, "fwd": _time_ms(fwd, repeats=5), "fwd_bwd": _time_ms(fwd_bwd, repeats=5)})
+                     "batch": batch, "fwd": time_ms(fwd, repeats=5), "fwd_bwd": time_ms(fwd_bwd, repeats=5)})
     return rows
 
 
