@@ -325,7 +325,7 @@ class PipelineTrainer(TrainAdapter):
                     "memory_split_per_rank": [g["memory_split"] for g in gathered],
                     "memory_stats_per_rank": [g["memory_stats"] for g in gathered],
                     "phases_s_per_rank": [g["phases"] for g in gathered],
-                    "memory_kind": memory_kind(self.device, bool(peak)),
+                    "memory_kind": self.meter.kind(),
                     "stages": {str(i): st for i, st in stats.items()}}
         timeline = sorted((e for g in gathered for e in g["events"]), key=lambda e: (e["start_s"], e["stage"]))
         measured["events"] = timeline   # the form hrlplan.runtime.timeline_plot draws
@@ -342,12 +342,6 @@ class PipelineTrainer(TrainAdapter):
             reserve = f"; the plan adds {split[0]['workspace'] / 2**30:.2g} GiB workspace per rank" if split else ""
             self.logger.note(f"peak memory ({measured['memory_kind']}): {mem.describe(rows)}{reserve}")
         return measured
-
-
-def memory_kind(device: torch.device, tracked: bool) -> str:
-    if device.type == "cuda":
-        return "cuda max_memory_allocated"
-    return "live tensor storages" if tracked else "process peak RSS"
 
 
 def predicted_memory(plan: Plan, cfg: Config, run_dir: Path) -> List[Dict[str, float]]:
