@@ -9,24 +9,31 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 
+def fit_with_options(config, plan_yaml: str, stage_options: Dict[str, Any], plan_options: Dict[str, Any], device):
+    """(the Plan with the options set, the trainer's summary) on this worker: the body every options run
+    shares (tests/test_context_parallel_engine.py's workers too)."""
+    from hrlplan.plan import Plan
+    from hrlplan.runtime.trainer import PipelineTrainer
+
+    plan = Plan.from_yaml(plan_yaml)
+    for stage in plan.stages:
+        for key, value in stage_options.items():
+            setattr(stage, key, value)
+    for key, value in plan_options.items():
+        setattr(plan, key, value)
+    return plan, PipelineTrainer(plan, config, config.run_dir, device=device).fit()
+
+
 def _worker(config, plan_yaml: str, stage_options: Dict[str, Any], plan_options: Dict[str, Any]):
     import torch.distributed as dist
 
-    from hrlplan.plan import Plan
     from hrlplan.runtime.distributed import init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
-    from hrlplan.runtime.trainer import PipelineTrainer
 
     device = init_distributed("cpu", {"collective_timeout_min": 5}).device
     prepare_worker()
     try:
-        plan = Plan.from_yaml(plan_yaml)
-        for stage in plan.stages:
-            for key, value in stage_options.items():
-                setattr(stage, key, value)
-        for key, value in plan_options.items():
-            setattr(plan, key, value)
-        summary = PipelineTrainer(plan, config, config.run_dir, device=device).fit()
+        _, summary = fit_with_options(config, plan_yaml, stage_options, plan_options, device)
         return summary if dist.get_rank() == 0 else None
     finally:
         shutdown()

@@ -245,12 +245,11 @@ def _exact_ring_over(cp_mesh, positions, seen: List[List[int]]):
 def _worker(config, plan_yaml: str, stage_options: Dict[str, Any]):
     import torch.distributed as dist
 
-    from hrlplan.plan import Plan
+    from _plan_options import fit_with_options
     from hrlplan.runtime import context_parallel
     from hrlplan.runtime.distributed import init_distributed, shutdown
     from hrlplan.runtime.host import prepare_worker
     from hrlplan.runtime.parallel import rank_coords
-    from hrlplan.runtime.trainer import PipelineTrainer
     from hrlplan.validate import train_options
 
     train_options.CONTEXT_PARALLEL_DEVICES = ("cuda", "cpu")   # the stand-in ring runs on CPU
@@ -259,11 +258,7 @@ def _worker(config, plan_yaml: str, stage_options: Dict[str, Any]):
     device = init_distributed("cpu", {"collective_timeout_min": 5}).device
     prepare_worker()
     try:
-        plan = Plan.from_yaml(plan_yaml)
-        for stage in plan.stages:
-            for key, value in stage_options.items():
-                setattr(stage, key, value)
-        summary = PipelineTrainer(plan, config, config.run_dir, device=device).fit()
+        plan, summary = fit_with_options(config, plan_yaml, stage_options, {}, device)
         return {"losses": [h["train/lm_loss"] for h in summary["history"]] if dist.get_rank() == 0 else None,
                 "eval": summary["history"][-1].get("eval/lm_loss") if dist.get_rank() == 0 else None,
                 "cp_index": rank_coords(plan, dist.get_rank())["cp"], "positions": seen[0] if seen else None}
