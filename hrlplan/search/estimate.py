@@ -64,8 +64,8 @@ class ConfigEstimator:
         limit = min(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in group)
         empty = costs.stage(0, 0, False, False, group, tp, dp, mb, pp, links=links, **options)
         per_block = ((full.fwd + full.bwd) / L, (full.static_memory - empty.static_memory) / L,
-                     full.activation / L, full.dp_sync / L)
-        extra = (base.fwd + base.bwd, base.static_memory, base.activation, base.dp_sync)
+                     full.activation / L, full.dp_sync / L, (full.optimizer - empty.optimizer) / L)
+        extra = (base.fwd + base.bwd, base.static_memory, base.activation, base.dp_sync, base.optimizer)
         out = (per_block, extra, limit)
         self._pos[key] = out
         return out
@@ -92,6 +92,8 @@ class ConfigEstimator:
         fixed_t = np.zeros(pp)
         fixed_m = np.zeros(pp)
         fixed_sync = np.zeros(pp)
+        opt = np.zeros(pp)      # optimizer step per block (uncalibrated GPUs: its bytes at HBM)
+        fixed_opt = np.zeros(pp)
         limit = np.zeros(pp)
         for g in range(pp):
             options = space.stage_options(c)
@@ -101,6 +103,7 @@ class ConfigEstimator:
             fixed_t[g] = extra[0]
             fixed_m[g] = extra[1] + (flight[n - 1] * extra[2] if g == last_pos else 0.0) + other_chunks[g] * per[2]
             fixed_sync[g] = extra[3]
+            opt[g], fixed_opt[g] = per[4], extra[4]
             limit[g] = lim
         per_block_mem = s + pos_flight * a
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -125,7 +128,7 @@ class ConfigEstimator:
         syncs = counts * sync + fixed_sync
         last_b = (2.0 / 3.0) * busy / v
         exposed = np.maximum(syncs - (last_b if sim.opts.dp_overlap else 0.0), 0.0)
-        step += float(exposed.max())
+        step += float(exposed.max()) + float((counts * opt + fixed_opt).max())
         mem = (counts * per_block_mem + fixed_m) / limit
         scale = sim.devices.time_scale
         return Estimate(step * scale, bottleneck * scale, fill * scale, float(mem.max()),
