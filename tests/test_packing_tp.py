@@ -71,7 +71,7 @@ def one_process_losses(arch: str, tmp_path) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2"])   # llama: test_packed_pp2_by_tp2_sequence_parallel (suite time)
 def test_packed_tp2_trains_as_one_process(tmp_path, arch):
     run = train_with_options(_plan(arch, [(0, 2)]), [*ARCHS[arch], *COMMON], tmp_path / "tp", STEPS)
     assert run["losses"] == pytest.approx(one_process_losses(arch, tmp_path), abs=1e-5)
