@@ -116,11 +116,14 @@ class MFUBasis(NamedTuple):
     peak_flops: float
 
 
-def _packing_coefficients(run_dir: Path):
+def _packing_coefficients(data, run_dir: Path):
     """A document's cost (linear, quadratic) from the job's model_meta.json, for data.packing=balanced's
-    step-aware dispatch (cost/lengths.document_coefficients); None where the run has no record."""
+    step-aware dispatch (cost/lengths.document_coefficients); None for other packings or where the run
+    has no record."""
     path = Path(run_dir) / "model_meta.json"
-    return document_coefficients(ModelMeta.load(path)) if path.exists() else None
+    if str(getattr(data.packing, "value", data.packing)) != "balanced" or not path.exists():
+        return None
+    return document_coefficients(ModelMeta.load(path))
 
 
 class PipelineTrainer(TrainAdapter):
@@ -142,7 +145,7 @@ class PipelineTrainer(TrainAdapter):
         self.recorder = timing.StepRecorder(self.device)
         # before the engine: a packing the plan cannot run is refused before any stage is built
         self.data = build_lm_data(self.cfg.data, full_vocab(self.cfg.arch), int(self.train.seed), plan=plan,
-                                  train=self.train, coefficients=_packing_coefficients(self.run_dir))
+                                  train=self.train, coefficients=_packing_coefficients(self.cfg.data, self.run_dir))
         full = build_full_model(self.cfg.arch, int(self.train.seed), materialized=False)
         Engine = TorchPipelineEngine if runs_on_torch_schedules(plan) else HeteroPipelineEngine
         if Engine is HeteroPipelineEngine:
