@@ -226,7 +226,13 @@ def _file_arguments(args: argparse.Namespace) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hrlplan", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    _add_planning_commands(sub)
+    _add_tool_commands(sub)
+    return p
 
+
+def _add_planning_commands(sub: "argparse._SubParsersAction") -> None:
+    """train, probe-cluster, introspect-model, train-hrl, plan-hrl, show-plan, calibrate (in help order)."""
     sub.add_parser("train", help="probe, plan and train: the Hydra app of pretrain.py (hrlplan train [key=value ...])")
     s = sub.add_parser("probe-cluster", help="measure devices and the bandwidth matrix; write cluster.json")
     s.add_argument("--out", default="cluster.json")
@@ -273,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="default: overwrite --cluster")
     s.set_defaults(func=_delegate("hrlplan.launch.calibrate", "calibrate_cli"))
 
+
+def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
+    """build-sudoku, build-code-corpus, doctor, memory-guide, evaluate (after the planning ones)."""
     s = sub.add_parser("build-sudoku", help="generate a Sudoku data set (presets: sudoku-extreme-small, sudoku-extreme-1k-aug-1000)")
     s.add_argument("preset_or_dir")
     s.add_argument("--out-dir", default=None)
@@ -304,7 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", type=int, default=None,
                    help="language models: validation batches of the run's global batch size (default: 8)")
     s.set_defaults(func=_delegate("hrlplan.runtime.evaluate_run", "evaluate_cli"))
-    return p
 
 
 def main(argv: Optional[List[str]] = None) -> None:
