@@ -66,11 +66,27 @@ class Simulator:
             t += ov.allreduce(shards, 4, small)                              # the norm over the shards
         if layout.pp > 1:
             t += ov.allreduce(layout.pp, 4, small)                           # the norm over the stages
-            if self.meta.tied_embeddings and layout.stage_group(0) != layout.stage_group(len(layout.spans) - 1):
+            first, last = layout.stage_group(0), layout.stage_group(len(layout.spans) - 1)
+            if self.meta.tied_embeddings and first != last:
                 shards = layout.dp if self.opts.dp_mode == "fsdp" else 1
                 tied = self.meta.head_matmul_params * 4.0 / shards / layout.tp
-                t += ov.allreduce(2, tied, small if ov.tied_allreduce is None else ov.tied_allreduce)
+                default = ov.tied_allreduce
+                if default is None:
+                    default = self.tied_link_s(layout.groups[first], layout.groups[last], tied)
+                t += ov.allreduce(2, tied, default)
         return t
+
+    def tied_link_s(self, first: Sequence[int], last: Sequence[int], nbytes: float) -> float:
+        """A tied embedding's gradient all-reduce (runtime/parallel.py TiedEmbeddingSync: device i of
+        the first stage's group with device i of the last's, all pairs at once) over its slowest pair's
+        link, as cost/plans.py charges a replica plan's rings: the bytes over the link plus the
+        calibrated small all-reduce's latency, or two hops' latency uncalibrated."""
+        lat = self.devices.overheads.allreduce_latency
+        worst = 0.0
+        for a, b in zip(first, last):
+            bw, hop = self.devices.ring_bw_lat([a, b])
+            worst = max(worst, nbytes / bw + (lat if lat else 2.0 * hop))
+        return worst
 
     def pipeline_timing(self, layout: Layout, contention: Optional[float] = None):
         """(end, duration of the last backward) per pipeline position, as evaluate runs the step: what
