@@ -23,6 +23,7 @@ llama-tiny, 1 to 4 stages, every schedule: within 7% per rank (bench/runtime.py,
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Tuple
 
 import numpy as np
@@ -33,6 +34,23 @@ from hrlplan.families import is_language_model
 STATE_BYTES_PER_PARAM = 16
 # Gradients FSDP2 accumulates unsharded between micro-batches: in its reduce dtype (float32 here).
 UNSHARDED_GRAD_BYTES = 4
+
+
+# Packed documents (data.packing=document|balanced, models/documents.py): a block's attention runs
+# document by document, and the block keeps one more tokens x hidden tensor than with one whole-row
+# SDPA (measured with saved-tensor hooks on gpt2 stages: exactly 2 x 128 bytes a token more for two
+# width-32 fp32 blocks, from 1 to 64 documents a row), sharded over tp with the heads.
+PACKED_EXTRA_HIDDEN_TENSORS = 1
+
+
+def packed_meta(meta):
+    """`meta` as a packed-documents run holds it: each block's kept bytes per token (16-bit values)
+    plus PACKED_EXTRA_HIDDEN_TENSORS x hidden; other families unchanged (they take no packed rows)."""
+    if not is_language_model(meta) or not meta.block_activation_bytes_per_token:
+        return meta
+    extra = 2.0 * PACKED_EXTRA_HIDDEN_TENSORS * float(meta.hidden_size)
+    return dataclasses.replace(meta, block_activation_bytes_per_token=[
+        float(b) + extra for b in meta.block_activation_bytes_per_token])
 
 
 def block_activation_terms(meta) -> Tuple[float, float, float]:

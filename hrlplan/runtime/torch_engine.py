@@ -172,10 +172,13 @@ class TorchPipelineEngine:
         with loss_context(self.parts.values()), self.sequence_shards(targets.shape[1]) as positions:
             if positions is not None:
                 inputs, targets = cp.take_positions(inputs, positions), cp.take_positions(targets, positions)
+            # the step needs the losses only: torch's last stage would otherwise keep every micro-batch's
+            # output (the logits) until the step ends
+            keep = {"return_outputs": False} if train else {}
             if self.has_first:
-                run(inputs, target=targets, losses=losses)
+                run(inputs, target=targets, losses=losses, **keep)
             else:
-                run(target=targets, losses=losses)
+                run(target=targets, losses=losses, **keep)
         loss = torch.zeros(1, device=self.device)
         if self.loss_reporter:
             loss[0] = torch.stack([l.detach().float() for l in losses]).mean() / (self.plan.dp * self.plan.cp)

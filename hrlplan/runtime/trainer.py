@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from hrlplan import devices
 from hrlplan.cluster import ClusterSpec
 from hrlplan.config import Config, as_config
+from hrlplan.cost.memory import packed_meta
 from hrlplan.cost.plans import options_for_train, plan_memory
 from hrlplan.data.lm import build_lm_data
 from hrlplan.errors import UserError
@@ -354,8 +355,11 @@ def predicted_memory(plan: Plan, cfg: Config, run_dir: Path) -> List[Dict[str, f
     if not (meta_path.exists() and cluster_path.exists()):
         return []
     cfg = as_config(cfg)
-    return plan_memory(plan, ModelMeta.load(meta_path), ClusterSpec.load(cluster_path),
-                       options_for_train(cfg.train, cfg.planner))
+    meta = ModelMeta.load(meta_path)
+    packing = getattr(cfg.data, "packing", None)
+    if str(getattr(packing, "value", packing)) in ("document", "balanced"):
+        meta = packed_meta(meta)   # per-document attention keeps more per block (cost/memory.packed_meta)
+    return plan_memory(plan, meta, ClusterSpec.load(cluster_path), options_for_train(cfg.train, cfg.planner))
 
 
 def memory_metrics(per_rank: List[Dict[str, int]], predicted: Optional[List[float]] = None) -> Dict[str, float]:
