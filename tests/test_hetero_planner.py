@@ -14,7 +14,10 @@ from hrlplan.plan import Plan, validate
 from hrlplan.search import make_plan
 from hrlplan.search.common import cost_options
 from hrlplan.search.config import ExactPlannerConfig
+from hrlplan.cost.model import Layout
+from hrlplan.search.common import Scored
 from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
+from hrlplan.search.hetero_anchor import AnchorTemplates, idle_nodes
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid, search_hetero
 from tests.test_cost import toy_meta
 
@@ -298,3 +301,118 @@ def test_out_of_time_bounding_keeps_options_by_estimate_and_claims_no_proof():
     assert options[0].time_s == table.estimate(key) > 0 and table.peaks
     out = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=0.001), train, float("inf"))
     assert not out["proven"] and "not proven" in out["note"]
+
+
+def _anchored_case():
+    """A fast node of 2 and two slow nodes of 2, 6 layers, a batch of 12, and a single template on the
+    fast node alone (dp 2): the slow nodes idle."""
+    meta = toy_meta(n_layer=6)
+    meta.model_type = "llama"   # no one-tp rule
+    cluster = preset([dict(count=1, device="fast", devices_per_node=2, memory_gb=8, tflops=4, intra_node_GBps=100),
+                      dict(count=2, device="slow", devices_per_node=2, memory_gb=8, tflops=2, intra_node_GBps=50)])
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=12))
+    cfg = dict(asdict(ExactPlannerConfig()), microbatch_sizes=[1, 2], hetero_share_steps=6)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    fast = tuple(d.rank for d in cluster.devices if d.name == "fast")
+    layout = Layout(spans=((0, 6),), groups=(fast,), tp=1, dp=2, microbatch_size=2, num_microbatches=3,
+                    schedule="1f1b")
+    return meta, cluster, train, cfg, sim, Scored(layout, sim.evaluate(layout))
+
+
+def test_anchored_sub_space_matches_brute_force():
+    """The single template's replicas plus replicas on the nodes it leaves idle: search_hetero's result
+    is the best of the by-type sub-space and this one, each checked by enumerating every selection."""
+    meta, cluster, train, cfg, sim, single = _anchored_case()
+    out = search_hetero(sim, meta, cluster, cfg, train, float("inf"), single=single)
+    assert out["proven"] and out["anchored"]["ran"] and out["anchored"]["idle_nodes"] == 2
+    assert "single-template optimum's template" in out["sub_space"]
+    by_type, _ = brute_force(meta, cluster, cfg, dict(TRAIN, global_batch_size=12), steps=6)
+    # the anchored sub-space by enumeration
+    anchors = AnchorTemplates(sim, single.layout)
+    idle = HeteroSpace(cluster, 2, nodes=idle_nodes(cluster, single.layout, 2))
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({2: HeteroSpace(cluster, 2)})
+    grid = row_grid(12, 6)
+    extra = [[None]]
+    for t in idle.types:
+        extra.append([None] + [(t, shape, k, rows) for shape in idle.replica_shapes(t)
+                               for k in idle.shape_counts(t, shape) for rows in grid
+                               if table.exact((2, t, shape, rows, TP_ANY))[1] is not None])
+    anchored = float("inf")
+    for rows in grid:
+        found = anchors.best(rows, float("inf")) if 2 * rows <= 12 else None
+        if found is None:
+            continue
+        _, b, rc = found
+        mine = [Replica("anchor", anchors.layout(g, rows, b, rc)) for g in anchors.slices]
+        for combo in itertools.product(*extra[1:]):
+            chosen = [c for c in combo if c is not None]
+            if 2 * rows + sum(k * r for _, _, k, r in chosen) != 12:
+                continue
+            replicas = mine + [Replica(t, place(table.exact((2, t, shape, r, TP_ANY))[1], idle.shape_devices(t, shape, i)))
+                               for t, shape, k, r in chosen for i in range(k)]
+            _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim)
+            if predicted["feasible"]:
+                anchored = min(anchored, predicted["step_time_s"])
+    assert anchored < float("inf")
+    assert out["predicted"]["step_time_s"] == pytest.approx(min(by_type, anchored), rel=1e-9)
+    # the anchored plan's replicas never share a device with each other
+    devices = [d for r in out["replicas"] for d in r.devices]
+    assert len(devices) == len(set(devices))
+
+
+def test_anchored_plan_keeps_the_single_templates_stages_and_validates():
+    meta, cluster, train, cfg, sim, single = _anchored_case()
+    # only the anchored sub-space: the by-type one cannot beat an incumbent of 0
+    from hrlplan.search.hetero_anchor import search_anchored
+    from hrlplan.search.hetero_exact import ShareSearch
+    spaces = {2: HeteroSpace(cluster, 2)}
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind(spaces)
+    search = ShareSearch(sim, meta, cluster, "1f1b", 12, spaces, table, float("inf"), 100, "t", float("inf"))
+    info = search_anchored(search, single, 6, [TP_ANY])
+    assert info["info"]["ran"] and info["sub_space"] and search.best is not None
+    plan, predicted, replicas = search.best
+    validate(plan)
+    fast = {d.rank for d in cluster.devices if d.name == "fast"}
+    anchor = [r for r in replicas if r.device_type.startswith("single-template")]
+    assert len(anchor) == 2 and {d for r in anchor for d in r.devices} == fast
+    assert all(r.layout.spans == single.layout.spans for r in anchor)
+    assert any(set(r.devices) - fast for r in replicas)   # the idle nodes train too
+    assert sum(p.batch_size for p in plan.pipelines) == 12
+
+
+def test_anchor_refused_where_no_node_is_idle_or_blocks_differ_in_tp():
+    from hrlplan.search.hetero_anchor import search_anchored, why_no_anchor
+    meta, cluster, train, cfg, sim, _ = _anchored_case()
+    every = tuple(d.rank for d in cluster.devices)
+    layout = Layout(spans=((0, 6),), groups=(every,), tp=1, dp=6, microbatch_size=2, num_microbatches=1,
+                    schedule="1f1b")
+    from hrlplan.search.hetero_exact import ShareSearch
+    spaces = {2: HeteroSpace(cluster, 2)}
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind(spaces)
+    search = ShareSearch(sim, meta, cluster, "1f1b", 12, spaces, table, float("inf"), 100, "t", float("inf"))
+    out = search_anchored(search, Scored(layout, sim.evaluate(layout)), 4, [TP_ANY])
+    assert not out["info"]["ran"] and "no whole node idle" in out["info"]["why"] and out["sub_space"] == ""
+    mixed = Layout(spans=((0, 3), (3, 6)), groups=((0, 1), (2,)), tp=2, dp=1, microbatch_size=1,
+                   num_microbatches=2, schedule="1f1b", stage_tp=(2, 1))
+    assert "different tp" in why_no_anchor(meta, mixed, one_tp=True)
+    assert why_no_anchor(meta, mixed, one_tp=False) == ""
+
+
+def test_receive_buffers_cut_is_rigorous():
+    """A pp > 1 replica whose rows' receive buffers exceed its devices' memory is out of the bound
+    (no split tables), and the simulator agrees that such a split is over memory."""
+    meta, cluster, train, cfg, sim, _ = _anchored_case()
+    meta.seq_len, meta.hidden_size = 4096, 8192   # 128 MiB per row at fp32: 64 rows exceed 0.9 x 8 GB
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({2: HeteroSpace(cluster, 2)})
+    key = (2, "slow", Shape(2, 1), 64, TP_ANY)
+    rs = table._space(key)
+    configs = [c for c in rs.configs() if c.pp > 1]
+    assert configs and not any(table.buffers_may_fit(key, c) for c in configs)
+    for c in configs:
+        assert not sim.evaluate(rs.layout(c, [(0, 3), (3, 6)])).feasible
+    small = (2, "slow", Shape(2, 1), 2, TP_ANY)
+    assert all(table.buffers_may_fit(small, c) for c in table._space(small).configs())

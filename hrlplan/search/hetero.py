@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -99,6 +100,18 @@ class TimedSimulator:
         return result
 
 
+# The single-template search's result per simulator (search_exact_until on a whole-cluster space):
+# the replica search anchors replica plans on its optimum (hetero_anchor.py) where make_plan does
+# not hand it over itself.
+_SINGLE_TEMPLATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def single_template_of(sim) -> Optional[Scored]:
+    """The best single-template layout search_exact_until found with this simulator, or None."""
+    tracker = _SINGLE_TEMPLATE.get(sim)
+    return tracker.best if tracker is not None else None
+
+
 def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_key: str) -> Dict[str, Any]:
     """search_exact stopped at `deadline` (a 1024-GPU template search runs to its 20k simulations at
     ~0.1 s each): then the best layout simulated so far, not proven, the note naming `budget_key`."""
@@ -107,14 +120,17 @@ def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_
     own = space.sim
     space.sim = timed
     try:
-        return search_exact(timed, space, cfg)
+        out = search_exact(timed, space, cfg)
     except OutOfTime:
-        return {"tracker": timed.tracker, "evaluations": sim.evaluations, "proven_optimal": False,
-                "out_of_time": True, "time_s": time.perf_counter() - t0,
-                "note": f"gave up at {budget_key}; the best of the {len(timed.tracker.history)} feasible layouts "
-                        "simulated, not proven optimal"}
+        out = {"tracker": timed.tracker, "evaluations": sim.evaluations, "proven_optimal": False,
+               "out_of_time": True, "time_s": time.perf_counter() - t0,
+               "note": f"gave up at {budget_key}; the best of the {len(timed.tracker.history)} feasible layouts "
+                       "simulated, not proven optimal"}
     finally:
         space.sim = own
+    if not isinstance(space, ReplicaSpace):
+        _SINGLE_TEMPLATE[sim] = out["tracker"]
+    return out
 
 
 @dataclass(frozen=True, order=True)
@@ -139,12 +155,14 @@ class Shape:
 class HeteroSpace:
     """Device types, their launchable nodes under one nproc-per-node, and the replica shapes."""
 
-    def __init__(self, cluster, nproc: int, max_node_multiples: int = 12):
+    def __init__(self, cluster, nproc: int, max_node_multiples: int = 12, nodes: Optional[Sequence[int]] = None):
+        """`nodes`: only these nodes (the ones a single template leaves idle: hetero_anchor.py)."""
         self.cluster, self.nproc = cluster, nproc
         by_node: Dict[int, List[int]] = {}
         for d in sorted(cluster.devices, key=lambda d: (d.node, d.local_rank)):
             by_node.setdefault(d.node, []).append(d.rank)
-        self.node_devices = {n: ds[:nproc] for n, ds in by_node.items() if len(ds) >= nproc}
+        self.node_devices = {n: ds[:nproc] for n, ds in by_node.items()
+                             if len(ds) >= nproc and (nodes is None or n in set(nodes))}
         self.type_nodes: Dict[str, List[int]] = {}
         for n in sorted(self.node_devices):
             self.type_nodes.setdefault(cluster.devices[self.node_devices[n][0]].name, []).append(n)
@@ -267,7 +285,7 @@ def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_m
     for r in replicas:
         lay = r.layout
         last = len(lay.spans) - 1
-        stages = [{"layers": list(span), "ranks": [rank_of[d] for d in lay.groups[k]], "tp": lay.tp, "dp": 1,
+        stages = [{"layers": list(span), "ranks": [rank_of[d] for d in lay.groups[k]], "tp": lay.tp_of(k), "dp": 1,
                    "embedding": k == 0, "head": k == last, "recompute": lay.recompute_of(k)}
                   for k, span in enumerate(lay.spans)]
         pipelines.append({"stages": stages, "num_microbatches": lay.num_microbatches, "batch_size": r.rows})

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.search.common import Scored
@@ -50,6 +50,9 @@ class Option:
     tp: int         # TP_ANY unless the model needs one tp across replicas
     time_s: float   # a lower bound on the replica's own step time at its best template
     nproc: int
+    # the replicas' own layouts where they are placed already (the single template's slices:
+    # hetero_anchor.py); empty: `count` replicas of the table's template for `key`
+    layouts: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -120,6 +123,8 @@ class TemplateTable:
         best = float("inf")
         rs = self._space(key)
         for c in rs.configs():
+            if not self.buffers_may_fit(key, c):
+                continue
             # A split's memory only grows with the micro-batch count (receive buffers, activations in
             # flight), so the bottleneck at min(m, pp) micro-batches bounds the one at m from below:
             # tables shared by every row count with the same micro-batch size.
@@ -140,6 +145,24 @@ class TemplateTable:
         devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
         capacity = sum(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices)
         return STATE_BYTES_PER_PARAM * float(self.meta.total_params) <= capacity
+
+    def buffers_may_fit(self, key, c) -> bool:
+        """False when a configuration of pp > 1 stages cannot hold torch pipelining's receive buffers
+        (cost/memory.receive_buffer_bytes: one message per micro-batch, kept from step to step, the
+        full activation on each tp rank -- replicas have no sequence parallelism), whatever its split
+        and micro-batch size: a last stage's rank holds one message per row of the replica (a middle
+        stage's two), and the replica's devices together hold 16 B per parameter plus two per row
+        and stage boundary. Rows, not micro-batches, set them: the bound's shared split tables, probed
+        at a few micro-batches, do not see them."""
+        if c.pp == 1 or not self.sim.opts.receive_buffers:
+            return True
+        nproc, device_type, shape, rows, _ = key
+        devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
+        limits = [self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices]
+        row = rows * self.sim.costs.activation_message(1)
+        if max(limits) < row * (2 if c.pp > 2 else 1):
+            return False
+        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) + 2 * (c.pp - 1) * row <= sum(limits)
 
     def estimate(self, key) -> float:
         """Past the bounding deadline, in place of a bound: the replica's rows at its devices' summed
@@ -260,7 +283,8 @@ def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: in
 class ShareProgram:
     """The integer program over options: one per type at most, rows summing to B, min max T."""
 
-    def __init__(self, options: List[Option], global_batch: int, incumbent: float):
+    def __init__(self, options: List[Option], global_batch: int, incumbent: float, required: Tuple[str, ...] = ()):
+        """`required`: device types (option groups) of which one option must be chosen."""
         import highspy
         self.options = options
         h = quiet_highs()   # no banner on the console
@@ -284,8 +308,8 @@ class ShareProgram:
             self.by_key.setdefault(o.key, []).append(i)
             self.time_row.append(h.getNumRow())
             h.addRow(0.0, inf, 2, [i, z], [-o.time_s, 1.0])           # z >= T_i x_i
-        for idx in by_type.values():
-            h.addRow(0.0, 1.0, len(idx), idx, [1.0] * len(idx))
+        for t, idx in by_type.items():
+            h.addRow(1.0 if t in required else 0.0, 1.0, len(idx), idx, [1.0] * len(idx))
         h.addRow(global_batch, global_batch, n, list(range(n)), [float(o.count * o.rows) for o in options])
         if len(by_tp) > 1:   # one tp degree across replicas: y_tp selects it, x_i <= y_tp(i)
             first = h.getNumCol()
@@ -330,6 +354,9 @@ class ShareProgram:
 def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: TemplateTable) -> List[Replica]:
     out = []
     for o in options:
+        if o.layouts:
+            out.extend(Replica(o.device_type, lay) for lay in o.layouts)
+            continue
         space = spaces[o.nproc]
         _, layout = table.table[o.key]
         for k in range(o.count):
@@ -366,21 +393,79 @@ def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
             "; each template the exact planner's optimum for its replica")
 
 
+@dataclass
+class ShareSearch:
+    """What the share loops of one replica search share: the model, the budget, the best plan so far
+    (`best_s` starts at the incumbent) and the rounds spent."""
+    sim: Any
+    meta: Any
+    cluster: Any
+    schedule: str
+    global_batch: int
+    spaces: Dict[int, HeteroSpace]
+    table: TemplateTable
+    deadline: float
+    max_rounds: int
+    time_limit: str   # what the deadline is, as a note names it
+    best_s: float
+    best: Optional[tuple] = None
+    rounds: int = 0
+
+    def assess(self, options: List[Option], required: Tuple[str, ...] = (),
+               placement: Optional[Dict[int, HeteroSpace]] = None) -> str:
+        """The integer program's loop over `options`: solve, replace the chosen options' bounds by
+        their exact templates' times, assemble and predict every selection whose templates are
+        known, cut off the assessed ones; until the bound reaches the best plan (a proof over the
+        options) or the rounds or time run out: then what ran out, else ''. `placement`: the spaces
+        whose nodes the replicas go on (default: the whole cluster's)."""
+        program = ShareProgram(options, self.global_batch, self.best_s, required)
+        assessed = set()
+        while True:
+            if self.rounds >= self.max_rounds:
+                return f"planner.hetero_max_rounds={self.max_rounds}"
+            if time.perf_counter() > self.deadline:
+                return self.time_limit
+            solution = program.solve()
+            if solution is None:
+                return ""
+            bound, chosen = solution
+            if bound >= self.best_s:
+                return ""
+            unrefined = {options[i].key for i in chosen} - set(self.table.table)
+            for key in unrefined:   # bounds in the solution: replace them by the exact templates' times
+                program.set_time(key, self.table.exact(key)[0])
+            selection = tuple(chosen)
+            if selection not in assessed and all(self.table.table[options[i].key][1] is not None for i in chosen):
+                # every selection whose templates are known is a plan: assess it at once, so that a
+                # good incumbent exists early even where the budget ends the proof
+                assessed.add(selection)
+                self.rounds += 1
+                replicas = replicas_of([options[i] for i in chosen], placement or self.spaces, self.table)
+                plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim)
+                if predicted["feasible"] and predicted["step_time_s"] < self.best_s:
+                    self.best_s, self.best = predicted["step_time_s"], (plan, predicted, replicas)
+                    program.h.changeColBounds(program.z, 0.0, self.best_s)
+            if not unrefined:   # the bound was exact for this selection: it is assessed, cut it off
+                program.cut(chosen)
+
+
 def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float,
-                  started: Optional[float] = None) -> Dict[str, Any]:
+                  started: Optional[float] = None, single=None) -> Dict[str, Any]:
     """The best plan of the sub-space that beats `incumbent_s` (the single-template optimum; inf if
     none fits), or none; with what was proven. Returns {plan, predicted, replicas, proven, note, ...}.
     planner.hetero_time_s bounds the planning time from `started` (default: now), the search
-    included; beyond it the result is the best found and says it is not proven."""
+    included; beyond it the result is the best found and says it is not proven. `single`: the
+    single-template optimum (a Scored; default: what search_exact_until found with `sim`), whose
+    replicas anchor the second sub-space (hetero_anchor.py)."""
+    from hrlplan.search.hetero_anchor import search_anchored   # it builds on this module's program
+
     t0 = time.perf_counter()
     whole = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S))
     # what the single-template search left, but never under a quarter of it (that search alone may
     # take most of the budget on large clusters: the replica search still gets its turn)
     budget_s = max(whole - (t0 - (started or t0)), whole / 4)
     steps = int(planner_cfg.get("hetero_share_steps", DEFAULT_SHARE_STEPS))
-    max_rounds = int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS))
     global_batch = int(train_cfg.global_batch_size)
-    schedule = str(train_cfg.schedule)
     # bounding every option gets half the budget (what is left then goes to templates and plans), so
     # that a large instance still assembles plans from the options bounded so far
     table = TemplateTable(sim, meta, cluster, planner_cfg, train_cfg, t0 + budget_s / 2)
@@ -389,58 +474,32 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
         if same_tp_required(meta) else [TP_ANY]
     spaces = {n: HeteroSpace(cluster, n) for n in nproc_candidates(cluster)}
     table.bind(spaces)
-    best_s, best = incumbent_s, None
-    rounds = n_options = 0
-    gave_up = ""
-    lower_bound = float("inf")
+    limit = f"planner.hetero_time_s={planner_cfg.get('hetero_time_s', DEFAULT_TIME_S)} s"
+    search = ShareSearch(sim, meta, cluster, str(train_cfg.schedule), global_batch, spaces, table, t0 + budget_s,
+                         int(planner_cfg.get("hetero_max_rounds", DEFAULT_MAX_ROUNDS)), limit, incumbent_s)
+    # first the replicas of the single template plus replicas on the devices it leaves idle: a plan
+    # from few template searches, where the by-type sub-space may not assemble one in time
+    anchored = search_anchored(search, single, steps, tps)
+    n_options, gave_up = anchored["options"], anchored["gave_up"]
     for nproc, space in spaces.items():
         options = enumerate_options(table, space, global_batch, steps, tps)
         n_options += len(options)
         if table.out_of_time:
-            gave_up = (f"planner.hetero_time_s={planner_cfg.get('hetero_time_s', DEFAULT_TIME_S)} s ran out while the "
-                       "replica templates were bounded")
-        if not options:
-            continue
-        program = ShareProgram(options, global_batch, best_s)
-        assessed = set()
-        while True:
-            if rounds >= max_rounds or time.perf_counter() > t0 + budget_s:
-                limit = planner_cfg.get("hetero_time_s", DEFAULT_TIME_S)
-                gave_up = gave_up or (f"planner.hetero_max_rounds={max_rounds}" if rounds >= max_rounds
-                                      else f"planner.hetero_time_s={limit} s")
-                break
-            solution = program.solve()
-            if solution is None:
-                break
-            bound, chosen = solution
-            if bound >= best_s:
-                break
-            unrefined = {options[i].key for i in chosen} - set(table.table)
-            for key in unrefined:   # bounds in the solution: replace them by the exact templates' times
-                program.set_time(key, table.exact(key)[0])
-            selection = tuple(chosen)
-            if selection not in assessed and all(table.table[options[i].key][1] is not None for i in chosen):
-                # every selection whose templates are known is a plan: assess it at once, so that a
-                # good incumbent exists early even where the budget ends the proof
-                assessed.add(selection)
-                rounds += 1
-                replicas = replicas_of([options[i] for i in chosen], spaces, table)
-                plan, predicted = hetero_plan(meta, cluster, replicas, schedule, {}, sim=sim)
-                if predicted["feasible"] and predicted["step_time_s"] < best_s:
-                    best_s, best = predicted["step_time_s"], (plan, predicted, replicas)
-                    program.h.changeColBounds(program.z, 0.0, best_s)
-            if not unrefined:   # the bound was exact for this selection: it is assessed, cut it off
-                program.cut(chosen)
-        lower_bound = min(lower_bound, best_s)
+            gave_up = gave_up or f"{limit} ran out while the replica templates were bounded"
+        if options:
+            gave_up = search.assess(options) or gave_up
     proven = not gave_up and table.unproven == 0
     sub_space = describe_sub_space(row_grid(global_batch, steps), sorted(spaces), tps != [TP_ANY])
+    if anchored["sub_space"]:
+        sub_space = f"{sub_space}; and {anchored['sub_space']}"
     note = (f"optimal under the simulator over the sub-space: {sub_space}" if proven else
             f"gave up ({gave_up or 'a replica template search ran out of budget'}); best of what was searched in "
             f"the sub-space {sub_space}, not proven")
     if n_options == 0:
         note += "; " + what_did_not_fit(table, spaces, global_batch)
+    best = search.best
     return {"plan": best and best[0], "predicted": best and best[1], "replicas": best and best[2],
-            "proven": proven, "note": note, "sub_space": sub_space, "rounds": rounds,
+            "proven": proven, "note": note, "sub_space": sub_space, "rounds": search.rounds,
             "template_searches": table.searches, "options": n_options, "time_s": time.perf_counter() - t0,
-            "out_of_time": table.out_of_time or "hetero_time_s" in gave_up,
+            "out_of_time": table.out_of_time or "hetero_time_s" in gave_up, "anchored": anchored["info"],
             "nproc_per_node": sorted(spaces)}
