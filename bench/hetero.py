@@ -8,8 +8,8 @@ HSPMD's uneven 24 H20 + 15 H800 (nodes of 8, 8, 8, 8, 7), and generated mixed cl
 types, uneven node counts, nodes of 4 or 8, 16-1024 GPUs) with GPT-2 / Llama models.
 Columns: planned = make_plan exact with planner.heterogeneous=true (never slower than single: the
 single template is a candidate), single = heterogeneous=false, 1-type = the best single-template
-plan on one device type's nodes alone, replica = the best plan of the replica sub-space (proven
-where 'proof' says so) and what it lost on against the single template where it lost; random / SA / SH =
+plan on one device type's nodes alone, replica = the best plan of the replica sub-spaces (by type, and
+the single template's own replicas plus replicas on the nodes it leaves idle; proven where 'proof' says so) and what it lost on against the single template where it lost; random / SA / SH =
 random search, simulated annealing and successive halving over the replica space at the planner's
 simulator calls.
 Times are the simulator's predicted step times.
@@ -90,10 +90,12 @@ def generated(seed: int) -> tuple:
     return str(arch), cfg, gbs
 
 
-def planned_by(plan) -> str:
+def planned_by(plan, info) -> str:
     if not plan.heterogeneous:
         return "single template"
-    return "learned replica policy" if "learned replica policy" in plan.meta["planner"].get("note", "") \
+    if "learned replica policy" in plan.meta["planner"].get("note", ""):
+        return "learned replica policy"
+    return "exact, anchored on the single template" if "single-template" in info["chosen"]["summary"] \
         else "exact sub-space"
 
 
@@ -145,7 +147,7 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     row.update(planned_s=plan.meta["predicted"]["step_time_s"], planned_kind="replicas" if plan.heterogeneous else
                "single template", planned_layout=plan.layout()[:300], proof=hetero["proven"],
                template_searches=hetero["template_searches"], rounds=hetero["rounds"], hetero_time_s=hetero["time_s"],
-               learned=hetero.get("learned_replicas"), planned_by=planned_by(plan),
+               learned=hetero.get("learned_replicas"), planned_by=planned_by(plan, info), hetero_note=hetero["note"][-400:],
                evaluations=info["planner"]["evaluations"] - evaluations0)
     if plan.heterogeneous:
         row.update(replica_s=row["planned_s"], replica_summary=info["chosen"]["summary"],
@@ -155,8 +157,16 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
         row.update(replica_s=best["step_time_s"], replica_summary=best["summary"], lost_on=best["lost_mostly_on"],
                    lost_on_s=best["lost_on_s"])
     else:
-        row.update(replica_s=math.inf, lost_on="time budget (no replica plan assembled)" if hetero.get("out_of_time")
-                   else "memory (no replica of the sub-space fits)")
+        tail = hetero["note"].split("anchored on")[-1]
+        anchored_none = "anchored on" in hetero["note"] and "no faster plan" in tail and "cut short" not in tail
+        memory = ("memory (no plan fits at dp 1: unsharded state, receive buffers without sequence parallelism)"
+                  if anchored_none else "")
+        if hetero.get("out_of_time"):
+            lost = (f"{memory} in the anchored sub-space; time budget in the by-type one" if memory
+                    else "time budget (no replica plan assembled)")
+        else:
+            lost = memory or "memory (no replica of the sub-spaces fits)"
+        row.update(replica_s=math.inf, lost_on=lost)
     row["single_proven"] = bool(info["planner"].get("proven_optimal")) if not plan.heterogeneous else None
     if not row["single_proven"]:
         # the planner's single template had half its time: a longer search for the reference column
@@ -251,7 +261,7 @@ def lost_text(r: dict) -> str:
         return str(r["lost_on"])
     if str(r["lost_on"]).startswith("nothing"):   # none of the five parts: the optimizer or the step's collectives
         return (f"the rest of the step {(r['replica_s'] - r['single_s']) * 1e3:+.3g} ms (no more sync, bubble, compute, "
-                "p2p or tp)")
+                "p2p or tp: the optimizer step, unsharded in each replica where FSDP shards it, or the step's collectives)")
     key = f"{r['lost_on']}_s"
     out = f"{r['lost_on']} {parts.get(key, 0.0) * 1e3:+.3g} ms"
     tied = r.get("single_tied_reduce_uncharged_s") or 0.0

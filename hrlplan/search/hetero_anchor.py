@@ -189,3 +189,13 @@ def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> 
             "gave_up": gave_up}
     return {"options": len(options), "gave_up": gave_up, "info": info,
             "sub_space": describe_anchored(layout, len(anchors.slices), len(idle), nproc, grid)}
+
+
+def anchored_note(info: Dict[str, Any]) -> str:
+    """plan_info's word on the anchored sub-space: why it did not run, or what it found."""
+    if not info["ran"]:
+        return f"no anchored sub-space ({info['why']})"
+    found = "a faster plan" if info["improved"] else "no faster plan"
+    cut = f", cut short at {info['gave_up']}" if info["gave_up"] else ""
+    return (f"anchored on the single template's {info['slices']} slices and {info['idle_nodes']} idle nodes: "
+            f"{info['anchor_options']} of its row counts fit at dp 1, {found}{cut}")

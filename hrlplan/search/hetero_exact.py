@@ -152,7 +152,7 @@ class TemplateTable:
         full activation on each tp rank -- replicas have no sequence parallelism), whatever its split
         and micro-batch size: a last stage's rank holds one message per row of the replica (a middle
         stage's two), and the replica's devices together hold 16 B per parameter plus two per row
-        and stage boundary. Rows, not micro-batches, set them: the bound's shared split tables, probed
+        and stage boundary and tp rank. Rows, not micro-batches, set them: the bound's shared split tables, probed
         at a few micro-batches, do not see them."""
         if c.pp == 1 or not self.sim.opts.receive_buffers:
             return True
@@ -162,7 +162,8 @@ class TemplateTable:
         row = rows * self.sim.costs.activation_message(1)
         if max(limits) < row * (2 if c.pp > 2 else 1):
             return False
-        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) + 2 * (c.pp - 1) * row <= sum(limits)
+        # every stage holds c.tp ranks (the replica space's layouts keep one tp), each with full messages
+        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) + 2 * (c.pp - 1) * c.tp * row <= sum(limits)
 
     def estimate(self, key) -> float:
         """Past the bounding deadline, in place of a bound: the replica's rows at its devices' summed
@@ -457,7 +458,7 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
     included; beyond it the result is the best found and says it is not proven. `single`: the
     single-template optimum (a Scored; default: what search_exact_until found with `sim`), whose
     replicas anchor the second sub-space (hetero_anchor.py)."""
-    from hrlplan.search.hetero_anchor import search_anchored   # it builds on this module's program
+    from hrlplan.search.hetero_anchor import anchored_note, search_anchored   # they build on this module
 
     t0 = time.perf_counter()
     whole = float(planner_cfg.get("hetero_time_s", DEFAULT_TIME_S))
@@ -497,6 +498,7 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
             f"the sub-space {sub_space}, not proven")
     if n_options == 0:
         note += "; " + what_did_not_fit(table, spaces, global_batch)
+    note += "; " + anchored_note(anchored["info"])
     best = search.best
     return {"plan": best and best[0], "predicted": best and best[1], "replicas": best and best[2],
             "proven": proven, "note": note, "sub_space": sub_space, "rounds": search.rounds,
