@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -90,11 +90,24 @@ def same_layout(a, b) -> bool:
     return key(a) == key(b)
 
 
+def gloo_thread_cpu_s() -> float:
+    """CPU seconds so far of this process's gloo transport threads (gloo_tcp_loop; /proc schedstat, ns):
+    a pipeline's sends and receives cost the quota there, beside the main thread's work."""
+    total = 0
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            if (task / "comm").read_text().strip().startswith("gloo"):
+                total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
 def _cpu_metered_worker(config, plan_yaml: str, metrics_file: bool):
     """launch/local_run's worker, each rank also writing to cpu-rank<r>.json the CPU time (all its
     threads, user + system: what a quota meters, loopback copies included) of every training step
     and of its parts: the schedule (forward_backward; of it, the recorded forwards and backwards),
-    gradient sync and clipping, the optimizer steps."""
+    gradient sync and clipping, the optimizer steps; and of it, gloo's transport threads'."""
     from hrlplan.launch.local_run import _worker
     from hrlplan.runtime.trainer import PipelineTrainer
 
@@ -118,9 +131,10 @@ def _cpu_metered_worker(config, plan_yaml: str, metrics_file: bool):
             for opt in self.optimizers.values():
                 opt.step = metered(opt.step, "optimizer")
         steps.append({})
-        c0 = time.process_time()
+        c0, g0 = time.process_time(), gloo_thread_cpu_s()
         out = plain(self, batch, step)
         steps[-1]["step"] = time.process_time() - c0
+        steps[-1]["gloo_threads"] = gloo_thread_cpu_s() - g0
         steps[-1]["actions"] = sum(e.get("cpu_s") or 0.0 for e in self.recorder.events)
         return out
 
@@ -162,11 +176,15 @@ def train_capped(plan, config, shares: List[Optional[float]], run_dir: Path) -> 
                 throttling={used[i]: s for i, s in enumerate(cpu_quota.last_job_throttling) if s})
 
 
-def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, Any],
+                     quota_work: Sequence[Dict[str, Any]] = ()) -> Dict[int, Dict[str, Any]]:
     """Per job rank: the simulator's forward / backward / send of the stage it runs (its device's
     name) beside the median wall and CPU time of the forwards and backwards it ran (the trainer's
     recorded actions, every measured step): where wall exceeds CPU the rank waited inside the action
-    (a quota's throttling, cores shared); where CPU exceeds the prediction the compute is mis-costed."""
+    (a quota's throttling, cores shared); where CPU exceeds the prediction the compute is mis-costed.
+    quota_work: the prediction's breakdown["quota_cpu_work"] (cost/quota_cpu.py), a capped rank's
+    predicted CPU per step (its replica's position: a cross-replica reduce not included), beside the
+    CPU per step it measured."""
     from hrlplan.runtime.timing import action_medians
 
     events = (summary.get("measured") or {}).get("events") or []
@@ -177,6 +195,9 @@ def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, 
             out[rank] = {"device": st["device_type"], "layers": st["layers"], "predicted_fwd_ms": st["fwd_s"] * 1e3,
                          "predicted_bwd_ms": st["bwd_s"] * 1e3, "predicted_send_ms": st["send_s"] * 1e3,
                          "predicted_busy_ms": st["busy_s"] * 1e3}
+    for entry in quota_work:
+        for rank in entry["devices"]:
+            out.setdefault(rank, {})["predicted_cpu_per_step_ms"] = entry["work_s"] * 1e3
     for trained_rank, job_rank in enumerate(used):
         mine = [dict(e, stage=0) for e in events if e.get("rank") == trained_rank]
         wall, cpu = action_medians(mine).get(0, {}), action_medians(mine, cpu=True).get(0, {})
@@ -207,7 +228,9 @@ def action_lines(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
                    f"{ms(row, 'measured_F_wall_ms')} cpu {ms(row, 'measured_F_cpu_ms')} | B pred "
                    f"{ms(row, 'predicted_bwd_ms')} wall {ms(row, 'measured_B_wall_ms')} cpu "
                    f"{ms(row, 'measured_B_cpu_ms')} | send {ms(row, 'predicted_send_ms')} | CPU per step "
-                   f"{ms(row, 'measured_cpu_per_step_ms')}{throttled}")
+                   f"{ms(row, 'measured_cpu_per_step_ms')}"
+                   + (f" (pred {ms(row, 'predicted_cpu_per_step_ms')})" if "predicted_cpu_per_step_ms" in row else "")
+                   + throttled)
         parts = row.get("measured_cpu_per_step_parts_ms")
         if parts:
             out.append(" " * 36 + "CPU per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())))
@@ -290,7 +313,8 @@ def main() -> None:
                 continue
             times = [h["train/step_time_s"] for h in summary["history"]]
             step = mean_step_time(times)
-            actions = per_rank_actions(prediction["stages"], summary)
+            actions = per_rank_actions(prediction["stages"], summary,
+                                       prediction.get("breakdown", {}).get("quota_cpu_work") or ())
             runs.setdefault(name, []).append({"measured_s": step, "median_step_s": median_step_time(times),
                                               "predicted_s": predicted, "load": os.getloadavg()[0],
                                               "step_times_s": times, "ranks": actions})

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -62,18 +63,18 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
     torch.manual_seed(1)
     x = torch.randn(m * microbatch_size, seq_len, hidden, device=device)
     target = torch.zeros(m * microbatch_size, device=device)
-    spans, fwd, bwd, steps, tied_t, small_t = [], [], [], [], [], []
+    spans, fwd, bwd, steps, tied_t, small_t, beyond = [], [], [], [], [], [], []
     tied, small = torch.zeros(max(tied_numel, 1), device=device), torch.zeros(1, device=device)
     for i in range(repeats + 2):   # two warm-up steps: shape inference, buffers, connections
         block.zero_grad(set_to_none=True)
         dist.barrier(group=pair_group)
         recorder.begin()
-        t0 = now(device)
+        t0, c0 = now(device), time.process_time()
         if me == 0:
             sched.step(x)
         else:
             sched.step(target=target, losses=[])
-        t1 = now(device)
+        t1, c1 = now(device), time.process_time()
         if tied_numel:
             dist.all_reduce(tied, group=pair_group)
         t2 = now(device)
@@ -83,6 +84,8 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
         if i >= 2 and recorder.events:
             tied_t.append(t2 - t1)
             small_t.append((t3 - t2) / 2)
+            if device.type == "cpu":
+                beyond.append(cpu_beyond_actions(c1 - c0, recorder.events) / m)
             ev = recorder.events
             spans.append(max(e["end_s"] for e in ev) - min(e["start_s"] for e in ev))
             fwd += [e["end_s"] - e["start_s"] for e in ev if e["kind"] == "F"]
@@ -92,9 +95,16 @@ def measure_pipeline_hop(arch: Dict[str, Any], seq_len: int, device: torch.devic
     dist.barrier(group=pair_group)
     return {"stage": me, "schedule": schedule, "m": m, "microbatch_size": microbatch_size, "n_blocks": n_blocks,
             "fwd_all": fwd, "bwd_all": bwd, "spans_s": spans, "steps_all": steps, "tail_all": small_t,
-            "tail_tied_all": tied_t if tied_numel else None,
+            "tail_tied_all": tied_t if tied_numel else None, "cpu_beyond_actions_per_microbatch_all": beyond,
             "events": [(e["kind"], e["microbatch"], round(e["start_s"] * 1e3, 3), round(e["end_s"] * 1e3, 3))
                        for e in last_events]}
+
+
+def cpu_beyond_actions(process_cpu_s: float, events: Sequence[Dict[str, Any]]) -> float:
+    """A pipeline step's process CPU time (every thread: gloo's included, as a CPU quota meters it)
+    beyond its recorded forwards and backwards (their thread CPU time): what torch's schedule, its
+    sends and receives and their waits cost the rank's CPU."""
+    return max(process_cpu_s - sum(e.get("cpu_s") or 0.0 for e in events), 0.0)
 
 
 def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -103,11 +113,14 @@ def pool_hop_passes(passes: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     median of them all."""
     med = statistics.median
     pooled = {k: passes[-1][k] for k in ("stage", "schedule", "m", "microbatch_size", "n_blocks", "events")}
-    raw = {k: [x for p in passes for x in (p[k] or [])] for k in
-           ("fwd_all", "bwd_all", "spans_s", "steps_all", "tail_all", "tail_tied_all")}
+    raw = {k: [x for p in passes for x in (p.get(k) or [])] for k in
+           ("fwd_all", "bwd_all", "spans_s", "steps_all", "tail_all", "tail_tied_all",
+            "cpu_beyond_actions_per_microbatch_all")}
     pooled.update(fwd_s=med(raw["fwd_all"]), bwd_s=med(raw["bwd_all"]), span_s=med(raw["spans_s"]),
                   spans_s=raw["spans_s"], step_s=med(raw["steps_all"]), tail_allreduce_s=med(raw["tail_all"]),
-                  tail_tied_allreduce_s=med(raw["tail_tied_all"]) if raw["tail_tied_all"] else None)
+                  tail_tied_allreduce_s=med(raw["tail_tied_all"]) if raw["tail_tied_all"] else None,
+                  cpu_beyond_actions_per_microbatch_s=(med(raw["cpu_beyond_actions_per_microbatch_all"])
+                                                       if raw["cpu_beyond_actions_per_microbatch_all"] else None))
     return pooled
 
 

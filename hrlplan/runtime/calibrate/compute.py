@@ -41,7 +41,7 @@ from hrlplan.schedules import DEFAULT
 
 
 def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int], device: torch.device,
-                  repeats: int = REPEATS) -> List[Dict[str, float]]:
+                  repeats: int = REPEATS, cpu_clock: bool = False) -> List[Dict[str, float]]:
     """Median forward and backward time of one block per micro-batch size, and each repeat's
     forward + backward (samples_s: their spread says how steady the machine was).
 
@@ -52,9 +52,11 @@ def measure_block(arch: Dict[str, Any], seq_len: int, microbatch_sizes: List[int
     [1, 1/3, 1/3], load 1-14: the capped ranks' forwards and backwards in training took their CPU
     time in wall time too, 1.3-1.8 ms, the uncapped rank's figure; the same block in calibration,
     every rank busy at once, read 1-4x that in wall time, and scaled to the rate over several CFS
-    periods (the old figure) it costed them 2.8x and the pp3 layouts 1.3-1.6x their step."""
+    periods (the old figure) it costed them 2.8x and the pp3 layouts 1.3-1.6x their step.
+    cpu_clock: in CPU time wherever it can be (a CPU worker on one intra-op thread), capped or not."""
     block, hidden = block_stage(arch, device)
-    timer = quota_timer(device) or (lambda blk, x: timed_forward_backward(blk, x, device))
+    timer = quota_timer(device) or (cpu_clock and single_thread_cpu(device) and cpu_timed_forward_backward) \
+        or (lambda blk, x: timed_forward_backward(blk, x, device))
     out = []
     for mbs in microbatch_sizes:
         x = torch.randn(mbs, seq_len, hidden, device=device, requires_grad=True)
@@ -77,6 +79,11 @@ def cpu_timed_forward_backward(block: torch.nn.Module, x: torch.Tensor) -> Tuple
     c1 = time.thread_time()
     y.backward(torch.ones_like(y))
     return c1 - c0, time.thread_time() - c1
+
+
+def single_thread_cpu(device: torch.device) -> bool:
+    """A CPU device on one intra-op thread: one thread's CPU time is then all of an operation's."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
 
 
 def quota_timer(device: torch.device):
@@ -335,20 +342,25 @@ def measure_step(config: Config, device: torch.device = torch.device("cpu"),
     data = build_lm_data(config.data, model.config.vocab_size, int(train.seed))
     opt = make_optimizer(stage, train)
     params = [p for p in stage.parameters() if p.requires_grad]
-    times, after = [], []
+    times, after, cpu, cpu_after = [], [], [], []
     for step in range(steps):
         inputs, targets = data.batch(step, int(train.global_batch_size))
         inputs, targets = inputs.to(device), targets.to(device)
         opt.zero_grad(set_to_none=True)
-        t0 = now(device)
+        t0, c0 = now(device), time.process_time()
         causal_lm_loss(stage(inputs), targets).backward()
-        t1 = now(device)
+        t1, c1 = now(device), time.process_time()
         clip_grad_norm(params, float(train.grad_clip or 0.0), None, [])
         opt.step()
-        t2 = now(device)
+        t2, c2 = now(device), time.process_time()
         times.append(t2 - t0)
         after.append(t2 - t1)
-    return {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}
+        cpu.append(c2 - c0)
+        cpu_after.append(c2 - c1)
+    out = {"step_s": median_step_time(times), "optimizer_s": median_step_time(after)}
+    if single_thread_cpu(device):   # the step in CPU time too: what a CPU quota meters (cost/quota_cpu.py)
+        out.update(step_cpu_s=median_step_time(cpu), optimizer_cpu_s=median_step_time(cpu_after))
+    return out
 
 
 def predict_one_process_step(meta, spec, train: TrainConfig) -> Dict[str, float]:

@@ -11,11 +11,13 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hrlplan.cluster import cpu_quota_share
 from hrlplan.config import TrainConfig, section
+from hrlplan.cost.quota_cpu import QUOTA_CPU_KEY
 from hrlplan.cost.plans import options_for_train, predict_any_plan
 from hrlplan.errors import ConfigError
 from hrlplan.measure import sample_summary
-from hrlplan.runtime.calibrate.collectives import fit_allreduce, fit_dp_scaling
+from hrlplan.runtime.calibrate.collectives import fit_allreduce, fit_allreduce_cpu, fit_dp_scaling
 from hrlplan.runtime.calibrate.comm import (HANDSHAKE_LATENCIES, fit_hop_delay, fit_pipeline_compute,
                                             fit_tensor_parallel)
 from hrlplan.runtime.calibrate.compute import (CONTENTION_SLACK, fit_compute, fit_optimizer,
@@ -53,7 +55,46 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
         cal["p2p_latency_s"] = lat
         cal["p2p_handshake_s"] = HANDSHAKE_LATENCIES * lat
         cal["p2p_latency_by_schedule_s"] = {k: med(v) for k, v in by_schedule.items()}
+    quota_cpu = fit_quota_cpu(spec, gathered)
+    if quota_cpu:
+        cal[QUOTA_CPU_KEY] = quota_cpu
     return cal
+
+
+def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """quota_cpu_s (cost/quota_cpu.py) per device name, where a device runs under a CPU quota ({}
+    otherwise): the process CPU time of the real two-stage pipeline beyond its forwards and backwards
+    per micro-batch, and of one all-reduce per group size (a line over the payloads), each the median
+    over that name's ranks. A name none of whose ranks measured one (a rank left out of the pairs)
+    takes the median over the ranks that did: it is CPU time, what the work costs, not how fast the
+    rank gets it done."""
+    if not any(cpu_quota_share(d.name) is not None for d in spec.devices):
+        return {}
+    per_rank = []
+    for rank, measured in enumerate(gathered):
+        hops = [h["cpu_beyond_actions_per_microbatch_s"] for h in (measured.get("pipeline_hop") or {}).values()
+                if h and h.get("cpu_beyond_actions_per_microbatch_s") is not None]
+        per_rank.append({"pipeline": med(hops) if hops else None,
+                         "allreduce": fit_allreduce_cpu(measured.get("allreduce") or {})})
+
+    def pooled(ranks: List[int]) -> Dict[str, Any]:
+        pipeline = [per_rank[r]["pipeline"] for r in ranks if per_rank[r]["pipeline"] is not None]
+        sizes = sorted({f["ranks"] for r in ranks for f in per_rank[r]["allreduce"]})
+        fits = [{"ranks": k, **{key: med(f[key] for r in ranks for f in per_rank[r]["allreduce"] if f["ranks"] == k)
+                                for key in ("cpu_s", "cpu_s_per_byte")}} for k in sizes]
+        out: Dict[str, Any] = {}
+        if pipeline:
+            out["pipeline_per_microbatch"] = med(pipeline)
+        if fits:
+            out["allreduce"] = fits
+        return out
+
+    everyone = pooled(list(range(len(per_rank))))
+    out = {}
+    for name in sorted({d.name for d in spec.devices}):
+        mine = pooled([d.rank for d in spec.devices if d.name == name and d.rank < len(per_rank)])
+        out[name] = {**everyone, **mine}
+    return {name: fig for name, fig in out.items() if fig}
 
 
 def _fit_compute_keys(cal: Dict[str, Any], spec, meta, gathered: List[Dict[str, Any]]) -> None:
@@ -223,6 +264,33 @@ def fit_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig, roun
             hops, alone, seq_len, cal.get("op_overhead_s") or {},
             float((cal.get("contention_factor") or {}).get("compute", 1.0)))
     return measured, predicted, alone
+
+
+def fit_reference_step_cpu(cal: Dict[str, Any], spec, meta, train: TrainConfig, rounds: Sequence[tuple]) -> None:
+    """quota_cpu_s' step_overhead (every device name): the reference step's CPU time beyond what the
+    record predicts for it from the same rounds' blocks timed in CPU time and its clipping + optimizer
+    in CPU time -- the per-step overhead as a CPU quota meters it. The wall-time step_overhead_s carries
+    whatever other processes took of the core while rank 0 ran it: 10 ms instead of 0.7 ms at load 5,
+    which a capped worker's bound then counted as its own CPU. Nothing where the record has no
+    quota_cpu_s or the rounds no CPU times."""
+    usable = [r for r in rounds if len(r) > 2 and r[2] and "step_cpu_s" in r[0]]
+    if QUOTA_CPU_KEY not in cal or not usable:
+        return
+    step_cpu = statistics.median(r[0]["step_cpu_s"] for r in usable)
+    optimizer_cpu = statistics.median(r[0]["optimizer_cpu_s"] for r in usable)
+    blocks = [dict(tokens=b0["tokens"], fwd_s=statistics.median(r[2][i]["fwd_s"] for r in usable),
+                   bwd_s=statistics.median(r[2][i]["bwd_s"] for r in usable)) for i, b0 in enumerate(usable[0][2])]
+    ref = copy.deepcopy(spec)
+    d0 = spec.devices[0]
+    fit0 = fit_compute(blocks, meta.block_flops_fwd_per_token[0] * meta.block_repeats, cal["peak_flops"][d0.name])
+    ref.calibration = dict(cal, compute_efficiency={d0.name: fit0["compute_efficiency"]},
+                           half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]}, contention_factor=None,
+                           step_overhead_s=0.0, backward_forward_ratio=[{"tokens": b["tokens"],
+                                                                         "ratio": b["bwd_s"] / b["fwd_s"]} for b in blocks])
+    predicted = predict_one_process_step(meta, ref, train)
+    compute = predicted["step_time_s"] - predicted["optimizer_s"]
+    overhead = max(step_cpu - optimizer_cpu - compute, 0.0)
+    cal[QUOTA_CPU_KEY] = {name: dict(fig, step_overhead=overhead) for name, fig in cal[QUOTA_CPU_KEY].items()}
 
 
 def predict_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig) -> float:

@@ -23,8 +23,10 @@ from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_p2p, measure_
 from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_compile, measure_contention,
                                                measure_optimizer, measure_pipeline_ops, measure_step,
                                                measure_tp_optimizer, measure_zb_split)
+from hrlplan.cost.quota_cpu import QUOTA_CPU_KEY
 from hrlplan.runtime.calibrate.record import (assess, calibration_samples, fit_calibration, fit_reference_step,
-                                              measurements, predict_reference_step, prediction_check)
+                                              fit_reference_step_cpu, measurements, predict_reference_step,
+                                              prediction_check)
 from hrlplan.runtime.distributed import all_gather_object, broadcast_object, local_device
 
 REFERENCE_ROUNDS = 5        # reference steps, interleaved with block timings: a shared machine's load drifts
@@ -336,8 +338,14 @@ def _fit_record(spec, meta, gathered: List[Dict[str, Any]], p2p, msg: int, step_
     for i in range(REFERENCE_ROUNDS):
         if i:
             progress.check(STAGE_REFERENCE, collective=False)
-        rounds.append((measure_step(step_config, device), measure_block(config.arch, seq, block_sizes, device)))
+        step = measure_step(step_config, device)
+        blocks = measure_block(config.arch, seq, block_sizes, device)
+        # capped workers are bounded by the CPU the step costs: its blocks in CPU time beside it
+        cpu_blocks = measure_block(config.arch, seq, block_sizes, device, cpu_clock=True) \
+            if QUOTA_CPU_KEY in cal and "step_cpu_s" in step else None
+        rounds.append((step, blocks, cpu_blocks))
     measured, predicted, alone = fit_reference_step(cal, spec, meta, train, rounds, gathered, seq)
+    fit_reference_step_cpu(cal, spec, meta, train, rounds)
     cal["measurements"] = measurements(meta, seq, train, gathered, msg, p2p, one_process_step_s=measured,
                                        block_alone=alone, one_process_step_rounds_s=[r[0]["step_s"] for r in rounds],
                                        one_process_step_predicted_without_step_overhead_s=predicted)

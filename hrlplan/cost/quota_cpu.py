@@ -1,0 +1,152 @@
+"""The CPU work per step of a worker under a CPU quota (cluster.cpu_shares: a device named cpu@<share>),
+which bounds its step: such a worker runs each operation at full speed, in a burst, until its
+period's quota is spent, so over a run it can do no more than `share` seconds of CPU per second.
+A step lasts at least its CPU work over its share (the simulator's cpu_quota_bounds; a
+heterogeneous plan's replicas add their cross-replica reduces: cost/plans.py).
+
+The work, all of it in process CPU time (every thread: gloo's too, as the quota meters it):
+- compute: the position's forwards and backwards costed alone (waiting for a core spends no quota);
+- the pipeline's machinery per micro-batch and stage: torch's schedule, its sends and receives and
+  their waits, beyond the forwards and backwards (quota_cpu_s' pipeline_per_microbatch, from the real
+  two-stage pipeline calibration runs: a CPU time, on that rank);
+- the step's collectives the position takes part in (the loss, the gradient norms, a tied embedding's
+  gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and per byte, by group
+  size (calibration's all-reduces, in CPU time on each rank);
+- its optimizer and the per-step overhead, as before (without their contention factor).
+Measured on gpt2-tiny at shares [1, 1/3, 1/3] (bench/hetero_pick.py --actions): beyond the forwards
+and backwards, a capped rank spent 25-30% of its CPU per step -- the schedule 0.3-0.8 ms per
+micro-batch, a replica's cross-replica reduce about 1.7 ms -- which the bound did not count: every
+quota-bound layout was predicted 7-25% under its step, and the planner picked a pipeline whose capped
+last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
+
+calibration["quota_cpu_s"] (written only where a device runs under a quota):
+    {device name: {"pipeline_per_microbatch": s, "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}]}}
+Absent (uncalibrated, or a record from before): the bound counts compute, optimizer and overhead
+only, as it did.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from hrlplan.cluster import cpu_quota_share
+
+QUOTA_CPU_KEY = "quota_cpu_s"
+QUOTA_CPU_DOC = ("{device name: {pipeline_per_microbatch: s, allreduce: [{ranks, cpu_s, cpu_s_per_byte}]}} "
+                 "(CPU workers under a quota, cluster.cpu_shares): process CPU time per micro-batch and stage of "
+                 "torch's pipeline schedule beyond the forwards and backwards (sends, receives, their waits), "
+                 "and per all-reduce over `ranks` ranks (cpu_s + bytes x cpu_s_per_byte), each measured on that "
+                 "device's ranks; the cost model bounds a capped worker's step by its CPU work over its share "
+                 "(cost/quota_cpu.py)")
+GRADIENT_BUCKET_BYTES = 25 * 2 ** 20   # runtime/hetero_sync.BUCKET_MB: one all-reduce per bucket
+
+
+def figures(calibration: Optional[Mapping[str, Any]], device_name: str) -> Dict[str, Any]:
+    """quota_cpu_s of `device_name` ({} when not calibrated)."""
+    return dict(((calibration or {}).get(QUOTA_CPU_KEY) or {}).get(device_name) or {})
+
+
+def allreduce_cpu_s(fig: Mapping[str, Any], ranks: int, nbytes: float) -> float:
+    """The CPU one all-reduce of `nbytes` over `ranks` ranks costs a member (0 for one rank or no
+    figure). Beyond the largest group measured, the ring's steps grow as (ranks - 1)."""
+    fits = sorted((f for f in fig.get("allreduce") or ()), key=lambda f: f["ranks"])
+    if ranks < 2 or not fits:
+        return 0.0
+    fit = next((f for f in fits if f["ranks"] >= ranks), fits[-1])
+    scale = (ranks - 1) / (fit["ranks"] - 1) if ranks > fit["ranks"] else 1.0
+    return scale * (float(fit["cpu_s"]) + nbytes * float(fit["cpu_s_per_byte"]))
+
+
+def gradient_sync_cpu_s(fig: Mapping[str, Any], ranks: int, nbytes: float,
+                        bucket_bytes: float = GRADIENT_BUCKET_BYTES) -> float:
+    """Gradients of `nbytes` all-reduced over `ranks` ranks in buckets of bucket_bytes (one call each)."""
+    if ranks < 2 or nbytes <= 0:
+        return 0.0
+    calls = max(1, math.ceil(nbytes / bucket_bytes))
+    return calls * allreduce_cpu_s(fig, ranks, nbytes / calls)
+
+
+def position_share(cluster, group: Sequence[int]) -> Optional[float]:
+    """The smallest CPU share among a position's devices (None: none capped)."""
+    shares = [cpu_quota_share(cluster.devices[d].name) for d in group]
+    share = min((s for s in shares if s is not None), default=None)
+    return share if share is not None and share > 0 else None
+
+
+def step_collectives_cpu_s(fig: Mapping[str, Any], layout, meta, pos: int, dp_mode: str) -> float:
+    """The CPU of the step's small all-reduces position `pos` takes part in (as the simulator's
+    step_collectives times them): the loss, the gradient norm over the shards and over the
+    stages, a tied embedding's gradient between the first and the last stage's positions."""
+    world = layout.pp * len(layout.groups[0])
+    cpu = allreduce_cpu_s(fig, world, 4)
+    shards = (layout.dp if dp_mode == "fsdp" else 1) * layout.tp
+    if shards > 1:
+        cpu += allreduce_cpu_s(fig, shards, 4)
+    if layout.pp > 1:
+        cpu += allreduce_cpu_s(fig, layout.pp, 4)
+        first, last = layout.stage_group(0), layout.stage_group(len(layout.spans) - 1)
+        if meta.tied_embeddings and first != last and pos in (first, last):
+            tied = meta.head_matmul_params * 4.0 / (layout.dp if dp_mode == "fsdp" else 1) / layout.tp
+            cpu += allreduce_cpu_s(fig, 2, tied)
+    return cpu
+
+
+def position_work(run, totals) -> Dict[int, Tuple[float, float]]:
+    """{position: (CPU seconds per step, share)} of every position with a capped device. `run`: the
+    simulator's _StepRun after simulate_pipeline (its layout, the simulator, durations at full speed,
+    per-micro-batch work); `totals`: its _PositionTotals (optimizer, gradient bytes)."""
+    lay, sim, ov = run.layout, run.sim, run.ov
+    out: Dict[int, Tuple[float, float]] = {}
+    alone = None
+    for pos, group in enumerate(lay.groups):
+        share = position_share(sim.cluster, group)
+        if share is None:
+            continue
+        if alone is None:
+            alone = run.durations(run.stage_costs_at(1.0))
+        fig = figures(sim.cluster.calibration, sim.cluster.devices[group[0]].name)
+        mine = [k for k in range(run.n) if lay.stage_group(k) == pos]
+        compute = sum((lay.num_microbatches if run.work is None else sum(run.work[k]))
+                      * (alone[0][k] + alone[1][k] + alone[2][k]) for k in mine)
+        machinery = len(mine) * lay.num_microbatches * float(fig.get("pipeline_per_microbatch", 0.0))
+        collectives = step_collectives_cpu_s(fig, lay, sim.meta, pos, sim.opts.dp_mode)
+        if lay.dp > 1:
+            collectives += gradient_sync_cpu_s(fig, lay.dp, totals.grads[pos])
+        overhead = fig["step_overhead"] if "step_overhead" in fig else ov.step / max(ov.contention, 1.0)
+        fixed = totals.optimizer[pos] / max(ov.contention, 1.0) + overhead
+        out[pos] = (compute + machinery + collectives + fixed, share)
+    return out
+
+
+def position_bounds(run, totals) -> List[float]:
+    """Per capped position, its CPU work per step over its share (what cpu_quota_bounds returns)."""
+    return [work / share for work, share in position_work(run, totals).values()]
+
+
+def replica_bounds(cluster, results: Sequence[Any], bucket_bytes: Mapping[Tuple[int, ...], float],
+                   rank_devices: Sequence[int]) -> List[float]:
+    """A heterogeneous plan's capped ranks: each one's replica position's CPU work (the simulator's
+    breakdown["quota_cpu_work"], per device) plus its cross-replica gradient reduces (bucket_bytes:
+    {plan ranks holding a unit: bytes}, one bucketed all-reduce per group of ranks), over its share."""
+    work: Dict[int, Tuple[float, float]] = {}
+    for r in results:
+        for entry in (r.breakdown or {}).get("quota_cpu_work", ()):
+            for d in entry["devices"]:
+                work[d] = (float(entry["work_s"]), float(entry["share"]))
+    if not work:
+        return []
+    rank_of = {d: k for k, d in enumerate(rank_devices)}
+    extra: Dict[int, float] = {}
+    for ranks, nbytes in bucket_bytes.items():
+        for r in ranks:
+            d = rank_devices[r]
+            if d in work:
+                fig = figures(cluster.calibration, cluster.devices[d].name)
+                extra[d] = extra.get(d, 0.0) + gradient_sync_cpu_s(fig, len(ranks), nbytes)
+    return [(w + extra.get(d, 0.0)) / share for d, (w, share) in work.items() if d in rank_of]
+
+
+def breakdown_entries(run, work: Mapping[int, Tuple[float, float]]) -> List[Dict[str, Any]]:
+    """breakdown["quota_cpu_work"]: per capped position, its devices, CPU work per step and share."""
+    return [{"position": pos, "devices": list(run.layout.groups[pos]), "work_s": w, "share": s}
+            for pos, (w, s) in sorted(work.items())]
