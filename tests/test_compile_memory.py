@@ -3,7 +3,7 @@ against cost/memory.compiled_saved_per_token), the allocator's measurement of a 
 (runtime/memory.AllocatorPeak: the compiled code runs while measured), and a compiled run's measured
 peak per rank against the prediction: within 10%, never under-predicted by more than 5%.
 
-Each measured case trains 2 steps of a 4-block tiny model on gloo (as tests/test_sp_memory.py)."""
+Each measured case trains 2 steps of a 4-block tiny model on gloo (tests/_memory_runs.py, as tests/test_sp_memory.py)."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 from hrlplan.cost import memory as cm
 from hrlplan.plan import homogeneous_plan
+from _memory_runs import assert_peak_within_10pct, measure_and_predict
 
 TOKENS = (3, 40)   # 120 tokens: no width of the tiny models, so a tensor's shape says what it is
 
@@ -79,35 +80,15 @@ CASES = {   # name: (arch, spans, microbatch_size, micro-batches); llama-tiny on
 }
 
 
-def _measure_and_predict(name, run_dir):
-    from hrlplan.compose import compose
-    from hrlplan.cost.plans import options_for_train, plan_memory
-    from hrlplan.launch.local_run import train_plan
-    from hrlplan.model_meta import introspect
-    from test_memory import cpu_cluster
-
+def _case_plan(name):
     arch, spans, mbs, m = CASES[name]
     plan = homogeneous_plan(arch, 4, spans, dp=1, tp=1, microbatch_size=mbs, num_microbatches=m, schedule="1f1b")
     layers = "arch.num_hidden_layers=4" if arch.startswith("llama") else "arch.n_layer=4"
-    cfg = compose([f"arch={arch}", layers, f"train.global_batch_size={mbs * m}", "train.compile=true",
-                   "logger.mode=disabled", "train.steps=2", "train.checkpoint_interval=0"])
-    summary = train_plan(plan, cfg, run_dir, metrics_file=False)
-    measured = [m["peak"] for m in summary["measured"]["memory_split_per_rank"]]
-    meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
-    options = options_for_train(cfg["train"])
-    assert options.compile
-    # StageCostModel passes train.compile to the activation terms (cost/model.py's call sites)
-    predicted = [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size), options)]
-    return measured, predicted
+    return plan, [f"arch={arch}", layers, f"train.global_batch_size={mbs * m}", "train.compile=true"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_run_peak_per_rank_within_10pct_of_the_prediction(tmp_path, name):
-    measured, predicted = _measure_and_predict(name, tmp_path / name)
-    errors = [(m - p) / p for m, p in zip(measured, predicted)]
-    print(name, "measured", measured, "predicted", [round(p) for p in predicted], "errors",
-          [f"{e:+.3f}" for e in errors])
-    assert len(errors) == len(measured) and measured
-    assert all(abs(e) <= 0.10 for e in errors), (name, errors)
-    assert all(e <= 0.05 for e in errors), (name, errors)   # never under-predicted by more than 5%
+    plan, overrides = _case_plan(name)
+    assert_peak_within_10pct(name, *measure_and_predict(plan, overrides, tmp_path / name))

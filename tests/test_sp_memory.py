@@ -3,7 +3,7 @@ charges (hrlplan/cost/memory.py) against what the runtime holds (train.measure_m
 tensor storages, per rank), and the plan fields that carry them.
 
 Each measured case trains 2 steps of a 4-block tiny model on gloo through the pipeline engine and
-compares every rank's measured peak with plan_memory's `tensors` (the prediction less the
+compares every rank's measured peak with plan_memory's `tensors` (tests/_memory_runs.py) (the prediction less the
 workspace reserve): within 10%, never under-predicted by more than 5%.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from hrlplan.cost import memory as cm
 from hrlplan.cost.model import CostOptions, Layout, StageCostModel
 from hrlplan.plan import Plan, PlanError, homogeneous_plan
+from _memory_runs import assert_peak_within_10pct, measure_and_predict
 from test_cost import a100_node, llama7b_meta
 
 CASES = {   # name: (arch, spans, dp, tp, microbatch_size, micro-batches, recompute, sequence_parallel, reshard)
@@ -44,32 +45,11 @@ def _case_plan(name):
     return plan, overrides
 
 
-def _measure_and_predict(name, run_dir):
-    from hrlplan.compose import compose
-    from hrlplan.cost.plans import options_for_train, plan_memory
-    from hrlplan.launch.local_run import train_plan
-    from hrlplan.model_meta import introspect
-    from test_memory import cpu_cluster
-
-    plan, overrides = _case_plan(name)
-    cfg = compose([*overrides, "logger.mode=disabled", "train.steps=2", "train.checkpoint_interval=0"])
-    summary = train_plan(plan, cfg, run_dir, metrics_file=False)
-    measured = [m["peak"] for m in summary["measured"]["memory_split_per_rank"]]
-    meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
-    predicted = [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size),
-                                                          options_for_train(cfg["train"]))]
-    return measured, predicted
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_measured_peak_per_rank_within_10pct_of_the_prediction(tmp_path, name):
-    measured, predicted = _measure_and_predict(name, tmp_path / name)
-    errors = [(m - p) / p for m, p in zip(measured, predicted)]
-    print(name, "measured", measured, "predicted", [round(p) for p in predicted], "errors", [f"{e:+.3f}" for e in errors])
-    assert len(errors) == len(measured) and measured
-    assert all(abs(e) <= 0.10 for e in errors), (name, errors)
-    assert all(e <= 0.05 for e in errors), (name, errors)   # never under-predicted by more than 5%
+    plan, overrides = _case_plan(name)
+    assert_peak_within_10pct(name, *measure_and_predict(plan, overrides, tmp_path / name))
 
 
 # ---------------------------------------------------------------- the model's terms (no run)
