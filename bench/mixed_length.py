@@ -140,10 +140,12 @@ def _calibrate(args, calibration, passes: List[List[Dict]]):
     med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes) for k in range(args.pp)]
             for kind in ("F", "B")} for i in range(len(calibration))]
     full = med[0]
-    x = np.array([[1.0, sq, n, u] for n, u, sq, _ in calibration], dtype=float)
+    x = np.array([[1.0, sq, n, u] for n, u, sq, *_ in calibration], dtype=float)
 
     def fitted(times):
         coef, *_ = np.linalg.lstsq(x, times, rcond=None)
+        # the shares of the timed one-document row (normalising by the fitted line's value there instead
+        # was tried: the steps came out 3-7% long against 0-3.5% short this way)
         one = float(times[0])
         shares = RowShares(attention=max(float(coef[1]), 0.0) * args.budget ** 2 / one,
                            per_document=max(float(coef[2]), 0.0) / one, useful=max(float(coef[3]), 0.0) * args.budget / one)
@@ -290,7 +292,7 @@ def measure(args) -> Dict:
     meta = introspect(cfg.arch, args.budget)
     spans = M.spans_of(args)
     stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
-    calibration = M.calibration_rows(args, corpus.eot_id)
+    calibration = M.calibration_rows(args, corpus.eot_id, documents)
     before = [M.time_calibration(stages, calibration) for _ in range(3)]
     full, shares, _, _ = _calibrate(args, calibration, before)
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
@@ -298,6 +300,9 @@ def measure(args) -> Dict:
     timing["before"], timing["calibration_rows"] = before, calibration
     report = _analyse(args, prepared, timing, meta, spans)
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
+    # the raw calibration passes (before the rounds, then one per round) and their rows, to re-fit offline
+    report["calibration_passes"] = timing["before"] + [r["calibration"] for r in timing["rounds"]]
+    report["calibration_rows"] = [[n, u, sq] for n, u, sq, _ in calibration]
     if args.train_rounds:
         with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:
             runs = M.training_runs(args, Path(workdir))

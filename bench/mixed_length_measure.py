@@ -136,13 +136,19 @@ def time_micro_batches(stages, inputs, targets, micro_batches: int) -> Dict[str,
 CALIBRATION_ROWS = ((1, 1.0), (2, 0.5), (4, 0.25), (16, 1 / 16), (64, 1 / 64), (1, 0.5), (2, 0.125), (0, 0.0))
 
 
-def calibration_rows(args, eot_id: int):
+# held-out rows of the corpus itself (its validation split, never a measured step), packed in arrival order:
+# rows like the ones measured, so the fit is tight where the steps are
+HELD_OUT_CALIBRATION_ROWS = 6
+
+
+def calibration_rows(args, eot_id: int, documents=None):
     """(documents, useful tokens, squared lengths, (inputs, targets)) per CALIBRATION_ROWS row: what
-    each stage pays per squared token, per document and per real token, apart from the steps measured."""
+    each stage pays per squared token, per document and per real token, apart from the steps measured;
+    with `documents` (PackedDocuments) also HELD_OUT_CALIBRATION_ROWS rows of its validation split."""
     import torch
 
     from hrlplan.data.packed_stream import to_wire
-    from hrlplan.data.packing import pack_micro_batches
+    from hrlplan.data.packing import pack_micro_batches, predictions
 
     g = torch.Generator().manual_seed(args.seed)
     out = []
@@ -153,6 +159,13 @@ def calibration_rows(args, eot_id: int):
             piece[piece == eot_id] = 1
         wire = to_wire(pack_micro_batches(pieces, [list(range(n))], args.budget, eot_id), max(n * length, 1), 1)
         out.append((n, n * length, n * length * length, wire))
+    if documents is not None:
+        pieces, assignment = documents.step_pieces(0, HELD_OUT_CALIBRATION_ROWS, split="val")
+        for group in assignment:
+            row = [pieces[i] for i in group]
+            lengths = [predictions(x) for x in row]
+            wire = to_wire(documents.pack(row, [list(range(len(row)))]), max(sum(lengths), 1), 1)
+            out.append((len(row), sum(lengths), sum(n * n for n in lengths), wire))
     return out
 
 
