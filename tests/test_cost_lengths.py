@@ -66,3 +66,28 @@ def test_packed_step_times_rank_balanced_no_slower_than_document():
 
     times = {p: packed_step_times(step_of, meta, spans, d, 4, p, steps=8) for p in ("document", "balanced")}
     assert sum(times["balanced"]) <= sum(times["document"])
+
+
+def test_layouts_rank_by_their_mean_packed_step_and_multi_row_micro_batches_are_refused():
+    import statistics
+
+    from hrlplan.cost.lengths import rank_by_packed_step, simulator_attention_shares, simulator_step_of
+    from hrlplan.cost.model import CostOptions, Layout
+    from hrlplan.cost.simulator import Simulator
+    from test_memory import cpu_cluster
+
+    meta, d = _meta(), _distribution()
+    sim = Simulator(meta, cpu_cluster(2), CostOptions())
+    layouts = [Layout(spans=((0, 2), (2, 4)), groups=((0,), (1,)), tp=1, dp=1, microbatch_size=1, num_microbatches=m,
+                      schedule="1f1b") for m in (6, 2)]
+    ranked = rank_by_packed_step(sim, layouts, d, "balanced", steps=3, seed=1)
+    assert [i for _, i in ranked] == [1, 0] and ranked[0][0] < ranked[1][0]   # 2 micro-batches hold fewer rows
+    for mean, i in ranked:
+        layout = layouts[i]
+        times = packed_step_times(simulator_step_of(sim, layout), meta, layout.spans, d, layout.num_microbatches,
+                                  "balanced", 3, seed=1, shares=simulator_attention_shares(sim, layout))
+        assert mean == pytest.approx(statistics.fmean(times), rel=0.05)   # the dispatch runs against a clock
+    two_rows = Layout(spans=((0, 4),), groups=((0,),), tp=1, dp=1, microbatch_size=2, num_microbatches=2,
+                      schedule="1f1b")
+    with pytest.raises(ValueError, match="one-row micro-batches"):
+        rank_by_packed_step(sim, [two_rows], d, "document")

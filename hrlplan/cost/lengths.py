@@ -296,3 +296,23 @@ def packed_step_times(step_of: Callable[[List[List[float]]], float], meta, spans
                                                                [sum(x) for x in rows], shares)))
         out.append(max(per_replica))
     return out
+
+
+def rank_by_packed_step(sim, layouts: Sequence, distribution: LengthDistribution, packing: str,
+                        steps: int = 12, seed: int = 0) -> List[Tuple[float, int]]:
+    """(mean predicted step over `steps` steps sampled from the corpus and packed as `packing`, index)
+    per layout, fastest first: the search's candidates ranked by the packed step a data.packing run
+    trains rather than by the fixed-length micro-batch (each layout's attention shares from the
+    simulator's own cost model; each replica its own micro-batches). Layouts whose micro-batches hold
+    more than one row, or are not costed at `distribution.budget` tokens, are refused."""
+    ranked = []
+    for i, layout in enumerate(layouts):
+        if layout.microbatch_size != 1 or sim.meta.seq_len != distribution.budget:
+            raise ValueError(f"layout {i}: packed steps are costed for one-row micro-batches of the corpus's "
+                             f"{distribution.budget}-token budget (microbatch_size {layout.microbatch_size}, "
+                             f"seq_len {sim.meta.seq_len})")
+        times = packed_step_times(simulator_step_of(sim, layout), sim.meta, layout.spans, distribution,
+                                  layout.num_microbatches, packing, steps, seed=seed,
+                                  shares=simulator_attention_shares(sim, layout), replicas=layout.dp)
+        ranked.append((statistics.fmean(times), i))
+    return sorted(ranked)
