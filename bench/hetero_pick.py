@@ -42,8 +42,13 @@ import _measure  # noqa: E402  (bench/_measure.py: the ranking, shared with runt
 from runtime import _calibrate_worker, threads_for  # noqa: E402  (bench/runtime.py: probe + calibrate a job)
 
 BATCH = 12
+# The planner may take every micro-batch size the hand-written layouts use (every divisor of the batch):
+# with the default sizes (powers of two) fast-only's one micro-batch of 12 was outside its space, and
+# calibration timed no block above 4 sequences.
+MICROBATCH_SIZES = [d for d in range(1, BATCH + 1) if BATCH % d == 0]
 ARCH = ["arch=gpt2-tiny", "train.lr=3e-3", f"train.global_batch_size={BATCH}", "logger.mode=disabled",
-        "train.checkpoint_interval=0", "train.schedule=1f1b"]
+        "train.checkpoint_interval=0", "train.schedule=1f1b",
+        f"planner.microbatch_sizes=[{','.join(map(str, MICROBATCH_SIZES))}]"]
 
 
 def hand_written(world: int) -> Dict[str, Any]:
@@ -284,7 +289,7 @@ def main() -> None:
         threads_for(world)
         out = launch_workers(_calibrate_worker, (config,), world, name="hetero-pick-calibrate", cpu_shares=shares)[0]
         calibrated = ClusterSpec.from_dict(out["calibrated"])
-        exact = asdict(ExactPlannerConfig())
+        exact = dict(asdict(ExactPlannerConfig()), microbatch_sizes=MICROBATCH_SIZES)
         pick, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="true"), config["train"])
         single, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="false"), config["train"])
         for label, plan in (("pick", pick), ("single", single)):

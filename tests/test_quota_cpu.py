@@ -61,7 +61,8 @@ def test_the_schedules_machinery_and_the_steps_collectives_count_per_micro_batch
     figures = {"pipeline_per_microbatch": 5e-4, "allreduce": ALLREDUCE}
     run, t, meta = _run(_cluster(NAMES, figures), _pp3())
     work = quota_cpu.position_work(run, t)
-    loss, norm = 2e-4 + 4 * 2e-9, 2e-4 + 4 * 2e-9                  # over the world's 3 ranks, over the 3 stages
+    loss, norm = 2 * (2e-4 + 4 * 2e-9), 2e-4 + 4 * 2e-9            # the loss and the step's barrier over the world's
+    # 3 ranks, the gradient norm over the 3 stages
     tied = 1e-4 + meta.head_matmul_params * 4.0 * 1e-9            # the last stage and the first: tied embedding
     assert work[1][0] - base[1][0] == pytest.approx(4 * 5e-4 + loss + norm)
     assert work[2][0] - base[2][0] == pytest.approx(4 * 5e-4 + loss + norm + tied)

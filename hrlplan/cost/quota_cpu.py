@@ -9,10 +9,13 @@ The work, all of it in process CPU time (every thread: gloo's too, as the quota 
 - the pipeline's machinery per micro-batch and stage: torch's schedule, its sends and receives and
   their waits, beyond the forwards and backwards (quota_cpu_s' pipeline_per_microbatch, from the real
   two-stage pipeline calibration runs: a CPU time, on that rank);
-- the step's collectives the position takes part in (the loss, the gradient norms, a tied embedding's
-  gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and per byte, by group
-  size (calibration's all-reduces, in CPU time on each rank);
-- its optimizer and the per-step overhead, as before (without their contention factor).
+- the step's collectives the position takes part in (its start barrier, the loss, the gradient norms,
+  a tied embedding's gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and
+  per byte, by group size (calibration's all-reduces, in CPU time on each rank);
+- its optimizer (without its contention factor) and the per-step overhead in CPU time (quota_cpu_s'
+  step_overhead: the one-process reference step's CPU beyond its predicted compute and optimizer;
+  the wall-time step_overhead_s carries what other processes took of the core, 10 ms instead of
+  0.7 ms at load 5).
 Measured on gpt2-tiny at shares [1, 1/3, 1/3] (bench/hetero_pick.py --actions): beyond the forwards
 and backwards, a capped rank spent 25-30% of its CPU per step -- the schedule 0.3-0.8 ms per
 micro-batch, a replica's cross-replica reduce about 1.7 ms -- which the bound did not count: every
@@ -20,7 +23,8 @@ quota-bound layout was predicted 7-25% under its step, and the planner picked a 
 last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
 
 calibration["quota_cpu_s"] (written only where a device runs under a quota):
-    {device name: {"pipeline_per_microbatch": s, "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}]}}
+    {device name: {"pipeline_per_microbatch": s, "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}],
+                   "step_overhead": s}}
 Absent (uncalibrated, or a record from before): the bound counts compute, optimizer and overhead
 only, as it did.
 """
@@ -32,12 +36,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from hrlplan.cluster import cpu_quota_share
 
 QUOTA_CPU_KEY = "quota_cpu_s"
-QUOTA_CPU_DOC = ("{device name: {pipeline_per_microbatch: s, allreduce: [{ranks, cpu_s, cpu_s_per_byte}]}} "
-                 "(CPU workers under a quota, cluster.cpu_shares): process CPU time per micro-batch and stage of "
-                 "torch's pipeline schedule beyond the forwards and backwards (sends, receives, their waits), "
-                 "and per all-reduce over `ranks` ranks (cpu_s + bytes x cpu_s_per_byte), each measured on that "
-                 "device's ranks; the cost model bounds a capped worker's step by its CPU work over its share "
-                 "(cost/quota_cpu.py)")
 GRADIENT_BUCKET_BYTES = 25 * 2 ** 20   # runtime/hetero_sync.BUCKET_MB: one all-reduce per bucket
 
 
@@ -74,11 +72,13 @@ def position_share(cluster, group: Sequence[int]) -> Optional[float]:
 
 
 def step_collectives_cpu_s(fig: Mapping[str, Any], layout, meta, pos: int, dp_mode: str) -> float:
-    """The CPU of the step's small all-reduces position `pos` takes part in (as the simulator's
+    """The CPU of the step's small collectives position `pos` takes part in (as the simulator's
     step_collectives times them): the loss, the gradient norm over the shards and over the
-    stages, a tied embedding's gradient between the first and the last stage's positions."""
+    stages, a tied embedding's gradient between the first and the last stage's positions; and the
+    barrier every training step starts with (runtime/trainer.train_step: gloo runs it as a small
+    all-reduce, which the wall-time step leaves out but the quota meters)."""
     world = layout.pp * len(layout.groups[0])
-    cpu = allreduce_cpu_s(fig, world, 4)
+    cpu = 2 * allreduce_cpu_s(fig, world, 4)
     shards = (layout.dp if dp_mode == "fsdp" else 1) * layout.tp
     if shards > 1:
         cpu += allreduce_cpu_s(fig, shards, 4)
@@ -135,7 +135,6 @@ def replica_bounds(cluster, results: Sequence[Any], bucket_bytes: Mapping[Tuple[
                 work[d] = (float(entry["work_s"]), float(entry["share"]))
     if not work:
         return []
-    rank_of = {d: k for k, d in enumerate(rank_devices)}
     extra: Dict[int, float] = {}
     for ranks, nbytes in bucket_bytes.items():
         for r in ranks:
@@ -143,7 +142,7 @@ def replica_bounds(cluster, results: Sequence[Any], bucket_bytes: Mapping[Tuple[
             if d in work:
                 fig = figures(cluster.calibration, cluster.devices[d].name)
                 extra[d] = extra.get(d, 0.0) + gradient_sync_cpu_s(fig, len(ranks), nbytes)
-    return [(w + extra.get(d, 0.0)) / share for d, (w, share) in work.items() if d in rank_of]
+    return [(w + extra.get(d, 0.0)) / share for d, (w, share) in work.items()]
 
 
 def breakdown_entries(run, work: Mapping[int, Tuple[float, float]]) -> List[Dict[str, Any]]:

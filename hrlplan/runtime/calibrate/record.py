@@ -283,10 +283,10 @@ def fit_reference_step_cpu(cal: Dict[str, Any], spec, meta, train: TrainConfig, 
     ref = copy.deepcopy(spec)
     d0 = spec.devices[0]
     fit0 = fit_compute(blocks, meta.block_flops_fwd_per_token[0] * meta.block_repeats, cal["peak_flops"][d0.name])
+    ratios = [{"tokens": b["tokens"], "ratio": b["bwd_s"] / b["fwd_s"]} for b in blocks]
     ref.calibration = dict(cal, compute_efficiency={d0.name: fit0["compute_efficiency"]},
                            half_saturation_tokens={d0.name: fit0["half_saturation_tokens"]}, contention_factor=None,
-                           step_overhead_s=0.0, backward_forward_ratio=[{"tokens": b["tokens"],
-                                                                         "ratio": b["bwd_s"] / b["fwd_s"]} for b in blocks])
+                           step_overhead_s=0.0, backward_forward_ratio=ratios)
     predicted = predict_one_process_step(meta, ref, train)
     compute = predicted["step_time_s"] - predicted["optimizer_s"]
     overhead = max(step_cpu - optimizer_cpu - compute, 0.0)
