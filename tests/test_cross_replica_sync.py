@@ -53,3 +53,79 @@ def test_a_calibrated_tied_all_reduce_is_used_as_measured():
     untied_sim = Simulator(toy_meta(), cluster, CostOptions())
     lay = two_stage(((0,), (2,)))
     assert sim.step_collectives(lay) - untied_sim.step_collectives(lay) == pytest.approx(3e-3)
+
+
+# ---------------------------------------------------------------- the cross-replica buckets
+def _gpt2_tiny_plan(templates_of, world):
+    """A replica plan of gpt2-tiny from (module slices per stage) per replica, one micro-batch each."""
+    from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
+
+    modules = get_modules("gpt2-tiny")
+    templates = [PipelineTemplate("gpt2-tiny", [modules[a:b] for a, b in spans]) for spans in templates_of(len(modules))]
+    return build_plan(templates, {t: 1 for t in templates}, world_size=world, global_batch_size=2 * len(templates),
+                      model="gpt2-tiny")
+
+
+def _tiny_meta():
+    from hrlplan.model_meta import introspect, resolve_arch
+    return introspect(resolve_arch("gpt2-tiny"), seq_len=64)
+
+
+def test_buckets_are_the_runtimes_cut_and_cost_in_node_first_across_nodes():
+    from hrlplan.cost.replica_sync import cut_buckets
+    from hrlplan.cost.replica_sync_cost import _unit_bytes, sync_buckets
+
+    meta = _tiny_meta()
+    plan = _gpt2_tiny_plan(lambda n: [[(0, n)]] * 4, 4)        # four one-rank replicas of every layer
+    two_nodes = Simulator(meta, two_node_cluster(per_node=2), CostOptions())
+    one_node = Simulator(meta, two_node_cluster(per_node=4), CostOptions())
+    value = two_nodes.opts.bytes_per_value
+    sizes = _unit_bytes(meta, value)
+    cap = 3 * sizes["block0"]   # three blocks a bucket
+    buckets = sync_buckets(plan, meta, two_nodes, list(range(4)), cap_bytes=cap)
+    # the runtime's cut of the same units (backward order: final, blocks last to first, embeddings)
+    units = ["final"] + [f"block{i}" for i in reversed(range(meta.n_layer))] + ["embed"]
+    Unit = type("Unit", (), {})
+    items = []
+    for u in units:
+        item = Unit()
+        item.unit, item.numel = u, sizes[u] / value
+        items.append(item)
+    expected = [tuple(i.unit for i in cut) for cut in cut_buckets(items, cap, value)]
+    assert [b.units for b in buckets] == expected and len(buckets) > 2
+    assert all(b.ranks == (0, 1, 2, 3) for b in buckets)
+    dev = two_nodes.devices
+    intra, inter = 100e9 * dev.bw_eff, 10e9 * dev.bw_eff
+    for b in buckets:
+        # in-node ring of 2, then two rails (one rank per node) of half the bucket, then two
+        # broadcasts of a half in each node
+        in_node = b.nbytes / intra + 2 * 1e-6
+        across = b.nbytes / 2 / inter + 2 * 5e-6
+        spread = 2 * (b.nbytes / 2 / intra + 1e-6)
+        assert b.seconds == pytest.approx(in_node + across + spread)
+    flat = sync_buckets(plan, meta, one_node, list(range(4)), cap_bytes=cap)
+    for b in flat:   # one node: one ring over the four
+        assert b.seconds == pytest.approx(2 * 3 / 4 * b.nbytes / intra + 2 * 3 * 1e-6)
+
+
+def test_a_bucket_starts_when_its_units_are_final_and_the_buckets_ahead_have_started():
+    from hrlplan.cost.replica_sync_cost import bucket_finish, bucket_launches, sync_buckets
+
+    meta = _tiny_meta()
+    # replica A every layer on rank 0; replica B two stages on ranks 1 (embedding, first blocks) and 2
+    plan = _gpt2_tiny_plan(lambda n: [[(0, n)], [(0, 3), (3, n)]], 3)
+    sim = Simulator(meta, two_node_cluster(per_node=4), CostOptions())
+    buckets = sync_buckets(plan, meta, sim, [0, 1, 2], cap_bytes=1)   # a unit a bucket
+    end, window = {0: 10.0, 1: 10.0, 2: 8.0}, {0: 4.0, 1: 2.0, 2: 2.0}
+    launch = bucket_launches(plan, meta, buckets, end, window)
+    first = next(k for k, b in enumerate(buckets) if b.units == ("final",))
+    embed = next(k for k, b in enumerate(buckets) if b.units == ("embed",))
+    assert buckets[embed].ranks == (0, 1, 2)           # tied: the last stage holds the head's copy
+    assert launch[(embed, 0)] == 10.0 and launch[(embed, 1)] == 10.0
+    assert 6.0 < launch[(first, 0)] < 10.0 and 6.0 < launch[(first, 2)] < 8.0   # during the last backward
+    for r in (0, 1, 2):   # in order on every rank
+        mine = [launch[(k, r)] for k, b in enumerate(buckets) if r in b.ranks]
+        assert mine == sorted(mine)
+    finish = bucket_finish(buckets, launch, end)
+    assert finish[0] >= 10.0 + buckets[embed].seconds - 1e-12   # the embedding's bucket starts at the end
+    assert finish[2] == pytest.approx(finish[0])

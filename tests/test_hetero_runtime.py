@@ -165,3 +165,18 @@ def test_four_workers_mixed_splits_and_tp_with_small_buckets_match_one_process(t
     plan = build_plan([two, sharded], {two: 4, sharded: 4}, world_size=4, global_batch_size=8, model="llama-tiny")
     losses, reference = compare_with_one_process(plan, llama, tmp_path, steps=4)
     assert losses == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node_size", [2, 3])
+def test_replicas_on_emulated_nodes_reduce_in_node_first_and_match_one_process(tmp_path, monkeypatch, node_size):
+    """Four one-rank replicas on emulated nodes (HRLPLAN_SYNC_NODE_SIZE): nodes of 2 reduce in node,
+    then across nodes on two rails of half a bucket each; nodes of 3 and 1 on one rail, two ranks
+    receiving their node's sum by broadcast. Small buckets: several in flight at once."""
+    monkeypatch.setenv("HRLPLAN_SYNC_NODE_SIZE", str(node_size))
+    monkeypatch.setenv("HRLPLAN_GRAD_BUCKET_MB", "0.05")
+    model = _model(GPT2)
+    whole = PipelineTemplate(model, [get_modules(model)])
+    plan = build_plan([whole] * 4, {whole: 1}, world_size=4, global_batch_size=8, model="gpt2-tiny")
+    losses, reference = compare_with_one_process(plan, GPT2, tmp_path, steps=3)
+    assert losses == pytest.approx(reference, abs=1e-5)

@@ -3,10 +3,10 @@ homogeneous ones). Used by hrlplan.runtime.calibrate.predict_plan and the manual
 
 A heterogeneous plan (replicas with different templates, or stages of unequal tp) is simulated
 pipeline by pipeline (each a dp=1 layout, every stage at its own tp degree); the step then waits for the
-slowest pipeline, runs hetero.py's cross-replica gradient reduce (one all-reduce per distinct set of
-ranks holding a parameter unit, in sequence on a rank), the gradient-norm and loss all-reduces over
-the world and the optimizer. The reduce overlaps each rank's last backward as runtime/hetero_sync.py
-runs it (cross_replica_finish): a bucket starts once every member's gradients can be final.
+slowest pipeline, runs hetero_sync.py's cross-replica gradient reduce (its buckets, in sequence on a
+rank: cost/replica_sync_cost.py), the gradient-norm and loss all-reduces over the world and the
+optimizer. The reduce overlaps each rank's last backward as runtime/hetero_sync.py runs it: a bucket
+starts once its units are final on every member and the buckets ahead of it have started.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, sync_buckets
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.schedules import resolve_schedule
@@ -89,67 +90,13 @@ def layout_of_plan(plan) -> Layout:
                   reshard_after_forward=plan.resolved_reshard_after_forward(), cp=plan.cp)
 
 
-def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
-    """Gradient bytes the heterogeneous executor reduces per unit: in the training dtype (runtime/
-    hetero_sync.py sends bfloat16 buckets under bfloat16, float32 otherwise)."""
-    b = float(bytes_per_value)
-    out = {"embed": float(meta.embedding_params) * b, "final": float(meta.head_params) * b}
-    if meta.tied_embeddings:
-        out["final"] = max(out["final"] - meta.head_matmul_params * b, 0.0)
-    for i, p in enumerate(meta.block_params):
-        out[f"block{i}"] = float(p) * b
-    return out
-
-
-def cross_replica_buckets(plan, meta, sim: Simulator) -> Dict[Tuple[int, ...], float]:
-    """Per distinct set of plan ranks holding a parameter unit (tp shard): the seconds of its all-reduce."""
-    pipes = plan.as_pipelines()
-    devices = rank_devices(plan)
-    holders: Dict[str, List[Tuple[int, int]]] = {}
-    for p, pipe in enumerate(pipes):
-        last = len(pipe.stages) - 1
-        for s, st in enumerate(pipe.stages):
-            units = [f"block{i}" for i in range(*st.layers)]
-            if s == 0:
-                units.append("embed")
-            if s == last:
-                units.append("final")
-                if meta.tied_embeddings and s != 0:
-                    units.append("embed")
-            for u in units:
-                holders.setdefault(u, []).append((p, s))
-    sizes = _unit_bytes(meta, sim.opts.bytes_per_value)
-    buckets: Dict[Tuple[int, ...], float] = {}
-    for unit, hs in holders.items():
-        tps = {pipes[p].stages[s].tp for p, s in hs}
-        if len(tps) == 1:
-            tp = tps.pop()
-            for t in range(tp):
-                ranks = tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in hs}))
-                buckets[ranks] = buckets.get(ranks, 0.0) + sizes.get(unit, 0.0) / tp
-        else:
-            ranks = tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks}))
-            buckets[ranks] = buckets.get(ranks, 0.0) + sizes.get(unit, 0.0)
-    dev, lat = sim.devices, sim.devices.overheads.allreduce_latency
-    out: Dict[Tuple[int, ...], float] = {}
-    for ranks, nbytes in buckets.items():
-        if len(ranks) < 2:
-            continue
-        ring = [devices[r] for r in ranks]
-        bw, ring_lat = dev.ring_bw_lat(ring)
-        n = len(ranks)
-        out[ranks] = dev.overheads.allreduce(n, nbytes, 2.0 * (n - 1) / n * nbytes / bw
-                                             + ((n - 1) * lat if lat else 2.0 * (n - 1) * ring_lat))
-    return out
-
-
-def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
-    """(seconds, collectives on the busiest rank) of hetero.py's per-unit gradient all-reduces."""
+def cross_replica_reduce_s(plan, meta, sim: Simulator, buckets: Optional[List[SyncBucket]] = None) -> Tuple[float, int]:
+    """(seconds, collectives on the busiest rank) of the runtime's cross-replica buckets."""
     per_rank: Dict[int, float] = {}
     count: Dict[int, int] = {}
-    for ranks, t in cross_replica_buckets(plan, meta, sim).items():
-        for r in ranks:
-            per_rank[r] = per_rank.get(r, 0.0) + t
+    for b in sync_buckets(plan, meta, sim, rank_devices(plan)) if buckets is None else buckets:
+        for r in b.ranks:
+            per_rank[r] = per_rank.get(r, 0.0) + b.seconds
             count[r] = count.get(r, 0) + 1
     if not per_rank:
         return 0.0, 0
@@ -159,24 +106,17 @@ def cross_replica_reduce_s(plan, meta, sim: Simulator) -> Tuple[float, int]:
 
 def cross_replica_finish(buckets: Dict[Tuple[int, ...], float], end: Dict[int, float],
                          last_backward: Dict[int, float]) -> Dict[int, float]:
-    """Per rank, when its pipeline work and its share of the cross-replica reduce are done.
-
-    A rank's buckets are final during its last backward (post-accumulate-grad hooks), so its reduce
-    may start min(its reduce time, its last backward) before its pipeline end; a bucket's all-reduce
-    starts once every member may start (S = max over members), and a rank runs its buckets in
-    sequence: finish = max(pipeline end, the last bucket's end)."""
+    """bucket_finish for reduces given only by rank set and seconds, whose units are unknown: each
+    rank's buckets streamed over its last backward (it may start min(its total, its last backward)
+    before its end), run in order of their start."""
     total: Dict[int, float] = {}
     for ranks, t in buckets.items():
         for r in ranks:
             total[r] = total.get(r, 0.0) + t
     ready = {r: end[r] - min(total[r], last_backward[r]) for r in total}
-    start = {ranks: max(ready[r] for r in ranks) for ranks in buckets}
-    cursor: Dict[int, float] = {}
-    for ranks in sorted(buckets, key=lambda b: (start[b], b)):
-        done = max(max(cursor.get(r, ready[r]) for r in ranks), start[ranks]) + buckets[ranks]
-        for r in ranks:
-            cursor[r] = done
-    return {r: max(e, cursor.get(r, e)) for r, e in end.items()}
+    order = sorted(buckets, key=lambda b: (max(ready[r] for r in b), b))
+    listed = [SyncBucket(ranks, (), 0.0, buckets[ranks]) for ranks in order]
+    return bucket_finish(listed, {(k, r): ready[r] for k, b in enumerate(listed) for r in b.ranks}, end)
 
 
 def _pipeline_timing(sim: Simulator, layout: Layout, contention: Optional[float]) -> Tuple[List[float], List[float]]:
@@ -261,7 +201,8 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                    for r, lay in zip(alone, layouts) if r.feasible)
         if span > 0:
             contention = max(1.0, sim.devices.overheads.contention * min(busy / (span * plan.world_size), 1.0))
-    reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim)
+    buckets = sync_buckets(plan, meta, sim, devices)
+    reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim, buckets)
     results, timings = _replica_results(sim, layouts, contention, timing=reduce_s > 0)
     memory: Dict[int, float] = {}
     for r in results:
@@ -285,7 +226,7 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
             for k, st in enumerate(pipe.stages):
                 for r in st.ranks:
                     end[r], window[r] = pos_end[lay.stage_group(k)], pos_window[lay.stage_group(k)]
-        finish_s = max(cross_replica_finish(cross_replica_buckets(plan, meta, sim), end, window).values())
+        finish_s = max(bucket_finish(buckets, bucket_launches(plan, meta, buckets, end, window), end).values())
     world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
     step = (finish_s + world_collectives + optimizer + ov.step) * scale
     # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's)

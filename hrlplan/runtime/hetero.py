@@ -44,8 +44,9 @@ from hrlplan.config import TrainConfig, section
 from hrlplan.families import GENERIC_HF, family_for
 from hrlplan.models.documents import is_packed_inputs, split_packed_inputs, trim_packed
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
-from hrlplan.plan import PipelinePlan, Plan
-from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype, unit_order
+from hrlplan.plan import Plan
+from hrlplan.cost.replica_sync import unit_holders, unit_order
+from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder
@@ -133,24 +134,6 @@ def embedding_units(full_model) -> Tuple[List[str], Optional[str]]:
             if head is not None and param is head.weight:
                 tied = name
     return names, tied
-
-
-def unit_holders(pipes: List[PipelinePlan], n_layer: int, embed_units: List[str],
-                 tied_unit: Optional[str]) -> Dict[str, List[Holder]]:
-    """Which (pipeline, stage) hold each parameter unit: an embedding parameter, block i, or the
-    final norm + head; a tied head's weight is the embedding's unit, held by the last stage too."""
-    out: Dict[str, List[Holder]] = {u: [] for u in embed_units + [f"block{i}" for i in range(n_layer)] + ["final"]}
-    for p, pipe in enumerate(pipes):
-        last = len(pipe.stages) - 1
-        for s, st in enumerate(pipe.stages):
-            for u in embed_units:
-                if s == 0 or (u == tied_unit and s == last):
-                    out[u].append((p, s))
-            for i in range(*st.layers):
-                out[f"block{i}"].append((p, s))
-            if s == last:
-                out["final"].append((p, s))
-    return out
 
 
 class HeteroPipelineEngine:

@@ -1,7 +1,9 @@
 """Gradient synchronisation across heterogeneous replicas (hetero.py's executor): bucketed, in the
-training dtype where that is safe, overlapped with the last micro-batch's backward.
+training dtype where that is safe, overlapped with the last micro-batch's backward, in-node first
+where a group spans nodes. cost/replica_sync.py holds the shape (units, rank sets, buckets, order,
+hierarchy) as pure facts; cost/replica_sync_cost.py costs exactly that.
 
-What it does, exactly (the simulator's cross-replica cost follows this; see cost/plans.py):
+What it does, exactly:
 - Units. A parameter unit (an embedding parameter, block i, final norm + head) is reduced over
   the ranks holding it. Holders at one tp degree reduce shard by shard: tp rank t of every holder
   forms one group (1/tp of the unit each). Holders at different tp degrees reduce the whole unit
@@ -23,6 +25,13 @@ What it does, exactly (the simulator's cross-replica cost follows this; see cost
   (the order above, then the group's rank order) on every rank, so each group sees its
   collectives in the same order everywhere (required by NCCL and gloo): a bucket finished early
   waits for the buckets before it. `finish()` (before clipping) starts what is left and waits.
+- In node first. A group spanning nodes with two or more of its ranks on some node (ranks' nodes:
+  their host names, all-gathered once) reduces each bucket in three phases: an all-reduce among
+  its members on each node, then per rail (member i of every node) an all-reduce of 1/rails of the
+  bucket across nodes, then each rail's part broadcast within its node. Each phase is issued once
+  the previous one is complete on this rank (checked at every hook, then waited for in finish()),
+  on groups of its own, and never ahead of an earlier bucket's same phase, so every group sees
+  its collectives in the bucket order.
 - GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree
   (tensor_parallel.py); where its holders mix tp degrees, each holder maps its whole-shape
   contribution to the Hugging Face Conv1D layout before the sum and back after it.
@@ -30,6 +39,7 @@ What it does, exactly (the simulator's cross-replica cost follows this; see cost
 from __future__ import annotations
 
 import os
+import socket
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -37,23 +47,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
+from hrlplan.cost.replica_sync import (BUCKET_MB, Hierarchy, Holder, RankSet, bucket_key, cut_buckets,  # noqa: F401
+                                       node_hierarchy, rail_slices, unit_rank_sets)
 from hrlplan.plan import PipelinePlan
 from hrlplan.runtime.tensor_parallel import qkv_row_order
 
-Holder = Tuple[int, int]   # (pipeline, stage)
-RankSet = Tuple[int, ...]
-BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
 GPT2_LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")   # Conv1D in HF, nn.Linear under tp
 
 
 def bucket_bytes() -> int:
     """BUCKET_MB, or HRLPLAN_GRAD_BUCKET_MB where set (the tests cut small buckets to check the overlap)."""
     return int(float(os.environ.get("HRLPLAN_GRAD_BUCKET_MB", BUCKET_MB)) * 2**20)
-
-
-def unit_order(n_layer: int, embed_units: Sequence[str]) -> List[str]:
-    """Units in the order backward finishes them: final, block n-1 .. block 0, the embeddings."""
-    return ["final"] + [f"block{i}" for i in reversed(range(n_layer))] + list(embed_units)
 
 
 def reduce_dtype(train_dtype: str) -> torch.dtype:
@@ -73,24 +77,6 @@ class Item(NamedTuple):
 class Bucket(NamedTuple):
     ranks: RankSet
     items: Tuple[Item, ...]
-
-
-def cut_buckets(items: Sequence[Item], cap_bytes: int, value_bytes: int) -> List[List[Item]]:
-    """Whole units, in the given order, grouped until a bucket holds at least cap_bytes. Pure: every
-    member of a group cuts the same buckets from the same (unit, numel) sequence."""
-    buckets: List[List[Item]] = []
-    current: List[Item] = []
-    size = 0
-    for i, item in enumerate(items):
-        current.append(item)
-        size += item.numel * value_bytes
-        unit_ends = i + 1 == len(items) or items[i + 1].unit != item.unit
-        if unit_ends and size >= cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def gpt2_layout(name: str, tp: int, hidden: int) -> Optional[Tuple[bool, Optional[torch.Tensor]]]:
@@ -127,34 +113,106 @@ def from_hf(full: torch.Tensor, layout) -> torch.Tensor:
     return full[order.to(full.device)] if order is not None else full
 
 
+class _SetGroups(NamedTuple):
+    """The process groups one rank set's buckets use on this rank: flat, or in-node first."""
+    flat: object                  # the whole set (None: one member, or in-node first)
+    hier: Optional[Hierarchy]
+    node: RankSet                 # this rank's node's members of the set
+    node_reduce: object           # phase 1 over them (None: alone on its node)
+    node_spread: object           # phase 3 over them, a group apart so each group sees one phase in order
+    rail: Optional[int]           # this rank's rail (None: on none)
+    rail_group: object
+
+
+def node_keys() -> List[str]:
+    """Every rank's node: its host name, or rank // HRLPLAN_SYNC_NODE_SIZE where set (the tests
+    emulate several nodes on one machine). A collective over the world."""
+    size = os.environ.get("HRLPLAN_SYNC_NODE_SIZE")
+    mine = str(dist.get_rank() // int(size)) if size else socket.gethostname()
+    out: List[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [str(k) for k in out]
+
+
+def make_set_groups(ordered: Sequence[RankSet], rank: int, node_of: Sequence[str]) -> Dict[RankSet, _SetGroups]:
+    """Every rank creates every group, in the same order (new_group is collective over the world)."""
+    out: Dict[RankSet, _SetGroups] = {}
+    for ranks in ordered:
+        hier = node_hierarchy(ranks, node_of)
+        if hier is None:
+            flat = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if rank in ranks:
+                out[ranks] = _SetGroups(flat, None, (), None, None, None, None)
+            continue
+        mine: Dict[str, object] = {"node": ()}
+        for node in hier.nodes:
+            reduce_group, spread_group = (dist.new_group(list(node)), dist.new_group(list(node))) \
+                if len(node) > 1 else (None, None)
+            if rank in node:
+                mine.update(node=node, node_reduce=reduce_group, node_spread=spread_group)
+        for i, rail in enumerate(hier.rails):
+            group = dist.new_group(list(rail))
+            if rank in rail:
+                mine.update(rail=i, rail_group=group)
+        if rank in ranks:
+            out[ranks] = _SetGroups(None, hier, mine["node"], mine.get("node_reduce"), mine.get("node_spread"),
+                                    mine.get("rail"), mine.get("rail_group"))
+    return out
+
+
+class _Reduce:
+    """One bucket's all-reduce in flight: one call, or three phases in-node first (replica_sync.py),
+    each phase issued once the previous is complete on this rank."""
+
+    def __init__(self, bucket: "Bucket", buf: torch.Tensor, groups: _SetGroups):
+        self.bucket, self.buf, self.groups = bucket, buf, groups
+        self.works: List[object] = []
+        self.issued = 0   # phases issued, of PHASES
+        if groups.hier is None:
+            if groups.flat is not None:
+                self.works = [dist.all_reduce(buf, group=groups.flat, async_op=True)]
+            self.issued = self.PHASES
+        else:
+            self.issue_next()
+
+    PHASES = 3
+
+    def complete(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def issue_next(self) -> None:
+        g, buf = self.groups, self.buf
+        parts = rail_slices(buf.numel(), len(g.hier.rails))
+        if self.issued == 0 and g.node_reduce is not None:
+            self.works = [dist.all_reduce(buf, group=g.node_reduce, async_op=True)]
+        elif self.issued == 1 and g.rail is not None:
+            start, end = parts[g.rail]
+            self.works = [dist.all_reduce(buf.narrow(0, start, end - start), group=g.rail_group, async_op=True)]
+        elif self.issued == 2 and g.node_spread is not None:
+            self.works = [dist.broadcast(buf.narrow(0, start, end - start), src=g.node[i], group=g.node_spread,
+                                         async_op=True) for i, (start, end) in enumerate(parts)]
+        else:
+            self.works = []
+        self.issued += 1
+
+
 class GradientReducer:
     """This rank's buckets, their groups, the hooks that start them and the wait (module docstring)."""
 
     def __init__(self, plan, pipes: List[PipelinePlan], holders: Dict[str, List[Holder]], rank: int,
-                 order: Sequence[str], dtype: torch.dtype = torch.float32):
+                 order: Sequence[str], dtype: torch.dtype = torch.float32, node_of: Optional[Sequence[str]] = None):
+        """node_of: every rank's node (default node_keys())."""
         self.rank, self.dtype = rank, dtype
         self.weights = [p.batch_size / plan.global_batch_size for p in pipes]
         self.holders = holders
         self.position = {u: i for i, u in enumerate(order)}
         # unit -> [(rank set, whole?)]: one group per tp index, or one whole-unit group across tp degrees
-        self.unit_groups: Dict[str, List[Tuple[RankSet, bool]]] = {}
-        ordered: List[RankSet] = []
-        for unit in order:
-            hs = holders.get(unit, [])
-            if not hs:
-                continue
-            tps = {pipes[p].stages[s].tp for p, s in hs}
-            if len(tps) == 1:
-                sets = [(tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in hs})), False) for t in range(tps.pop())]
-            else:
-                sets = [(tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks})), True)]
-            self.unit_groups[unit] = sets
-            ordered += [ranks for ranks, _ in sets if ranks not in ordered]
-        self.groups: Dict[RankSet, object] = {}
-        for ranks in ordered:   # every rank creates every group, in the same order
-            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.groups[ranks] = group
+        self.unit_groups, ordered = unit_rank_sets(pipes, holders, order)
+        self.groups = make_set_groups(ordered, rank, node_keys() if node_of is None else node_of)
         self.group_rank = {ranks: i for i, ranks in enumerate(ordered)}
         self.buckets: List[Bucket] = []
         self.started_in_backward = 0   # buckets the last step started from the hooks (the overlap)
@@ -181,7 +239,7 @@ class GradientReducer:
         keyed = []
         for ranks, items in by_ranks.items():
             for cut in cut_buckets(items, cap_bytes, value_bytes):
-                keyed.append(((self.position[cut[0].unit], self.group_rank[ranks]), Bucket(ranks, tuple(cut))))
+                keyed.append((bucket_key(self.position, self.group_rank, ranks, cut[0].unit), Bucket(ranks, tuple(cut))))
         self.buckets = [b for _, b in sorted(keyed, key=lambda kb: kb[0])]
         self.bucket_of: Dict[int, List[int]] = {}
         for k, bucket in enumerate(self.buckets):
@@ -204,11 +262,12 @@ class GradientReducer:
         while len(self.launched) < len(self.buckets) and self.pending[len(self.launched)] <= 0:
             self._start(self.buckets[len(self.launched)])
             self.started_in_backward += 1
+        self._progress(block=False)
 
     def _reset(self) -> None:
         self.seen: Dict[int, int] = {}
         self.pending = [len(b.items) for b in self.buckets]
-        self.launched: List[Tuple[Bucket, torch.Tensor, object]] = []
+        self.launched: List[_Reduce] = []
 
     def _start(self, bucket: Bucket) -> None:
         weight = self.weights[self.me[0]]
@@ -221,10 +280,21 @@ class GradientReducer:
             else:
                 part = _local(item.param.grad).detach().float() * weight
             flats.append(part.reshape(-1).to(self.dtype))
-        buf = torch.cat(flats)
-        group = self.groups[bucket.ranks]
-        work = dist.all_reduce(buf, group=group, async_op=True) if group is not None else None
-        self.launched.append((bucket, buf, work))
+        self.launched.append(_Reduce(bucket, torch.cat(flats), self.groups[bucket.ranks]))
+
+    def _progress(self, block: bool) -> None:
+        """Issue the next phases of in-node-first buckets whose previous phase is complete. A bucket
+        issues phase p only after every bucket before it has: each group then sees its collectives
+        in the bucket order on every member. block: drive them all to their last phase."""
+        ahead = _Reduce.PHASES
+        for red in self.launched:
+            while red.issued < min(ahead, _Reduce.PHASES):
+                if not red.complete():
+                    if not block:
+                        break
+                    red.wait()
+                red.issue_next()
+            ahead = red.issued
 
     def _whole_contribution(self, grad, weight: float) -> torch.Tensor:
         """This rank's share of a whole-shape sum over every tp rank of every holder: its shard in
@@ -241,11 +311,12 @@ class GradientReducer:
         """Start the buckets backward did not, wait for all, unpack; ready for the next step."""
         for bucket in self.buckets[len(self.launched):]:
             self._start(bucket)
+        self._progress(block=True)
         launched = self.launched
         self._reset()
-        for bucket, buf, work in launched:
-            if work is not None:
-                work.wait()
+        for red in launched:
+            red.wait()
+            bucket, buf = red.bucket, red.buf
             offset = 0
             with torch.no_grad():
                 for item in bucket.items:

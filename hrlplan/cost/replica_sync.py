@@ -1,0 +1,119 @@
+"""The shape of a heterogeneous plan's cross-replica gradient sync, as pure facts both sides read:
+runtime/hetero_sync.py runs it, cost/plans.py costs it (one fact in one place).
+
+- Units and holders: a parameter unit (an embedding parameter, block i, final norm + head) is
+  held by one stage of every replica; a tied head's weight is the embedding's unit, held by the
+  last stage too (unit_holders).
+- Rank sets: holders at one tp degree reduce shard by shard (tp rank t of every holder); holders at
+  different tp degrees reduce the whole unit over all their ranks (unit_rank_sets).
+- Buckets: a rank's units in the order backward finishes them (unit_order), cut per rank set into
+  buckets of whole units of at least BUCKET_MB (cut_buckets); buckets start in one global order,
+  (first unit's position, rank set's index) (bucket_key).
+- Hierarchy: a rank set spanning several nodes with some node holding two or more of its ranks is
+  reduced in-node first (node_hierarchy): each node's members all-reduce the bucket among
+  themselves, then `rails` all-reduces across nodes each carry 1/rails of it (member i of every
+  node, i < rails = the fewest members any node has), then member i broadcasts its part in its node.
+  The inter-node link then carries 1/rails of what a flat ring over every member would send
+  through it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+Holder = Tuple[int, int]   # (pipeline, stage)
+RankSet = Tuple[int, ...]
+BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
+
+
+def unit_order(n_layer: int, embed_units: Sequence[str]) -> List[str]:
+    """Units in the order backward finishes them: final, block n-1 .. block 0, the embeddings."""
+    return ["final"] + [f"block{i}" for i in reversed(range(n_layer))] + list(embed_units)
+
+
+def unit_holders(pipes, n_layer: int, embed_units: List[str], tied_unit: Optional[str]) -> Dict[str, List[Holder]]:
+    """Which (pipeline, stage) hold each parameter unit: an embedding parameter, block i, or the
+    final norm + head; a tied head's weight is the embedding's unit, held by the last stage too."""
+    out: Dict[str, List[Holder]] = {u: [] for u in embed_units + [f"block{i}" for i in range(n_layer)] + ["final"]}
+    for p, pipe in enumerate(pipes):
+        last = len(pipe.stages) - 1
+        for s, st in enumerate(pipe.stages):
+            for u in embed_units:
+                if s == 0 or (u == tied_unit and s == last):
+                    out[u].append((p, s))
+            for i in range(*st.layers):
+                out[f"block{i}"].append((p, s))
+            if s == last:
+                out["final"].append((p, s))
+    return out
+
+
+def unit_rank_sets(pipes, holders: Dict[str, List[Holder]], order: Sequence[str]
+                   ) -> Tuple[Dict[str, List[Tuple[RankSet, bool]]], List[RankSet]]:
+    """(unit -> [(rank set, whole?)], every rank set in the global order): one set per tp index where
+    the holders share a tp degree, else one whole-unit set over all their ranks."""
+    unit_sets: Dict[str, List[Tuple[RankSet, bool]]] = {}
+    ordered: Dict[RankSet, None] = {}   # insertion-ordered set
+    for unit in order:
+        hs = holders.get(unit, [])
+        if not hs:
+            continue
+        tps = {pipes[p].stages[s].tp for p, s in hs}
+        if len(tps) == 1:
+            sets = [(tuple(sorted({pipes[p].stages[s].ranks[t] for p, s in hs})), False) for t in range(tps.pop())]
+        else:
+            sets = [(tuple(sorted({r for p, s in hs for r in pipes[p].stages[s].ranks})), True)]
+        unit_sets[unit] = sets
+        ordered.update((ranks, None) for ranks, _ in sets)
+    return unit_sets, list(ordered)
+
+
+def cut_buckets(items: Sequence, cap_bytes: float, value_bytes: int) -> List[List]:
+    """Whole units, in the given order, grouped until a bucket holds at least cap_bytes. Items have
+    .unit and .numel. Pure: every member of a group cuts the same buckets from the same sequence."""
+    buckets: List[List] = []
+    current: List = []
+    size = 0.0
+    for i, item in enumerate(items):
+        current.append(item)
+        size += item.numel * value_bytes
+        unit_ends = i + 1 == len(items) or items[i + 1].unit != item.unit
+        if unit_ends and size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0.0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_key(position: Dict[str, int], set_index: Dict[RankSet, int], ranks: RankSet, first_unit: str):
+    """The global start order of buckets (every rank sorts its own by it)."""
+    return position[first_unit], set_index[ranks]
+
+
+class Hierarchy(NamedTuple):
+    nodes: Tuple[RankSet, ...]   # the rank set's members per node (nodes in order of their first member)
+    rails: Tuple[RankSet, ...]   # rail i: member i of every node
+
+
+def node_hierarchy(ranks: RankSet, node_of: Sequence) -> Optional[Hierarchy]:
+    """The in-node-first reduce of a rank set (module docstring), or None where a flat all-reduce
+    sends no more across nodes: all on one node, or one member per node."""
+    members: Dict[object, List[int]] = {}
+    for r in ranks:
+        members.setdefault(node_of[r], []).append(r)
+    if len(members) < 2 or len(members) == len(ranks):
+        return None
+    nodes = tuple(tuple(m) for m in members.values())
+    rails = min(len(m) for m in nodes)
+    return Hierarchy(nodes, tuple(tuple(m[i] for m in nodes) for i in range(rails)))
+
+
+def rail_slices(numel: int, rails: int) -> List[Tuple[int, int]]:
+    """(start, end) of each rail's part of a bucket of `numel` values: as equal as whole values allow."""
+    base, extra = divmod(numel, rails)
+    out, start = [], 0
+    for i in range(rails):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
