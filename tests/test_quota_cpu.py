@@ -96,9 +96,10 @@ def test_a_capped_replicas_cross_replica_reduce_joins_its_bound():
                                                               "share": 0.33}]}),
                SimpleNamespace(breakdown={"quota_cpu_work": [{"position": 0, "devices": [2], "work_s": 2e-3,
                                                               "share": 0.33}]})]
-    bounds = quota_cpu.replica_bounds(cluster, results, {(0, 1, 2): 1e6, (0, 1): 1e5}, [0, 1, 2])
+    buckets = [((0, 1, 2), 1e6), ((0, 1), 1e5)]   # (plan ranks, bytes) per all-reduce, as sync_buckets cuts them
+    bounds = quota_cpu.replica_bounds(cluster, results, buckets, [0, 1, 2])
     assert bounds == pytest.approx([(3e-3 + 2e-4 + 2e-3 + 1e-4 + 1e-4) / 0.33, (2e-3 + 2e-4 + 2e-3) / 0.33])
-    assert quota_cpu.replica_bounds(cluster, results[:1], {(0, 1): 1e5}, [0, 1, 2]) == []
+    assert quota_cpu.replica_bounds(cluster, results[:1], buckets[1:], [0, 1, 2]) == []
 
 
 def _call_site_applied() -> bool:

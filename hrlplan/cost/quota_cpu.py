@@ -34,9 +34,10 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hrlplan.cluster import cpu_quota_share
+from hrlplan.cost.replica_sync import BUCKET_MB
 
 QUOTA_CPU_KEY = "quota_cpu_s"
-GRADIENT_BUCKET_BYTES = 25 * 2 ** 20   # runtime/hetero_sync.BUCKET_MB: one all-reduce per bucket
+GRADIENT_BUCKET_BYTES = BUCKET_MB * 2 ** 20   # one all-reduce per bucket, as torch DDP and runtime/hetero_sync cut them
 
 
 def figures(calibration: Optional[Mapping[str, Any]], device_name: str) -> Dict[str, Any]:
@@ -123,11 +124,12 @@ def position_bounds(run, totals) -> List[float]:
     return [work / share for work, share in position_work(run, totals).values()]
 
 
-def replica_bounds(cluster, results: Sequence[Any], bucket_bytes: Mapping[Tuple[int, ...], float],
+def replica_bounds(cluster, results: Sequence[Any], buckets: Sequence[Tuple[Sequence[int], float]],
                    rank_devices: Sequence[int]) -> List[float]:
     """A heterogeneous plan's capped ranks: each one's replica position's CPU work (the simulator's
-    breakdown["quota_cpu_work"], per device) plus its cross-replica gradient reduces (bucket_bytes:
-    {plan ranks holding a unit: bytes}, one bucketed all-reduce per group of ranks), over its share."""
+    breakdown["quota_cpu_work"], per device) plus the cross-replica all-reduces it takes part in
+    (buckets: (plan ranks, bytes) per all-reduce the runtime runs, cost/replica_sync_cost.sync_buckets),
+    over its share."""
     work: Dict[int, Tuple[float, float]] = {}
     for r in results:
         for entry in (r.breakdown or {}).get("quota_cpu_work", ()):
@@ -136,12 +138,12 @@ def replica_bounds(cluster, results: Sequence[Any], bucket_bytes: Mapping[Tuple[
     if not work:
         return []
     extra: Dict[int, float] = {}
-    for ranks, nbytes in bucket_bytes.items():
+    for ranks, nbytes in buckets:
         for r in ranks:
             d = rank_devices[r]
             if d in work:
                 fig = figures(cluster.calibration, cluster.devices[d].name)
-                extra[d] = extra.get(d, 0.0) + gradient_sync_cpu_s(fig, len(ranks), nbytes)
+                extra[d] = extra.get(d, 0.0) + allreduce_cpu_s(fig, len(ranks), nbytes)
     return [(w + extra.get(d, 0.0)) / share for d, (w, share) in work.items()]
 
 
