@@ -219,8 +219,9 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                 per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
                           for j in range(args.micro_batches * args.dp)]
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
+    # the rows timed between the steps (the passes before the rounds only feed the dispatch)
     full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
-                                                     timing["before"] + [r["calibration"] for r in timing["rounds"]])
+                                                     [r["calibration"] for r in timing["rounds"]])
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
     predicted, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
@@ -300,8 +301,10 @@ def measure(args) -> Dict:
     timing["before"], timing["calibration_rows"] = before, calibration
     report = _analyse(args, prepared, timing, meta, spans)
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
-    # the raw calibration passes (before the rounds, then one per round) and their rows, to re-fit offline
-    report["calibration_passes"] = timing["before"] + [r["calibration"] for r in timing["rounds"]]
+    # the raw calibration passes (one per round, timed between its steps; those before the rounds, which
+    # fed the dispatch) and their rows, to re-fit offline
+    report["calibration_passes"] = [r["calibration"] for r in timing["rounds"]]
+    report["calibration_passes_before"] = timing["before"]
     report["calibration_rows"] = [[n, u, sq] for n, u, sq, _ in calibration]
     if args.train_rounds:
         with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:

@@ -182,7 +182,9 @@ def time_calibration(stages, calibration) -> Dict:
 
 def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
     """Per round (packings interleaved, order flipping): per packing and step the {F, B} tables; the
-    calibration rows' (n documents: {F, B}); the load average around the round."""
+    calibration rows, each timed once between the round's steps (so in the steps' own conditions: on a
+    shared machine, passes timed apart from the steps were measured 2-5% off them either way); the
+    load average around the round."""
     import torch
 
     torch.set_num_threads(1)
@@ -192,7 +194,10 @@ def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
         load = os.getloadavg()[0]
         order = PACKINGS if r % 2 == 0 else PACKINGS[::-1]
         per = {p: [] for p in PACKINGS}
-        for step in timed:
+        rows: List = [None] * len(calibration)
+        for t, step in enumerate(timed):
+            for j in range(t, len(calibration), len(timed)):
+                rows[j] = time_calibration(stages, [calibration[j]])[0]
             gradients = {}
             for p in order:
                 inputs, targets = batches[p][step]
@@ -205,7 +210,6 @@ def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
             for p in PACKINGS:
                 per[p][-1]["gradient_max_abs_difference"] = float((gradients[p] - gradients["document"]).abs().max())
                 per[p][-1]["gradient_max_abs"] = scale
-        rows = time_calibration(stages, calibration)
         rounds.append({"round": r, "load_before": load, "load_after": os.getloadavg()[0], "tables": per,
                        "calibration": rows})
         print(f"round {r}: load {load:.1f} -> {rounds[-1]['load_after']:.1f}", flush=True)
