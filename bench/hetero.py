@@ -158,7 +158,7 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
                    lost_on_s=best["lost_on_s"])
     else:
         tail = hetero["note"].split("anchored on")[-1]
-        anchored_none = "anchored on" in hetero["note"] and "no faster plan" in tail and "cut short" not in tail
+        anchored_none = "anchored on" in hetero["note"] and "no plan that fits" in tail and "cut short" not in tail
         memory = ("memory (no plan fits at dp 1: unsharded state, receive buffers without sequence parallelism)"
                   if anchored_none else "")
         if hetero.get("out_of_time"):

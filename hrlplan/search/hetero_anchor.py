@@ -8,8 +8,8 @@ does:
 
 - the anchor: the single-template optimum's template -- its stages, layer split, tp per stage -- on
   each of its dp data-parallel slices (slice i holds, at every pipeline position, the i-th tp group
-  of that position's devices) as a replica at dp 1, all with r rows of the global batch (r on the
-  share grid), at the micro-batch size (a divisor of r up to the template's) and recomputation (the
+  of that position's devices) as a replica at dp 1, all with r rows of the global batch (any r whose
+  slices leave the other replicas a multiple of the share grid's unit: anchor_rows), at the micro-batch size (a divisor of r up to the template's) and recomputation (the
   template's, or full where the template's does not fit at dp 1) that give the replica the least
   step time;
 - per device type, k >= 0 replicas of one shape on the whole nodes the single template leaves idle,
@@ -21,8 +21,8 @@ group that must be chosen) and every selection is predicted in full, cross-repli
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
@@ -125,6 +125,21 @@ class AnchorTemplates:
         return Option(label, Shape(0, len(self.slices)), len(self.slices), rows, tp, step, nproc, layouts)
 
 
+MAX_ANCHOR_ROWS = 48
+
+
+def anchor_rows(global_batch: int, unit: int, slices: int) -> List[int]:
+    """The anchor's rows per slice: every r whose slices leave the other replicas a multiple of the
+    grid's unit (slices x r a multiple of it) -- finer than the grid, which would leave nothing to a
+    template of 16 slices on a 16-step grid; evenly thinned to MAX_ANCHOR_ROWS, the largest kept."""
+    step = unit // math.gcd(unit, slices)
+    rows = list(range(step, global_batch // slices + 1, step))
+    if len(rows) > MAX_ANCHOR_ROWS:
+        stride = math.ceil(len(rows) / MAX_ANCHOR_ROWS)
+        rows = sorted(set(rows[::-1][::stride]))
+    return rows
+
+
 def anchor_label(cluster, layout: Layout) -> str:
     types = []
     for g in layout.groups:
@@ -136,7 +151,8 @@ def anchor_label(cluster, layout: Layout) -> str:
 
 def describe_anchored(single: Layout, slices: int, idle: int, nproc: int, grid: List[int]) -> str:
     return (f"the single-template optimum's template ({describe(single)}: its stages, layer split and tp) on each of "
-            f"its {slices} data-parallel slices as a replica at dp 1, rows on the grid of {grid[0]}, at the micro-batch "
+            f"its {slices} data-parallel slices as a replica at dp 1, r rows each (anchor_rows: slices x r a multiple of "
+            f"{grid[0]}, at most {MAX_ANCHOR_ROWS} values of r), at the micro-batch "
             f"size (a divisor of its rows up to the template's) and recomputation (the template's, or full) fastest for "
             f"its rows, plus per device type k replicas of one shape on the {idle} whole nodes it leaves idle at "
             f"nproc-per-node {nproc}, each template the exact planner's optimum for its rows")
@@ -164,7 +180,7 @@ def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> 
     anchors = AnchorTemplates(sim, layout)
     tp = layout.tp if one_tp else TP_ANY
     label = anchor_label(cluster, layout)
-    options = [o for rows in grid if rows * len(anchors.slices) <= search.global_batch
+    options = [o for rows in anchor_rows(search.global_batch, grid[0], len(anchors.slices))
                for o in [anchors.option(rows, nproc, tp, label, deadline)] if o is not None]
     for o in options:   # the anchor's times are exact already: no template search refines them
         search.table.table[o.key] = (o.time_s, o.layouts[0])
@@ -186,6 +202,7 @@ def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> 
     info = {"ran": True, "single_template": describe(layout), "slices": len(anchors.slices), "idle_nodes": len(idle),
             "nproc_per_node": nproc, "anchor_options": sum(bool(o.layouts) for o in options),
             "options": len(options), "time_s": time.perf_counter() - t0, "improved": search.best_s < before,
+            "best_s": search.best_s if search.best_s < before else None, "had_incumbent": before < float("inf"),
             "gave_up": gave_up}
     return {"options": len(options), "gave_up": gave_up, "info": info,
             "sub_space": describe_anchored(layout, len(anchors.slices), len(idle), nproc, grid)}
@@ -195,7 +212,10 @@ def anchored_note(info: Dict[str, Any]) -> str:
     """plan_info's word on the anchored sub-space: why it did not run, or what it found."""
     if not info["ran"]:
         return f"no anchored sub-space ({info['why']})"
-    found = "a faster plan" if info["improved"] else "no faster plan"
+    if info["improved"]:
+        found = f"its best plan {info['best_s'] * 1e3:.4g} ms"
+    else:
+        found = "none faster than the incumbent" if info["had_incumbent"] else "no plan that fits"
     cut = f", cut short at {info['gave_up']}" if info["gave_up"] else ""
     return (f"anchored on the single template's {info['slices']} slices and {info['idle_nodes']} idle nodes: "
             f"{info['anchor_options']} of its row counts fit at dp 1, {found}{cut}")
