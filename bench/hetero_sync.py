@@ -79,6 +79,7 @@ def run(spec, budget_s: float, plans_dir: Path) -> dict:
            "planned_kind": "replicas" if plan.heterogeneous else "single template",
            "single_s": single["step_time_s"] if single else math.inf,
            "single_step_collectives_s": (single or {}).get("breakdown", {}).get("step_collectives_s"),
+           "single_dp_comm_exposed_s": (single or {}).get("breakdown", {}).get("dp_comm_exposed_s"),
            "planned_s": plan.meta["predicted"]["step_time_s"]}
     if not plan.heterogeneous and "best_replica_plan" in hetero:
         best = hetero["best_replica_plan"]

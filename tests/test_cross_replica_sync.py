@@ -129,3 +129,20 @@ def test_a_bucket_starts_when_its_units_are_final_and_the_buckets_ahead_have_sta
     finish = bucket_finish(buckets, launch, end)
     assert finish[0] >= 10.0 + buckets[embed].seconds - 1e-12   # the embedding's bucket starts at the end
     assert finish[2] == pytest.approx(finish[0])
+
+
+def test_a_single_templates_stage_root_sync_waits_for_its_whole_backward():
+    """FSDP2 reduce-scatters a stage's root (embedding, final norm + head) after the stage's whole
+    backward: its sync is exposed however long the last backward, as a replica plan's embedding
+    bucket is."""
+    from hrlplan.cost.device_model import all_reduce_time
+
+    meta = toy_meta(vocab=20000)   # a large embedding, small blocks
+    sim = Simulator(meta, two_node_cluster(per_node=2), CostOptions(dp_mode="fsdp"))
+    lay = Layout(spans=((0, 8),), groups=((0, 2),), tp=1, dp=2, microbatch_size=1, num_microbatches=8,
+                 schedule="1f1b")
+    got = sim.evaluate(lay, detail=True).breakdown
+    bw = 10e9 * sim.devices.bw_eff
+    root = (meta.embedding_params + meta.head_params) * sim.opts.bytes_per_value
+    assert got["dp_comm_exposed_s"] >= all_reduce_time(root, 2, bw, 5e-6) / 2 * (1 - 1e-9)
+    assert got["dp_comm_exposed_s"] <= got["dp_comm_s"] + 1e-12

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hrlplan import schedules
 from hrlplan.cluster import cpu_quota_share
 from hrlplan.cost import memory as mem
+from hrlplan.cost.device_model import all_reduce_time
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
 
@@ -156,6 +157,7 @@ class _PositionTotals:
     transient: List[float]   # one backward's working set at a time per rank (memory.stage_transient)
     rebuilt: List[float]     # the same of its full-recomputation stages (beside the gradients too)
     optimizer: List[float]   # the optimizer step, its per-call cost once per rank
+    tail: List[float]        # the part of sync that waits for the rank's whole backward (root_sync_tail)
 
 
 class _StepRun:
@@ -245,13 +247,15 @@ class _StepRun:
 
     def position_totals(self) -> _PositionTotals:
         lay = self.layout
-        t = _PositionTotals(*([0.0] * lay.pp for _ in range(7)))
+        t = _PositionTotals(*([0.0] * lay.pp for _ in range(8)))
         meta, zb = self.sim.meta, schedules.get(lay.schedule, lay.stages_per_rank).split_backward
         reserved = [0.0] * lay.pp
         for k, c in enumerate(self.stage_costs):
             pos = lay.stage_group(k)
             t.reduce[pos] += c.last_bwd_extra
             t.sync[pos] += c.dp_sync
+            if k == min(j for j in range(self.n) if lay.stage_group(j) == pos):   # its backward ends the rank's
+                t.tail[pos] = self.root_sync_tail(k, c.dp_sync)
             # the workspace reserve is the rank's, once, however many stages it runs
             reserve = c.memory["workspace"] if c.memory else 0.0
             transient = c.memory["transient"] if c.memory else 0.0   # one backward at a time: the largest
@@ -270,10 +274,27 @@ class _StepRun:
         t.optimizer = [x + fixed for x in t.optimizer]
         return t
 
+    def root_sync_tail(self, k: int, dp_sync: float) -> float:
+        """The gradient sync of stage k's own parameters (embedding; final norm, head, a tied head's
+        copy), which FSDP2 reduce-scatters as the stage root after the stage's whole backward (replicate
+        and Megatron's DDP: the last bucket, all-reduced): exposed however long the last backward,
+        as a replica plan's embedding bucket is (cost/replica_sync_cost.py). Within dp_sync."""
+        lay, meta, o = self.layout, self.sim.meta, self.sim.opts
+        last = k == self.n - 1
+        root = (meta.embedding_params if k == 0 else 0.0) + (meta.head_params if last else 0.0)
+        if meta.tied_embeddings and last and k != 0:
+            root += meta.head_matmul_params
+        if dp_sync <= 0.0 or lay.dp < 2 or root <= 0.0:
+            return 0.0
+        _, (bw, lat) = self.sim.links(self.groups[k], lay.tp, lay.dp)
+        reduce = all_reduce_time(root / lay.tp_of(k) * o.bytes_per_value, lay.dp, bw, lat)
+        return min(reduce / 2 if o.dp_mode == "fsdp" else reduce, dp_sync)
+
     def step_time(self, t: _PositionTotals):
         """(step time, each position's end, its exposed gradient sync).
 
-        Gradient sync per position: after its last backward, partly hidden behind it when overlapped.
+        Gradient sync per position: after its last backward, partly hidden behind it when overlapped,
+        never its stage root's (root_sync_tail), which waits for the whole backward.
         Calibrated FSDP/replicate reduces (last_bwd_extra) run as the pipeline schedule's REDUCE_GRAD:
         after a stage's last backward has sent its gradient on, so they delay the position's own end,
         not the earlier stages' remaining backward (which they overlap). Then the per-step costs after
@@ -282,7 +303,7 @@ class _StepRun:
         finish, exposed = [], []
         for pos in range(self.layout.pp):
             hidden = min(t.sync[pos], self.tl.last_backward[pos]) if self.sim.opts.dp_overlap else 0.0
-            exposed.append(t.sync[pos] - hidden)
+            exposed.append(max(t.sync[pos] - hidden, t.tail[pos]))
             finish.append(self.tl.end[pos] + exposed[-1] + t.reduce[pos])
         self.collectives = self.sim.step_collectives(self.layout)
         step = (max(f + self.collectives + opt for f, opt in zip(finish, t.optimizer)) + self.ov.step)

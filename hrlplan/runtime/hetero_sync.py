@@ -164,6 +164,8 @@ class _Reduce:
     """One bucket's all-reduce in flight: one call, or three phases in-node first (replica_sync.py),
     each phase issued once the previous is complete on this rank."""
 
+    PHASES = 3
+
     def __init__(self, bucket: "Bucket", buf: torch.Tensor, groups: _SetGroups):
         self.bucket, self.buf, self.groups = bucket, buf, groups
         self.works: List[object] = []
@@ -174,8 +176,6 @@ class _Reduce:
             self.issued = self.PHASES
         else:
             self.issue_next()
-
-    PHASES = 3
 
     def complete(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -189,12 +189,12 @@ class _Reduce:
         parts = rail_slices(buf.numel(), len(g.hier.rails))
         if self.issued == 0 and g.node_reduce is not None:
             self.works = [dist.all_reduce(buf, group=g.node_reduce, async_op=True)]
-        elif self.issued == 1 and g.rail is not None:
+        elif self.issued == 1 and g.rail is not None and parts[g.rail][1] > parts[g.rail][0]:
             start, end = parts[g.rail]
             self.works = [dist.all_reduce(buf.narrow(0, start, end - start), group=g.rail_group, async_op=True)]
-        elif self.issued == 2 and g.node_spread is not None:
+        elif self.issued == 2 and g.node_spread is not None:   # (a part may be empty: fewer values than rails)
             self.works = [dist.broadcast(buf.narrow(0, start, end - start), src=g.node[i], group=g.node_spread,
-                                         async_op=True) for i, (start, end) in enumerate(parts)]
+                                         async_op=True) for i, (start, end) in enumerate(parts) if end > start]
         else:
             self.works = []
         self.issued += 1
