@@ -17,7 +17,7 @@ from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.cost.model import Layout
 from hrlplan.search.common import Scored
 from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
-from hrlplan.search.hetero_anchor import AnchorTemplates, idle_nodes
+from hrlplan.search.hetero_anchor import AnchorTemplates, anchor_rows, idle_nodes
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid, search_hetero
 from tests.test_cost import toy_meta
 
@@ -339,8 +339,8 @@ def test_anchored_sub_space_matches_brute_force():
                                for k in idle.shape_counts(t, shape) for rows in grid
                                if table.exact((2, t, shape, rows, TP_ANY))[1] is not None])
     anchored = float("inf")
-    for rows in grid:
-        found = anchors.best(rows, float("inf")) if 2 * rows <= 12 else None
+    for rows in anchor_rows(12, grid[0], 2):
+        found = anchors.best(rows, float("inf"))
         if found is None:
             continue
         _, b, rc = found
@@ -416,3 +416,11 @@ def test_receive_buffers_cut_is_rigorous():
         assert not sim.evaluate(rs.layout(c, [(0, 3), (3, 6)])).feasible
     small = (2, "slow", Shape(2, 1), 2, TP_ANY)
     assert all(table.buffers_may_fit(small, c) for c in table._space(small).configs())
+
+
+def test_anchor_rows_leave_the_other_replicas_whole_grid_units():
+    # 16 slices on a grid of 4 rows (B = 64): the grid alone would give the anchor all 64 rows
+    assert anchor_rows(64, 4, 16) == [1, 2, 3, 4]
+    assert anchor_rows(2048, 128, 4) == list(range(32, 513, 32))
+    thinned = anchor_rows(1024, 1, 2)
+    assert len(thinned) <= 48 and 512 in thinned and all(0 < r <= 512 for r in thinned)
