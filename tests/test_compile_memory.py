@@ -90,5 +90,4 @@ def _case_plan(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_run_peak_per_rank_within_10pct_of_the_prediction(tmp_path, name):
-    plan, overrides = _case_plan(name)
-    assert_peak_within_10pct(name, *measure_and_predict(plan, overrides, tmp_path / name))
+    assert_peak_within_10pct(name, *measure_and_predict({name: _case_plan(name)}, tmp_path)[name])
