@@ -1,10 +1,12 @@
-"""`python pretrain.py` end to end with the tiny defaults, and resume after an interruption."""
+"""`python pretrain.py` end to end with the tiny defaults, and resume after an interruption (the
+recorded config restored, a change of it refused)."""
 import json
 
 import pytest
 import yaml
 
 from _runs import pretrain
+from hrlplan.launch.rundir import LOCK_FILE
 from hrlplan.plan import Plan
 from hrlplan.runtime.metrics import read_metrics
 
@@ -54,10 +56,11 @@ def test_offline_wandb_run_holds_metrics(default_run):
 def requeued(tmp_path_factory):
     """A calibrated run (calibration on by default on this machine, cached per user: here a cache of
     its own, so the first run measures) stopped after 4 of 8 steps and resumed as a requeued job would
-    be. The uninterrupted run uses the same cache, hence the same calibration and plan."""
+    be. The uninterrupted run uses the same cache, hence the same calibration and plan. Its steps and lr
+    are not the defaults: the resume must restore them from the run directory."""
     root = tmp_path_factory.mktemp("requeued")
     env = {"HRLPLAN_CALIBRATION_CACHE": str(root / "cache")}
-    common = ["train.steps=8", "train.checkpoint_interval=0", "logger.mode=disabled"]
+    common = ["train.steps=8", "train.lr=0.004", "train.checkpoint_interval=0", "logger.mode=disabled"]
     interrupted = root / "interrupted"
     first = pretrain(interrupted, *common, "train.stop_after=4", env=env)
     stopped_after = len(read_metrics(interrupted))
@@ -77,6 +80,21 @@ def test_resume_continues_the_same_loss_curve(requeued):
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(full[step], abs=1e-6)
+
+
+def test_resume_auto_restores_the_recorded_config_and_refuses_a_change(requeued):
+    """train.resume=auto alone continues the run it names (tests/test_resume_truth.py: the same in-process)."""
+    run, again = requeued["run"], requeued["again"]
+    line = next(ln for ln in again.stderr.splitlines() if ln.startswith("[hrlplan] resuming"))
+    assert line.startswith(f"[hrlplan] resuming {run} at step 4: restored its config (") and "steps=8 lr=0.004" in line
+    hydra_config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert hydra_config["train"]["steps"] == 8 and hydra_config["train"]["lr"] == 0.004
+    assert not (run / LOCK_FILE).exists()   # the job released its run directory
+    refused = pretrain(run, "train.resume=auto", "train.steps=50", check=False, env=requeued["env"])
+    errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("hrlplan: error:")]
+    assert refused.returncode == 2 and len(errors) == 1 and "Traceback" not in refused.stderr
+    assert errors[0].startswith("hrlplan: error: train.steps=50 on resume:") and "train.steps=8" in errors[0]
+    assert yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["train"]["steps"] == 8
 
 
 def test_bad_override_gets_one_clear_message(tmp_path):
