@@ -70,12 +70,13 @@ def test_the_schedules_machinery_and_the_steps_collectives_count_per_micro_batch
     assert more[1][0] - work[1][0] > 4 * 5e-4   # four more micro-batches: their compute and machinery
 
 
-def test_the_reference_steps_overhead_in_cpu_time_replaces_the_wall_time_one():
-    figures = {"allreduce": [], "step_overhead": 1e-4}
+def test_the_reference_steps_overhead_and_optimizer_in_cpu_time_replace_the_wall_time_ones():
+    figures = {"allreduce": [], "step_overhead": 1e-4, "optimizer_scale": 0.25}
     run, t, _ = _run(_cluster(NAMES, figures), _pp3())
     plain, t0, _ = _run(_cluster(NAMES, {"allreduce": []}), _pp3())
     gained = quota_cpu.position_work(plain, t0)[1][0] - quota_cpu.position_work(run, t)[1][0]
-    assert gained == pytest.approx(plain.ov.step / max(plain.ov.contention, 1.0) - 1e-4)
+    contention = max(plain.ov.contention, 1.0)
+    assert gained == pytest.approx(plain.ov.step / contention - 1e-4 + 0.75 * t0.optimizer[1] / contention)
 
 
 def test_an_allreduce_beyond_the_largest_group_measured_grows_with_the_rings_steps_and_buckets_cut_calls():
@@ -186,6 +187,16 @@ def test_the_reference_steps_cpu_overhead_is_what_its_cpu_time_leaves_beyond_the
                [], blocks)] * 3
     fit_reference_step_cpu(cal, spec, meta, train, rounds)
     assert [fig["step_overhead"] for fig in cal[quota_cpu.QUOTA_CPU_KEY].values()] == pytest.approx([2e-3, 2e-3])
+    assert "optimizer_scale" not in cal[quota_cpu.QUOTA_CPU_KEY]["cpu"]   # no optimizer predicted to scale
+    # an optimizer the wall-time figures predict at twice what the reference step's CPU time says
+    slow = dict(cal, optimizer_s_per_block={"plain": 1e-3, "sharded": 1e-3})
+    spec.calibration = dict(slow, step_overhead_s=0.0)
+    predicted = predict_one_process_step(meta, spec, train)
+    timed = {"step_s": 9.0, "optimizer_s": 1.0, "optimizer_cpu_s": predicted["optimizer_s"] / 2,
+             "step_cpu_s": predicted["step_time_s"] - predicted["optimizer_s"] / 2}
+    fit_reference_step_cpu(slow, spec, meta, train, [(timed, [], blocks)] * 3)
+    assert slow[quota_cpu.QUOTA_CPU_KEY]["cpu@0.33"]["optimizer_scale"] == pytest.approx(0.5)
+    assert slow[quota_cpu.QUOTA_CPU_KEY]["cpu@0.33"]["step_overhead"] == pytest.approx(0.0, abs=1e-9)
     assert cal["step_overhead_s"] == 0.05   # the wall-time figure is left as it was
     untouched = dict(cal, **{quota_cpu.QUOTA_CPU_KEY: {"cpu": {}}})
     fit_reference_step_cpu(untouched, spec, meta, train, [(r[0], r[1]) for r in rounds])   # rounds without CPU blocks

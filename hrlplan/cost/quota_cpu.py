@@ -12,10 +12,11 @@ The work, all of it in process CPU time (every thread: gloo's too, as the quota 
 - the step's collectives the position takes part in (its start barrier, the loss, the gradient norms,
   a tied embedding's gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and
   per byte, by group size (calibration's all-reduces, in CPU time on each rank);
-- its optimizer (without its contention factor) and the per-step overhead in CPU time (quota_cpu_s'
-  step_overhead: the one-process reference step's CPU beyond its predicted compute and optimizer;
-  the wall-time step_overhead_s carries what other processes took of the core, 10 ms instead of
-  0.7 ms at load 5).
+- its optimizer (without its contention factor; times quota_cpu_s' optimizer_scale, the reference
+  step's clipping + AdamW in CPU time over their wall-time figures' prediction) and the per-step
+  overhead in CPU time (quota_cpu_s' step_overhead: the one-process reference step's CPU beyond its
+  predicted compute and optimizer; the wall-time figures carry what other processes took of the
+  core: step_overhead_s 10 ms instead of 0.7 ms at load 5, the optimizer 4.7x at load 17).
 Measured on gpt2-tiny at shares [1, 1/3, 1/3] (bench/hetero_pick.py --actions): beyond the forwards
 and backwards, a capped rank spent 25-30% of its CPU per step -- the schedule 0.3-0.8 ms per
 micro-batch, a replica's cross-replica reduce about 1.7 ms -- which the bound did not count: every
@@ -24,7 +25,7 @@ last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
 
 calibration["quota_cpu_s"] (written only where a device runs under a quota):
     {device name: {"pipeline_per_microbatch": s, "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}],
-                   "step_overhead": s}}
+                   "step_overhead": s, "optimizer_scale": f}}
 Absent (uncalibrated, or a record from before): the bound counts compute, optimizer and overhead
 only, as it did.
 """
@@ -114,7 +115,7 @@ def position_work(run, totals) -> Dict[int, Tuple[float, float]]:
         if lay.dp > 1:
             collectives += gradient_sync_cpu_s(fig, lay.dp, totals.grads[pos])
         overhead = fig["step_overhead"] if "step_overhead" in fig else ov.step / max(ov.contention, 1.0)
-        fixed = totals.optimizer[pos] / max(ov.contention, 1.0) + overhead
+        fixed = totals.optimizer[pos] / max(ov.contention, 1.0) * float(fig.get("optimizer_scale", 1.0)) + overhead
         out[pos] = (compute + machinery + collectives + fixed, share)
     return out
 

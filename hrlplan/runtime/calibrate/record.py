@@ -267,9 +267,10 @@ def fit_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig, roun
 
 
 def fit_reference_step_cpu(cal: Dict[str, Any], spec, meta, train: TrainConfig, rounds: Sequence[tuple]) -> None:
-    """quota_cpu_s' step_overhead (every device name): the reference step's CPU time beyond what the
-    record predicts for it from the same rounds' blocks timed in CPU time and its clipping + optimizer
-    in CPU time -- the per-step overhead as a CPU quota meters it. The wall-time step_overhead_s carries
+    """quota_cpu_s' step_overhead and optimizer_scale (every device name): the reference step's CPU
+    time beyond what the record predicts for it from the same rounds' blocks timed in CPU time and its
+    clipping + optimizer in CPU time -- the per-step overhead as a CPU quota meters it -- and that
+    clipping + optimizer's CPU time over the record's (wall-time) optimizer figures' prediction of it. The wall-time step_overhead_s carries
     whatever other processes took of the core while rank 0 ran it: 10 ms instead of 0.7 ms at load 5,
     which a capped worker's bound then counted as its own CPU. Nothing where the record has no
     quota_cpu_s or the rounds no CPU times."""
@@ -289,8 +290,12 @@ def fit_reference_step_cpu(cal: Dict[str, Any], spec, meta, train: TrainConfig, 
                            step_overhead_s=0.0, backward_forward_ratio=ratios)
     predicted = predict_one_process_step(meta, ref, train)
     compute = predicted["step_time_s"] - predicted["optimizer_s"]
-    overhead = max(step_cpu - optimizer_cpu - compute, 0.0)
-    cal[QUOTA_CPU_KEY] = {name: dict(fig, step_overhead=overhead) for name, fig in cal[QUOTA_CPU_KEY].items()}
+    extra = {"step_overhead": max(step_cpu - optimizer_cpu - compute, 0.0)}
+    if predicted["optimizer_s"] > 0:
+        # the optimizer figures are wall times (optimizer_in_step_scale too): at load 17 the reference
+        # step's clipping + AdamW took 4.7x the micro-benchmark's in wall time, its CPU time 1x
+        extra["optimizer_scale"] = optimizer_cpu / predicted["optimizer_s"]
+    cal[QUOTA_CPU_KEY] = {name: dict(fig, **extra) for name, fig in cal[QUOTA_CPU_KEY].items()}
 
 
 def predict_reference_step(cal: Dict[str, Any], spec, meta, train: TrainConfig) -> float:
