@@ -135,6 +135,19 @@ def test_a_pipeline_steps_cpu_beyond_its_recorded_actions_is_the_schedules():
     assert cpu_beyond_actions(1e-3, events) == 0.0
 
 
+def test_passes_pool_the_schedules_cpu_as_its_mean_bursts_included():
+    from hrlplan.runtime.calibrate.comm import pool_hop_passes
+
+    def hop(beyond):
+        return {"stage": 0, "schedule": "1f1b", "m": 4, "microbatch_size": 1, "n_blocks": 1, "events": [],
+                "fwd_all": [1.0], "bwd_all": [2.0], "spans_s": [3.0], "steps_all": [3.0], "tail_all": [0.1],
+                "tail_tied_all": None, "cpu_beyond_actions_per_microbatch_all": beyond}
+    pooled = pool_hop_passes([hop([1e-4, 1e-4]), hop([1e-4, 2.5e-3])])   # gloo's thread spun in one step
+    assert pooled["cpu_beyond_actions_per_microbatch_s"] == pytest.approx(7e-4)   # what the quota meters
+    assert pool_hop_passes([dict(hop([]), cpu_beyond_actions_per_microbatch_all=None)])[
+        "cpu_beyond_actions_per_microbatch_s"] is None   # measured on a GPU: no CPU figure
+
+
 def test_the_allreduce_cpu_fit_is_a_line_over_the_payloads_per_group_size():
     from hrlplan.runtime.calibrate.collectives import ALLREDUCE_PAYLOAD_VALUES, CPU_PREFIX, fit_allreduce_cpu
 
