@@ -8,8 +8,9 @@ HSPMD's uneven 24 H20 + 15 H800 (nodes of 8, 8, 8, 8, 7), and generated mixed cl
 types, uneven node counts, nodes of 4 or 8, 16-1024 GPUs) with GPT-2 / Llama models.
 Columns: planned = make_plan exact with planner.heterogeneous=true (never slower than single: the
 single template is a candidate), single = heterogeneous=false, 1-type = the best single-template
-plan on one device type's nodes alone, replica = the best plan of the replica sub-spaces (by type, and
-the single template's own replicas plus replicas on the nodes it leaves idle; proven where 'proof' says so) and what it lost on against the single template where it lost; random / SA / SH =
+plan on one device type's nodes alone, replica = the best plan of the replica sub-spaces (by type,
+and the single template's own replicas plus replicas on the nodes it leaves idle; proven where
+'proof' says so) and what it lost on against the single template where it lost; random / SA / SH =
 random search, simulated annealing and successive halving over the replica space at the planner's
 simulator calls.
 Times are the simulator's predicted step times.
@@ -147,7 +148,8 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     row.update(planned_s=plan.meta["predicted"]["step_time_s"], planned_kind="replicas" if plan.heterogeneous else
                "single template", planned_layout=plan.layout()[:300], proof=hetero["proven"],
                template_searches=hetero["template_searches"], rounds=hetero["rounds"], hetero_time_s=hetero["time_s"],
-               learned=hetero.get("learned_replicas"), planned_by=planned_by(plan, info), hetero_note=hetero["note"][-400:],
+               learned=hetero.get("learned_replicas"), planned_by=planned_by(plan, info),
+               hetero_note=hetero["note"][-400:],
                evaluations=info["planner"]["evaluations"] - evaluations0)
     if plan.heterogeneous:
         row.update(replica_s=row["planned_s"], replica_summary=info["chosen"]["summary"],
@@ -159,8 +161,8 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     else:
         tail = hetero["note"].split("anchored on")[-1]
         anchored_none = "anchored on" in hetero["note"] and "no plan that fits" in tail and "cut short" not in tail
-        memory = ("memory (no plan fits at dp 1: unsharded state, receive buffers without sequence parallelism)"
-                  if anchored_none else "")
+        memory = ("memory (no plan found that fits at dp 1: unsharded state, receive buffers without "
+                  "sequence parallelism)" if anchored_none else "")
         if hetero.get("out_of_time"):
             lost = (f"{memory} in the anchored sub-space; time budget in the by-type one" if memory
                     else "time budget (no replica plan assembled)")

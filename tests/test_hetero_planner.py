@@ -349,7 +349,8 @@ def test_anchored_sub_space_matches_brute_force():
             chosen = [c for c in combo if c is not None]
             if 2 * rows + sum(k * r for _, _, k, r in chosen) != 12:
                 continue
-            replicas = mine + [Replica(t, place(table.exact((2, t, shape, r, TP_ANY))[1], idle.shape_devices(t, shape, i)))
+            replicas = mine + [Replica(t, place(table.exact((2, t, shape, r, TP_ANY))[1],
+                                                idle.shape_devices(t, shape, i)))
                                for t, shape, k, r in chosen for i in range(k)]
             _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim)
             if predicted["feasible"]:

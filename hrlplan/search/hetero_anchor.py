@@ -9,9 +9,9 @@ does:
 - the anchor: the single-template optimum's template -- its stages, layer split, tp per stage -- on
   each of its dp data-parallel slices (slice i holds, at every pipeline position, the i-th tp group
   of that position's devices) as a replica at dp 1, all with r rows of the global batch (any r whose
-  slices leave the other replicas a multiple of the share grid's unit: anchor_rows), at the micro-batch size (a divisor of r up to the template's) and recomputation (the
-  template's, or full where the template's does not fit at dp 1) that give the replica the least
-  step time;
+  slices leave the other replicas a multiple of the share grid's unit: anchor_rows), at the
+  micro-batch size (a divisor of r up to the template's) and recomputation (the template's, or full
+  where the template's does not fit at dp 1) that give the replica the least step time;
 - per device type, k >= 0 replicas of one shape on the whole nodes the single template leaves idle,
   each template the exact planner's optimum for its rows (as in the by-type sub-space), under the
   single template's nproc-per-node.
@@ -150,12 +150,12 @@ def anchor_label(cluster, layout: Layout) -> str:
 
 
 def describe_anchored(single: Layout, slices: int, idle: int, nproc: int, grid: List[int]) -> str:
-    return (f"the single-template optimum's template ({describe(single)}: its stages, layer split and tp) on each of "
-            f"its {slices} data-parallel slices as a replica at dp 1, r rows each (anchor_rows: slices x r a multiple of "
-            f"{grid[0]}, at most {MAX_ANCHOR_ROWS} values of r), at the micro-batch "
-            f"size (a divisor of its rows up to the template's) and recomputation (the template's, or full) fastest for "
-            f"its rows, plus per device type k replicas of one shape on the {idle} whole nodes it leaves idle at "
-            f"nproc-per-node {nproc}, each template the exact planner's optimum for its rows")
+    return (f"the single-template optimum's template ({describe(single)}: its stages, layer split and tp) on "
+            f"each of its {slices} data-parallel slices as a replica at dp 1, r rows each (anchor_rows: slices x r a "
+            f"multiple of {grid[0]}, at most {MAX_ANCHOR_ROWS} values of r), at the micro-batch size (a divisor of "
+            f"its rows up to the template's) and recomputation (the template's, or full) fastest for its rows, plus "
+            f"per device type k replicas of one shape on the {idle} whole nodes it leaves idle at nproc-per-node "
+            f"{nproc}, each template the exact planner's optimum for its rows")
 
 
 def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> Dict[str, Any]:
@@ -168,7 +168,8 @@ def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> 
     why = why_no_anchor(search.meta, layout, one_tp)
     if why:
         return {"options": 0, "gave_up": "", "sub_space": "", "info": {"ran": False, "why": why}}
-    nproc = len({d for g in layout.groups for d in g if cluster.devices[d].node == cluster.devices[layout.groups[0][0]].node})
+    first_node = cluster.devices[layout.groups[0][0]].node   # a launch has one nproc-per-node: the first's
+    nproc = len({d for g in layout.groups for d in g if cluster.devices[d].node == first_node})
     idle = idle_nodes(cluster, layout, nproc)
     if not idle:
         return {"options": 0, "gave_up": "", "sub_space": "",
