@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 import pytest
 
 from _plan_options import reference_losses, train_with_options
+from _tp_runs import one_process_losses, pp2_tp2_run
 
 STEPS = 3
 GPT2 = ["arch=gpt2-tiny", "arch.n_layer=2", "train.lr=3e-3"]
@@ -204,21 +205,13 @@ def test_sequence_parallel_stage_trains_as_the_whole_stage_with_less_activation_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_pp2_tp2_sequence_parallel_matches_one_process(tmp_path, arch):
+def test_pp2_tp2_sequence_parallel_matches_one_process(arch):
     """Stages hand each other the sequence-sharded activation (b, s/tp, h), tp rank to tp rank; the
-    last stage gathers it once into the vocabulary-parallel head. Per-rank activation memory drops."""
-    from hrlplan.plan import homogeneous_plan
-
-    overrides = [*(LLAMA if arch == "llama" else GPT2), "train.global_batch_size=8"]
-    overrides = [o.replace("=2", "=4") if o.startswith("arch.n") else o for o in overrides]
-    model = "llama-tiny" if arch == "llama" else "gpt2-tiny"
-    plan = homogeneous_plan(model, 4, [(0, 2), (2, 4)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
-                            schedule="1f1b")
-    sp = train_with_options(plan, overrides, tmp_path / "sp", STEPS, stage_options={"sequence_parallel": True})
-    tp = train_with_options(plan, overrides, tmp_path / "tp", STEPS)
-    reference = reference_losses(overrides, STEPS)
-    assert sp["losses"] == pytest.approx(reference, abs=1e-5)
-    assert tp["losses"] == pytest.approx(reference, abs=1e-5)
+    last stage gathers it once into the vocabulary-parallel head. Per-rank activation memory drops
+    (against the same plan without sequence parallelism, a run tests/test_tp.py shares)."""
+    sp, tp = pp2_tp2_run(arch, True), pp2_tp2_run(arch, False)
+    assert sp["losses"] == pytest.approx(one_process_losses(arch), abs=1e-5)
+    assert tp["losses"] == pytest.approx(one_process_losses(arch), abs=1e-5)
     for rank, (on, off) in enumerate(zip(sp["memory"], tp["memory"])):
         print(f"{arch} rank {rank}: activations {off['activations']} -> {on['activations']} bytes, "
               f"peak {off['peak']} -> {on['peak']}")
