@@ -43,6 +43,7 @@ from hrlplan.search.common import cost_options
 from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, same_tp_required
 from hrlplan.search.hetero_exact import nproc_candidates, row_grid
 from hrlplan.search.hrl_replica_low import ReplicaTemplates
+from hrlplan.search.hrl_replica_sync import sync_estimate
 from hrlplan.search.instances import load_meta
 
 FEATURES = 12
@@ -156,24 +157,9 @@ class ReplicaEnv:
         return best
 
     def sync_estimate(self, chosen: List[Entry], tp: Optional[int], rows: List[int]) -> float:
-        """The cross-replica gradient reduce left exposed, roughly: the smallest replica's share of
-        the gradients all-reduced over a ring of one device per replica, less about one micro-batch's
-        backward that it overlaps (cost/plans.py costs it exactly, per unit and tp shard)."""
-        replicas = sum(k for _, _, k in chosen)
-        if replicas < 2:
-            return 0.0
-        ring = [self.space.shape_devices(t, s, i)[0] for t, s, k in chosen for i in range(k)]
-        bw, lat = self.sim.devices.ring_bw_lat(ring)
-        nbytes = self.meta.total_params * self.sim.opts.bytes_per_value / min(s.size for _, s, _ in chosen)
-        reduce_s = (2.0 * (replicas - 1) / replicas * nbytes / bw + 2.0 * (replicas - 1) * lat) \
-            * self.sim.devices.time_scale
-        overlap = math.inf
-        for (t, s, _), r in zip(chosen, rows):
-            fitting = self.low.fitting((t, s, r, tp))
-            if fitting:
-                est, c = fitting[0]
-                overlap = min(overlap, (2 / 3) * est / (c.num_microbatches + c.n_stages - 1))
-        return max(0.0, reduce_s - (overlap if overlap < math.inf else 0.0))
+        """The cross-replica gradient sync left exposed, as the simulator's buckets run it (in node
+        first; search/hrl_replica_sync.py), without a simulator call."""
+        return sync_estimate(self, chosen, tp, rows)
 
     def assemble(self, chosen: List[Entry], tp: Optional[int], rows: List[int]) -> Tuple[float, Any, Any]:
         """The simulated plan of the chosen entries at these rows: (step, plan, replicas); inf where a
