@@ -82,12 +82,24 @@ def test_megatron_selective_reruns_the_attention_core_and_keeps_no_scores():
 
 
 def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_under_the_gemms():
+    """The collectives go under the GEMMs; the GEMMs then run as Transformer Engine's userbuffers run
+    them (kernels.tp_overlap_gemms): the forward differs by the chunked GEMMs' extra time less the
+    hidden communication."""
     base = dict(bytes_per_value=2, dp_mode="replicate", runtime="megatron", fused_attention=True)
-    _, exposed = _stage(CostOptions(**base))
+    model, exposed = _stage(CostOptions(**base))
     _, overlapped = _stage(CostOptions(**base, tp_comm_overlap=True))
     assert exposed.tp_comm_fwd > 0
     assert overlapped.tp_comm_fwd < exposed.tp_comm_fwd and overlapped.tp_comm_bwd < exposed.tp_comm_bwd
-    assert exposed.fwd - overlapped.fwd == pytest.approx(exposed.tp_comm_fwd - overlapped.tp_comm_fwd)
+    meta, k, tokens = model.meta, model.kernels[0], float(model.meta.seq_len)
+    a, w = kernels.block_widths(meta, float(meta.block_matmul_params[0]))
+    h = float(meta.hidden_size)
+    shapes = ((tokens, 3 * a / 8, h), (tokens, h, a / 8), (tokens, w / 8, h), (tokens, h, w / 8))
+    chunked = sum(kernels.tp_overlap_gemms(k, shapes, 8, 2))
+    plain = sum(sum(k.gemm_fwd_bwd(*s, 2)) for s in shapes)
+    assert chunked > plain   # smaller row blocks and SMs given to the communication kernel
+    # the stage's forward is a third of forward + backward (the 1:2 split uncalibrated), for 8 blocks
+    assert overlapped.fwd - exposed.fwd == pytest.approx(
+        8 * (chunked - plain) / 3 - (exposed.tp_comm_fwd - overlapped.tp_comm_fwd), rel=1e-6)
     _, no_sp = _stage(CostOptions(**base, tp_comm_overlap=True), sp=False)   # Megatron needs SP for it
     assert no_sp.tp_comm_fwd == pytest.approx(exposed.tp_comm_fwd)
 
@@ -116,3 +128,45 @@ def test_fsdp_gathers_its_weights_under_the_first_forward_when_dp_overlaps():
     b = plain.stage(0, 32, True, True, group, 1, 16, 1, 1, **kw)
     assert a.dp_sync == pytest.approx(b.dp_sync / 2 + max(b.dp_sync / 2 - a.fwd, 0.0))
     assert a.dp_sync < b.dp_sync
+
+
+def test_tp_overlap_gemms_follow_transformer_engines_default_splits():
+    """Ring-exchange GEMMs run in tp row chunks, pipeline ones in 4 beside TE_COMM_SMS SMs, bulk ones
+    whole beside them; at tp 1 nothing is split."""
+    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    t, h = 4096.0, 8192.0
+    shapes = ((t, 3 * h / 8, h), (t, h, h / 8), (t, 4 * h / 8, h), (t, h, 4 * h / 8))
+    fwd, _ = kernels.tp_overlap_gemms(k, shapes, 8, 2)
+    rate = 989e12 * kernels.GEMM_PEAK_FRACTION
+    beside = 132 - kernels.TE_COMM_SMS
+    expect = (8 * kernels.gemm_seconds(t / 8, 3 * h / 8, h, 2, rate, 3.35e12, 132)
+              + 4 * kernels.gemm_seconds(t / 4, h, h / 8, 2, rate, 3.35e12, beside)
+              + 8 * kernels.gemm_seconds(t / 8, 4 * h / 8, h, 2, rate, 3.35e12, 132)
+              + 4 * kernels.gemm_seconds(t / 4, h, 4 * h / 8, 2, rate, 3.35e12, beside))
+    assert fwd == pytest.approx(expect, rel=1e-12)
+
+
+def test_sequence_parallel_shards_megatrons_norms_and_residuals():
+    """Under sequence parallelism a Megatron tp rank norms and adds tokens/tp (the h term over tp);
+    without it they run whole on every rank."""
+    from types import SimpleNamespace
+
+    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    meta = SimpleNamespace(hidden_size=8192, num_heads=64, seq_len=4096)
+    args = (k, meta, 12 * 8192 ** 2, 4096.0, 8, 2, 4.0 * 4096 * 8192, True, "megatron")
+    whole, sharded = kernels.block_times(*args)[0], kernels.block_times(*args, sequence_parallel=True)[0]
+    h_term = k.elementwise(4096 * 2 * kernels.ELEMENTWISE_H["megatron"] * 8192)
+    assert whole - sharded == pytest.approx(h_term * (1 - 1 / 8), rel=1e-9)
+
+
+def test_megatrons_loss_moves_its_cross_entropy_passes():
+    """Megatron's unfused vocab-parallel cross-entropy: 38 bytes per logit forward, 14 backward."""
+    from types import SimpleNamespace
+
+    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    meta = SimpleNamespace(hidden_size=2048, head_flops_fwd_per_token=2.0 * 2048 * 131072)
+    mf, mb = kernels.head_times(k, meta, 4096, 1, 2, "megatron")
+    tf, tb = kernels.head_times(k, meta, 4096, 1, 2, "torch")
+    logits = 4096 * 131072
+    assert mf - tf == pytest.approx(k.elementwise(logits * (38 - 14)), rel=1e-9)
+    assert mb == pytest.approx(tb, rel=1e-12)

@@ -41,15 +41,27 @@ ATTENTION_FRACTION = 0.45
 #   mask counted as half a value, bias + GeLU 2W/tp).
 # torch: measured -- Hugging Face's eager Llama and GPT-2 blocks (fp32 norms, rotary, unfused
 #   activations, dropout: many more, smaller kernels), what the measured whole blocks took beyond their
-#   GEMMs and attention, median of six (bench/fit_kernel_constants.py). Measured at tp 1, it is divided
-#   over a stage's tp ranks as the planners run tp stages (sequence parallel: norms and residuals
-#   sharded too); a tp stage without sequence parallelism keeps its norms whole and is priced low by that.
+#   GEMMs and attention, median of six (bench/fit_kernel_constants.py).
+# Under sequence parallelism a tp rank norms and adds only its tokens/tp (Korthikanti et al. 2022, sec.
+# 4.2.2): the h term is divided by tp. Without it, megatron's norms and residual adds run whole on every
+# tp rank; torch's measured figure (taken at tp 1, most of it inside the attention and MLP) is divided
+# over the tp ranks all the same (ELEMENTWISE_H_OVER_TP), which prices such a stage's norms low.
 ELEMENTWISE_H = {"megatron": 12.0, "torch": 110.0}
 ELEMENTWISE_H_OVER_TP = {"megatron": False, "torch": True}
 ELEMENTWISE_W = 2.0
+# SMs a Transformer Engine userbuffers communication kernel takes beside an overlapped GEMM (its
+# default num_sm for the "pipeline" and "bulk" methods, transformer_engine/pytorch/module/base.py)
+TE_COMM_SMS = 16
 # an unfused attention's passes over its scores beyond its GEMMs' (forward: softmax read + write,
 # dropout read + write; backward: dropout's read + write, softmax's two reads + write), plus a mask byte
 UNFUSED_SCORE_PASSES = (4, 5)
+# Bytes per logit the loss moves (forward, backward), beside the head's GEMM. megatron: a count of
+# megatron/core/tensor_parallel/cross_entropy.py's unfused vocab-parallel cross-entropy (the default;
+# --cross-entropy-loss-fusion is off), each op one pass over the logits: forward .float() 2 + 4, max 4,
+# in-place subtract of the max 4 + 4, exp in place 4 + 4, sum 4, divide in place 4 + 4 (38); backward
+# the in-place multiply by the loss's gradient 4 + 4 and the cast back to 16 bits 4 + 2 (14). Other
+# runtimes: the fp32 logits written and read with a 16-bit read, bpv + 12 each way (no count).
+LOSS_BYTES = {"megatron": (38, 14)}
 # Bytes an AdamW step moves per fp32 parameter (counts, not measurements). fused (torch's fused=True,
 # Apex / Transformer Engine FusedAdam): the parameter, gradient and both moments read, the parameter and
 # moments written, 7 x 4. foreach (torch's multi-tensor path, which this package's runtime takes for
@@ -192,26 +204,56 @@ def optimizer_step_s(k: GpuKernels, params: float, bytes_per_param: float) -> fl
 
 def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: int, bpv: int,
                 attention_flops_per_token: float, fused_attention: bool = True,
-                runtime: str = "megatron") -> Tuple[float, float, float]:
+                runtime: str = "megatron", sequence_parallel: bool = False,
+                tp_overlap: bool = False) -> Tuple[float, float, float]:
     """(forward, backward, attention core forward) seconds of one block on one micro-batch: its four
-    GEMMs and their backward, the attention core (fused: at the GPU's measured fused-attention rate;
+    GEMMs and their backward (as Transformer Engine's comm-GEMM overlap runs them where `tp_overlap`:
+    tp_overlap_gemms), the attention core (fused: at the GPU's measured fused-attention rate;
     unfused: unfused_attention_core), and the runtime's ELEMENTWISE values per token at HBM speed
-    (twice in backward)."""
+    (twice in backward; the norms and residual adds on a sequence-parallel stage's shard of the tokens)."""
     h = float(meta.hidden_size)
     a, w = block_widths(meta, matmul_params)
-    fwd = bwd = 0.0
-    for m, n, kk in ((tokens, 3 * a / tp, h), (tokens, h, a / tp), (tokens, w / tp, h), (tokens, h, w / tp)):
-        f, b = k.gemm_fwd_bwd(m, n, kk, bpv)
-        fwd, bwd = fwd + f, bwd + b
+    shapes = ((tokens, 3 * a / tp, h), (tokens, h, a / tp), (tokens, w / tp, h), (tokens, h, w / tp))
+    if tp_overlap and tp > 1:
+        fwd, bwd = tp_overlap_gemms(k, shapes, tp, bpv)
+    else:
+        fwd = bwd = 0.0
+        for m, n, kk in shapes:
+            f, b = k.gemm_fwd_bwd(m, n, kk, bpv)
+            fwd, bwd = fwd + f, bwd + b
     if fused_attention:
         flash = flash_attention_fraction(k.name, meta.seq_len) if bpv == 2 else None
         core = tokens * attention_flops_per_token / tp / (k.peak * (flash or ATTENTION_FRACTION))
         core_bwd = 2.0 * core
     else:
         core, core_bwd = unfused_attention_core(k, meta, tokens, tp, bpv)
-    per_h = ELEMENTWISE_H[runtime] / (tp if ELEMENTWISE_H_OVER_TP[runtime] else 1)
+    per_h = ELEMENTWISE_H[runtime] / (tp if sequence_parallel or ELEMENTWISE_H_OVER_TP[runtime] else 1)
     moved = k.elementwise(tokens * bpv * (per_h * h + ELEMENTWISE_W * w / tp))
     return fwd + core + moved, bwd + core_bwd + 2.0 * moved, core
+
+
+def tp_overlap_gemms(k: GpuKernels, shapes, tp: int, bpv: int) -> Tuple[float, float]:
+    """(forward, backward) seconds of a block's four GEMMs (QKV, attention output, MLP up, MLP down:
+    `shapes`) under Transformer Engine's userbuffers comm-GEMM overlap (Megatron-Core's --tp-comm-overlap),
+    as its default configuration (transformer_engine/pytorch/module/base.py initialize_ub) runs them:
+    - "ring_exchange" (the all-gathers: QKV and MLP-up forward, attention-output and MLP-down input
+      gradients): the GEMM in tp chunks of tokens/tp rows, one per ring step (num_splits = tp);
+    - "pipeline" (the reduce-scatters: attention-output and MLP-down forward): 4 chunks of tokens/4 rows
+      (num_splits 4), beside a 16-SM communication kernel (num_sm 16);
+    - "bulk" (QKV and MLP-up input and weight gradients): the whole GEMM beside a 16-SM kernel;
+    - the other two weight gradients run alone.
+    A GEMM beside a communication kernel gets the SMs it leaves (TE_COMM_SMS)."""
+    def chunked(m, n, kk, splits, sms):
+        return splits * gemm_seconds(m / splits, n, kk, bpv, k.peak * k.gemm_fraction, k.hbm, sms)
+    beside = max(k.sms - TE_COMM_SMS, 1)
+    (qm, qn, qk), (om, on, ok), (um, un, uk), (dm, dn, dk) = shapes
+    fwd = (chunked(qm, qn, qk, tp, k.sms) + chunked(om, on, ok, 4, beside)
+           + chunked(um, un, uk, tp, k.sms) + chunked(dm, dn, dk, 4, beside))
+    bwd = (chunked(qm, qk, qn, 1, beside) + chunked(qk, qn, qm, 1, beside)       # QKV: bulk dgrad, wgrad
+           + chunked(om, ok, on, tp, k.sms) + k.gemm(ok, on, om, bpv)            # attention output
+           + chunked(um, uk, un, 1, beside) + chunked(uk, un, um, 1, beside)     # MLP up: bulk
+           + chunked(dm, dk, dn, tp, k.sms) + k.gemm(dk, dn, dm, bpv))           # MLP down
+    return fwd, bwd
 
 
 def unfused_attention_core(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[float, float]:
@@ -231,7 +273,8 @@ def unfused_attention_core(k: GpuKernels, meta, tokens: float, tp: int, bpv: int
     return fwd, bwd
 
 
-def head_times(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[float, float]:
+def head_times(k: GpuKernels, meta, tokens: float, tp: int, bpv: int,
+               runtime: str = "torch") -> Tuple[float, float]:
     """(forward, backward) of the output head on a micro-batch: its GEMM (vocabulary over `tp`
     shards when vocabulary-parallel, else tp=1) and the cross-entropy over fp32 logits."""
     h = float(meta.hidden_size)
@@ -239,8 +282,8 @@ def head_times(k: GpuKernels, meta, tokens: float, tp: int, bpv: int) -> Tuple[f
     if v <= 0:
         return 0.0, 0.0
     f, b = k.gemm_fwd_bwd(tokens, v / tp, h, bpv)
-    loss = k.elementwise(tokens * (v / tp) * (bpv + 3 * 4))
-    return f + loss, b + loss
+    loss_f, loss_b = (k.elementwise(tokens * (v / tp) * n) for n in LOSS_BYTES.get(runtime, (bpv + 12, bpv + 12)))
+    return f + loss_f, b + loss_b
 
 
 def kernels_for(device, peak: float, measured: bool) -> Optional[GpuKernels]:

@@ -211,12 +211,14 @@ class StageCostModel:
             worst = max(worst, t)
         return worst
 
-    def compute_parts(self, start, end, last: bool, group: Sequence[int], tp: int, tokens: float):
+    def compute_parts(self, start, end, last: bool, group: Sequence[int], tp: int, tokens: float,
+                      sequence_parallel: bool = False):
         """Forward-equivalent compute seconds (a third of forward + backward) of one micro-batch on
         the group's slowest rank: (the blocks, the head, one block's attention core), before contention."""
         meta = self.meta
         if all(self.kernels[d] is not None for d in group):
-            per_block, head, core = max((self._kernel_parts(d, tokens, tp, last) for d in group), key=lambda x: x[0])
+            sp = sequence_parallel and tp > 1
+            per_block, head, core = max((self._kernel_parts(d, tokens, tp, last, sp) for d in group), key=lambda x: x[0])
             return (end - start) * meta.block_repeats * per_block, head, core
         block_flops = tokens * (self._prefix("_pf", end) - self._prefix("_pf", start)) / tp
         head_flops = tokens * (self.span_flops(0, 0, False, True, tp) if last else 0.0)
@@ -224,17 +226,18 @@ class StageCostModel:
         slowest = min(self.dev.throughput(d, tokens) * self.dtype_scale[d] for d in group)
         return block_flops / slowest, head_flops / slowest, core / slowest
 
-    def _kernel_parts(self, dev: int, tokens: float, tp: int, last: bool) -> Tuple[float, float, float]:
+    def _kernel_parts(self, dev: int, tokens: float, tp: int, last: bool, sp: bool = False) -> Tuple[float, float, float]:
         """(one block, the head if `last`, one attention core) in forward-equivalent seconds on `dev`."""
         k = self.kernels[dev]
-        key = (k, tokens, tp, last)
+        key = (k, tokens, tp, last, sp)
         hit = self._kernel_cache.get(key)
         if hit is None:
             meta, bpv = self.meta, self.opts.bytes_per_value
             mm = float(meta.block_matmul_params[0]) if meta.block_matmul_params else 0.0
             f, b, core = kernels.block_times(k, meta, mm, tokens, tp, bpv, mem.attention_core_flops_per_token(meta),
-                                             self.opts.fused_attention, self.opts.runtime)
-            head = sum(kernels.head_times(k, meta, tokens, self.vocab_tp(tp), bpv)) if last else 0.0
+                                             self.opts.fused_attention, self.opts.runtime, sp,
+                                             self.opts.tp_comm_overlap and sp)
+            head = sum(kernels.head_times(k, meta, tokens, self.vocab_tp(tp), bpv, self.opts.runtime)) if last else 0.0
             # in the flat model's unit: a third of forward + backward (stage() splits it 1:2 again)
             hit = self._kernel_cache[key] = ((f + b) / 3.0, head / 3.0, core)
         return hit
@@ -273,7 +276,8 @@ class StageCostModel:
         factor = self.dev.overheads.contention if contention is None else contention
         if pp > 1:
             factor *= self.dev.overheads.pipeline_compute
-        blocks_c, head_c, core_c = (x * factor for x in self.compute_parts(start, end, last, group, tp, tokens))
+        blocks_c, head_c, core_c = (x * factor for x in self.compute_parts(start, end, last, group, tp, tokens,
+                                                                            sequence_parallel))
         blocks_c = blocks_c * self._option_scale(group)
         compute_fwd = blocks_c + head_c
         (tp_bw, tp_lat), (dp_bw, dp_lat) = links or self.group_links(group, tp, shards)
