@@ -15,8 +15,10 @@ layout over the rounds (median, min-max), Spearman(predicted, measured) over the
 and the pick's measured rank (target: the fastest, or within the fastest's spread).
 
 Diagnosis (--actions; always in the json, under runs[].ranks): per rank the simulator's forward and
-backward of its stage beside the median wall and CPU time of the ones it ran, and a capped
-worker's cgroup throttling counts (over the whole worker: start-up included). Where CPU time agrees
+backward of its stage beside the median wall and CPU time of the ones it ran, a capped rank's
+predicted CPU per step (cost/quota_cpu.py: what bounds its step at its share) beside the CPU per step
+it measured and its parts (gloo's transport threads among them), and a capped worker's cgroup
+throttling counts (over the whole worker: start-up included). Where CPU time agrees
 with the prediction and wall exceeds it, the rank waited (throttled, cores shared); where CPU time
 is off, compute is mis-costed. The load average is recorded per layout and round: on a busy host a
 cap of a third of a core may not bind (the uncapped worker then gets no more than the capped).
