@@ -90,3 +90,42 @@ def test_training_runs_and_returns_a_policy_of_the_shipped_layout():
     lines = []
     policy = train_policy(minutes=1.0, instances=1, batch=4, log=lines.append, max_steps=10, env_of=lambda i: env)
     assert policy.net[0].weight.shape[-1] == FEATURES and lines
+
+
+def _plans_of(env, limit=11):
+    """Up to `limit` proposals of one and of both types that fit: (chosen, tp, rows, step, plan)."""
+    out = []
+    for of, os_ in itertools.product(env.options["fast"], env.options["slow"]):
+        chosen = [e for e in (("fast", *of) if of else None, ("slow", *os_) if os_ else None) if e]
+        _, tp, rows = env.screen(chosen) if chosen else (None, None, None)
+        if rows is not None and len(out) < limit:
+            step, plan, _ = env.assemble(chosen, tp, rows)
+            if plan is not None:
+                out.append((chosen, tp, rows, step, plan))
+    return out
+
+
+def test_screening_estimate_follows_the_simulator_on_small_replica_plans():
+    """The sync estimate (search/hrl_replica_sync.py) within 2% of the simulator's exposed
+    cross-replica sync, search/estimate.py within 2% of each simulated template, the whole screening
+    estimate within 0.75-1.2x of the simulated plan; the estimates make no simulator call."""
+    from hrlplan.search.estimate import ConfigEstimator
+    meta, cluster, train, cfg = _instance(12, 1, 2)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    env = ReplicaEnv(sim, meta, cluster, cfg, train, share_steps=12)
+    plans = _plans_of(env)
+    assert sum(len(c) == 2 for c, *_ in plans) >= 3
+    for chosen, tp, rows, step, plan in plans:
+        calls = sim.evaluations
+        est = env.screen(chosen)[0]
+        sync = env.sync_estimate(chosen, tp, rows)
+        assert sim.evaluations == calls
+        exposed = predict_any_plan(plan, meta, cluster, sim=sim)["breakdown"].get("cross_replica_reduce_exposed_s", 0.0)
+        assert sync == pytest.approx(exposed, rel=0.02, abs=1e-7), chosen
+        assert 0.75 <= est / step <= 1.2, chosen
+        for (t, s, _), r in zip(chosen, rows):
+            rs, lay = env.low.replica_space((t, s, r, tp)), env.low.templates[(t, s, r, tp)].layout
+            c = next(c for c in rs.configs() if (c.pp, c.tp, c.microbatch_size, c.num_microbatches)
+                     == (len(lay.spans), lay.tp, lay.microbatch_size, lay.num_microbatches))
+            assert ConfigEstimator(sim, rs).estimate(c).step_s == pytest.approx(env.low.templates[(t, s, r, tp)].time_s,
+                                                                                rel=0.02), (t, s, r)
