@@ -133,3 +133,16 @@ def test_the_bench_says_when_the_host_gave_the_uncapped_worker_too_little_of_a_c
     assert hetero_pick.uncapped_core_share(runs, [None, 0.33, 0.33]) == pytest.approx(0.3)
     assert hetero_pick.uncapped_core_share(runs, [0.5, 0.33]) is None          # no uncapped worker
     assert hetero_pick.uncapped_core_share({}, [None, 0.33]) is None          # fast-only not trained
+
+
+def test_a_pick_is_the_hand_written_layout_only_with_its_micro_batching():
+    import hetero_pick
+    from hrlplan.plan import homogeneous_plan
+
+    fast_only = hetero_pick.hand_written(3)["fast-only"]   # one micro-batch of 12 on the fast worker
+    three_of_four = homogeneous_plan("gpt2-tiny", 6, [(0, 6)], dp=1, tp=1, microbatch_size=4, num_microbatches=3,
+                                     schedule="1f1b")
+    three_of_four.unused_ranks, three_of_four.world_size = [1, 2], 3
+    assert three_of_four.layout() == fast_only.layout()
+    assert not hetero_pick.same_layout(three_of_four, fast_only)
+    assert hetero_pick.same_layout(hetero_pick.hand_written(3)["fast-only"], fast_only)
