@@ -63,8 +63,8 @@ def idle_nodes(cluster, layout: Layout, nproc: int) -> List[int]:
 
 
 def why_no_anchor(meta, layout: Optional[Layout], one_tp: bool) -> str:
-    if layout is None:
-        return "no single template fits"
+    if layout is None:   # none fits, or the caller ran no single-template search with this simulator
+        return "no single-template optimum to anchor on"
     if layout.cp != 1 or layout.stages_per_rank != 1:
         return "the single template uses context parallelism or several stages per rank"
     if one_tp and len({layout.tp_of(k) for k in range(len(layout.spans))}) > 1:
