@@ -3,7 +3,8 @@ torchtitan's default -- resharded without pipelining, kept gathered under it --,
 either way, and fewer unsharded weights alive at the peak when resharding."""
 import pytest
 
-from _plan_options import reference_losses, train_with_options
+from _memory_runs import train_in_few_launches
+from _plan_options import reference_losses
 
 STEPS = 3
 GPT2 = ["arch=gpt2-tiny", "arch.n_layer=6", "train.lr=3e-3", "train.global_batch_size=8", "train.dp_mode=fsdp"]
@@ -27,8 +28,8 @@ def test_default_reshards_without_pipelining_only():
 @pytest.mark.slow
 def test_fsdp2_reshard_after_forward_trains_the_same_and_frees_the_gathered_weights(tmp_path):
     plan = _plan([(0, 6)], 2, 1)
-    runs = {flag: train_with_options(plan, GPT2, tmp_path / str(flag), STEPS,
-                                     plan_options={"reshard_after_forward": flag}) for flag in (True, False)}
+    runs = train_in_few_launches({flag: (plan, GPT2, STEPS, None, {"reshard_after_forward": flag})
+                                  for flag in (True, False)}, tmp_path)   # one launch, a trainer per flag
     reference = reference_losses(GPT2, STEPS)
     for flag, run in runs.items():
         assert run["losses"] == pytest.approx(reference, abs=1e-5), flag

@@ -4,14 +4,15 @@ trains what one process trains and holds less activation memory per tp rank.
 
 One launch of two gloo workers runs the stage-level cases (GPT-2 and Llama, vocabulary sharded
 or whole, op-level selective recompute on top); a pp 2 x tp 2 plan trains through the pipeline
-engine with sequence-sharded stage boundaries and is compared with one process.
+engine with sequence-sharded stage boundaries and is compared with one process (those runs and an
+FSDP2 x tp 2 one share one launch with tests/test_tp.py's: tests/_tp_runs.py).
 """
 from typing import Any, Dict, List
 
 import pytest
 
-from _plan_options import reference_losses, train_with_options
-from _tp_runs import one_process_losses, pp2_tp2_run
+from _plan_options import train_with_options
+from _tp_runs import fsdp2_by_tp2_sp_selective_run, one_process_losses, pp2_tp2_run
 
 STEPS = 3
 GPT2 = ["arch=gpt2-tiny", "arch.n_layer=2", "train.lr=3e-3"]
@@ -219,17 +220,11 @@ def test_pp2_tp2_sequence_parallel_matches_one_process(arch):
 
 
 @pytest.mark.slow
-def test_fsdp2_by_tp2_with_sequence_parallel_op_sac_and_resharding_matches_one_process(tmp_path):
+def test_fsdp2_by_tp2_with_sequence_parallel_op_sac_and_resharding_matches_one_process():
     """The layout torch-native trainers run at scale, on four gloo ranks: FSDP2 (resharded after
     forward) over tp 2 with sequence parallelism and op-level selective recomputation."""
-    from hrlplan.plan import homogeneous_plan
-
-    overrides = [*LLAMA, "train.global_batch_size=8", "train.dp_mode=fsdp"]
-    plan = homogeneous_plan("llama-tiny", 2, [(0, 2)], dp=2, tp=2, microbatch_size=4, num_microbatches=1,
-                            schedule="1f1b", recompute="selective")
-    run = train_with_options(plan, overrides, tmp_path, STEPS, stage_options={"sequence_parallel": True},
-                             plan_options={"reshard_after_forward": None})
-    assert run["losses"] == pytest.approx(reference_losses(overrides, STEPS), abs=1e-5)
+    run = fsdp2_by_tp2_sp_selective_run()
+    assert run["losses"] == pytest.approx(one_process_losses("fsdp2-tp2"), abs=1e-5)
 
 
 @pytest.mark.slow
