@@ -73,6 +73,13 @@ CALIBRATION_KEYS = {
                   "(hrlplan.runtime.calibrate.record.assess); an unsteady record plans one job and is never cached. "
                   "{steady: false, over_budget: why} alone: calibration stopped at planner.calibrate_budget_s and the "
                   "plan used peak figures",
+    "quota_cpu_s": "{device name: {pipeline_per_microbatch: s, allreduce: [{ranks, cpu_s, cpu_s_per_byte}], "
+                   "step_overhead: s, optimizer_scale: f}} (CPU workers under a quota, cluster.cpu_shares; written "
+                   "only where one is): process CPU time per micro-batch and stage of torch's pipeline schedule "
+                   "beyond the forwards and backwards (sends, receives, their waits), per all-reduce over `ranks` "
+                   "ranks, the reference step's overhead, and its clipping + optimizer over the optimizer figures' "
+                   "prediction, each measured in CPU time on that device's ranks; a capped worker's step is bounded "
+                   "by its CPU work over its share (cost/quota_cpu.py)",
     "contention_factor": "{compute: f, paired: f} (default 1): how much longer CPU work takes while every rank "
                          "of the job works at once -- more ranks than cores share them. compute: vs one rank "
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
+from hrlplan.cost import quota_cpu
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, sync_buckets
 from hrlplan.cost.simulator import Simulator
@@ -229,13 +230,16 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
         finish_s = max(bucket_finish(buckets, bucket_launches(plan, meta, buckets, end, window), end).values())
     world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
     step = (finish_s + world_collectives + optimizer + ov.step) * scale
-    # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's)
-    step = max([step] + [r.step_time_s for r in results])
+    # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's), nor under
+    # a capped rank's CPU work, its cross-replica all-reduces included, over its share (cost/quota_cpu.py)
+    quota = quota_cpu.replica_bounds(cluster, results, [(b.ranks, b.nbytes) for b in buckets], devices)
+    step = max([step] + [r.step_time_s for r in results] + [b * scale for b in quota])
     worst = max(results, key=lambda r: r.breakdown["pipeline_end_s"])
     breakdown = dict(worst.breakdown, step_time_s=step, cross_replica_reduce_s=reduce_s * scale,
                      cross_replica_reduce_exposed_s=max(finish_s - pipe_end, 0.0) * scale,
                      cross_replica_collectives=reduce_n, step_collectives_s=world_collectives * scale,
-                     optimizer_s=optimizer * scale)
+                     optimizer_s=optimizer * scale,
+                     quota_cpu_work=[e for r in results for e in r.breakdown.get("quota_cpu_work", ())])
     breakdown.pop("memory_bytes_per_device", None)
     return {"feasible": True, "reason": "", "step_time_s": step, "bubble_fraction": worst.bubble_fraction,
             "breakdown": breakdown, "stages": [s for r in results for s in r.stages], "memory_bytes_per_rank": mem}

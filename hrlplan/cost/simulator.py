@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from hrlplan import schedules
-from hrlplan.cluster import cpu_quota_share
 from hrlplan.cost import memory as mem
+from hrlplan.cost import quota_cpu
 from hrlplan.cost.device_model import all_reduce_time
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
@@ -177,6 +177,7 @@ class _StepRun:
         hop_handshake = self.ov.hop(layout.schedule)[1]
         self.handshake = [hop_handshake] * self.n if hop_handshake else None
         self.shared_cores = False
+        self.quota_work: Dict[int, tuple] = {}
 
     def stage_costs_at(self, contention: Optional[float], shared_cores: bool = False):
         # each stage at its own tp degree and recompute mode (Layout.tp_of / recompute_of)
@@ -312,29 +313,10 @@ class _StepRun:
 
     def cpu_quota_bounds(self, t: _PositionTotals) -> List[float]:
         """Per position on CPU workers under a quota (cluster.cpu_shares: a device named cpu@<share>),
-        its CPU work per step over its share of a core. Such a worker runs each operation at full
-        speed, in a burst, until its period's quota is spent (calibration times its block in CPU
-        time), so it is slower only where it computes more than its share of the step. Measured on
-        gpt2-tiny at shares [1, 1/3, 1/3]: the capped ranks' forwards and backwards in pp3 took the
-        uncapped rank's time, in CPU and in wall time (1.3-1.8 ms), where the block timed at the rate
-        over several CFS periods, as for a rank always busy, costed them 2.8x that and the pp3
-        layouts 1.3-1.6x their step. The work: the position's forwards and backwards costed alone
-        (waiting for a core spends no quota), its optimizer and the per-step overhead without their
-        contention factor. Not yet in it: the CPU of receives, sends and collectives (measured: 25-30%
-        of a capped rank's CPU per step beyond these)."""
-        lay, ov = self.layout, self.ov
-        out, alone = [], None
-        for pos, group in enumerate(lay.groups):
-            shares = [cpu_quota_share(self.sim.cluster.devices[d].name) for d in group]
-            share = min((s for s in shares if s is not None), default=None)
-            if share is None or share <= 0:
-                continue
-            if alone is None:
-                alone = self.durations(self.stage_costs_at(1.0))
-            work = sum((lay.num_microbatches if self.work is None else sum(self.work[k]))
-                       * (alone[0][k] + alone[1][k] + alone[2][k]) for k in range(self.n) if lay.stage_group(k) == pos)
-            out.append((work + (t.optimizer[pos] + ov.step) / max(ov.contention, 1.0)) / share)
-        return out
+        its CPU work per step over its share of a core: compute, the pipeline's machinery, the step's
+        collectives, optimizer and overhead, in CPU time (cost/quota_cpu.py)."""
+        self.quota_work = quota_cpu.position_work(self, t)
+        return [work / share for work, share in self.quota_work.values()]
 
     def breakdown(self, step, finish, exposed, t: _PositionTotals, memory, bubble_fraction) -> Dict[str, Any]:
         lay, tl, costs, scale = self.layout, self.tl, self.stage_costs, self.sim.devices.time_scale
@@ -363,6 +345,7 @@ class _StepRun:
             "bottleneck_position": crit,
             "memory_bytes_per_device": {str(d): v for d, v in sorted(memory.items())},
             "cost_options": self.sim.costs.options_record(),
+            "quota_cpu_work": quota_cpu.breakdown_entries(self, self.quota_work),
         }
 
     def stage_details(self, pos_need: List[float]) -> List[Dict[str, Any]]:
