@@ -33,9 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hrlplan.cluster import spec_from_preset  # noqa: E402
 from hrlplan.config import TrainConfig, section  # noqa: E402
-from hrlplan.cost.device_model import all_reduce_time  # noqa: E402
-from hrlplan.cost.model import Layout  # noqa: E402
-from hrlplan.cost.plans import layout_of_plan  # noqa: E402
 from hrlplan.cost.simulator import Simulator  # noqa: E402
 from hrlplan.errors import UserError  # noqa: E402
 from hrlplan.search import make_plan  # noqa: E402
@@ -142,9 +139,6 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
         row.update(single_s=single["step_time_s"], single_layout=single["summary"],
                    single_idle=(cluster.world_size - sum(len(g) for g in groups)) if groups else
                    idle_devices(plan, cluster))
-    single_layout = _single_layout(plan, info)
-    if single_layout is not None:
-        row["single_tied_reduce_uncharged_s"] = tied_reduce_uncharged_s(meta, cluster, single_layout, cfg, train)
     row.update(planned_s=plan.meta["predicted"]["step_time_s"], planned_kind="replicas" if plan.heterogeneous else
                "single template", planned_layout=plan.layout()[:300], proof=hetero["proven"],
                template_searches=hetero["template_searches"], rounds=hetero["rounds"], hetero_time_s=hetero["time_s"],
@@ -178,34 +172,6 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
         row["single_reference_proven"] = ref_proven
     row.update(baselines(meta, cluster, cfg, train, row["evaluations"], baseline_s))
     return row
-
-
-def _single_layout(plan, info):
-    """The single-template plan's Layout: the plan itself, or the runner-up a replica plan beat."""
-    if not plan.heterogeneous:
-        return layout_of_plan(plan)
-    runner = info.get("runner_up")
-    if runner is None:
-        return None
-    groups = tuple(tuple(g) for g in runner["layout"]["groups"])
-    return Layout(spans=tuple(tuple(s) for s in runner["layout"]["spans"]), groups=groups, tp=1, dp=len(groups[0]),
-                  microbatch_size=1, num_microbatches=1, schedule="1f1b")
-
-
-def tied_reduce_uncharged_s(meta, cluster, layout, cfg, train) -> float:
-    """What the single template's tied-embedding gradient all-reduce (first stage <-> last stage, one
-    pair per FSDP shard) takes at its link's bandwidth, where the simulator charges only the calibrated
-    all-reduce figure (none on a preset: cost/simulator.py step_collectives passes its latency as the
-    default). A replica plan's cross-replica reduce of the same unit is charged in full (cost/plans.py),
-    so where replicas lose on sync by about this much the comparison, not the replica plan, is off."""
-    if not meta.tied_embeddings or len(layout.groups) < 2:
-        return 0.0
-    first, last = layout.groups[0][0], layout.groups[-1][0]
-    if first == last:
-        return 0.0
-    sim = Simulator(meta, cluster, cost_options(cfg, section(TrainConfig, train)))
-    shard = meta.head_matmul_params * 4.0 / len(layout.groups[0])   # FSDP: a pair per shard of tp x dp
-    return all_reduce_time(shard, 2, sim.devices.bw(first, last), cluster.lat(first, last))
 
 
 def single_template(meta, cluster, cfg, train, seconds: float):
@@ -256,7 +222,7 @@ def table(rows) -> str:
 
 
 def lost_text(r: dict) -> str:
-    """'sync +8.4 ms (the single template's tied-embedding reduce, 1.3 ms, uncharged)' -- the component the
+    """'sync +8.4 ms' -- the component the
     best replica plan lost most on and by how much; a time budget or memory where none was assembled."""
     parts = r.get("lost_on_s") or {}
     if not parts:
@@ -266,9 +232,6 @@ def lost_text(r: dict) -> str:
                 "p2p or tp: the optimizer step, unsharded in each replica where FSDP shards it, or the step's collectives)")
     key = f"{r['lost_on']}_s"
     out = f"{r['lost_on']} {parts.get(key, 0.0) * 1e3:+.3g} ms"
-    tied = r.get("single_tied_reduce_uncharged_s") or 0.0
-    if r["lost_on"] == "sync" and tied > 0:
-        out += f"; the single template's tied-embedding reduce, {tied * 1e3:.3g} ms, is charged 0"
     return out
 
 
@@ -297,9 +260,6 @@ def headline(rows) -> dict:
             "max_plan_time_s": max((r["plan_time_s"] for r in ok), default=None),
             "instances_over_60s": sum(r["plan_time_s"] > 60 for r in ok),
             "replica_wins_if_sync_matched": sum(sync_matched_s(r) < r.get("single_s", math.inf) for r in ok),
-            "replica_wins_if_tied_reduce_charged": sum(
-                r.get("planned_kind") != "replicas" and r.get("replica_s", math.inf)
-                < r.get("single_s", math.inf) + (r.get("single_tied_reduce_uncharged_s") or 0.0) for r in ok),
             "proven": sum(bool(r.get("proof")) for r in ok)}
 
 

@@ -222,7 +222,7 @@ def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
     # a quarter of the time stays for the learned replica policy where exact cannot prove its sub-space
     whole = float(cfg.get("hetero_time_s", DEFAULT_TIME_S))
     hetero = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=whole * 0.75), train_cfg, float("inf"),
-                           started=t0)
+                           started=t0, single=tracker.best)
     if not hetero["proven"]:
         hetero = _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero, t0 + whole)
     single = tracker.best.time if tracker.best is not None else float("inf")
@@ -258,7 +258,9 @@ def lost_on(sim, hetero: Dict[str, Any], single: Scored) -> Dict[str, Any]:
              "bubble_s": mine.get("bubble_s", 0.0) - theirs.get("bubble_s", 0.0),
              "compute_s": mine.get("compute_s", 0.0) - theirs.get("compute_s", 0.0),
              "p2p_comm_s": mine.get("p2p_comm_s", 0.0) - theirs.get("p2p_comm_s", 0.0),
-             "tp_comm_s": mine.get("tp_comm_s", 0.0) - theirs.get("tp_comm_s", 0.0)}
+             "tp_comm_s": mine.get("tp_comm_s", 0.0) - theirs.get("tp_comm_s", 0.0),
+             # each replica steps its whole model where FSDP shards the step over dp
+             "optimizer_s": mine.get("optimizer_s", 0.0) - theirs.get("optimizer_s", 0.0)}
     ranked = sorted(parts.items(), key=lambda kv: -kv[1])
     return {"summary": hetero_summary(hetero["replicas"]), "step_time_s": hetero["predicted"]["step_time_s"],
             "single_template_step_time_s": single.time, "lost_on_s": dict(ranked),
@@ -274,6 +276,8 @@ def hetero_info(hetero: Dict[str, Any]) -> Dict[str, Any]:
     out = {"ran": True, **{k: hetero[k] for k in keys}}
     if "learned_replicas" in hetero:
         out["learned_replicas"] = hetero["learned_replicas"]
+    if "anchored" in hetero:   # the single template's replicas plus the idle nodes' (search/hetero_anchor.py)
+        out["anchored"] = hetero["anchored"]
     if "lost" in hetero:
         out["best_replica_plan"] = hetero["lost"]
     out["chosen"] = "heterogeneous replicas" if hetero.get("plan") is not None else \
