@@ -166,7 +166,7 @@ class PlannerConfigBase:
     cost: CostConfig = field(default_factory=CostConfig)   # what the cost model prices (see CostConfig)
     # Data-parallel replicas with their own devices, template and batch share (hrlplan/search/hetero.py):
     # auto = searched where one template cannot use the cluster evenly (several device types, uneven
-    # nodes); true = always (exact only); false = one template replicated, as before.
+    # nodes); true = always (exact or hrl); false = one template replicated, as before.
     heterogeneous: Any = "auto"
     calibrate_budget_s: float = 300.0   # calibration stops here and plans from peak figures (nothing cached)
 
@@ -213,6 +213,8 @@ class HRLPlannerConfig(PlannerConfigBase):
     greedy_configs: int = 16         # greedy rollouts of the policy's top-scored configurations at inference
     refine_evaluations: int = 64     # simulator calls the hill-climb may spend
     progress: bool = True            # tqdm bar (with the current best) while training
+    # planner.heterogeneous: seconds the learned replica policy (search/hrl_replicas.py) samples replica plans
+    hetero_time_s: float = 45.0
 
 
 @dataclass

@@ -199,15 +199,16 @@ def _single_template_exact(sim, space, cfg, cluster, train_cfg, t0) -> Dict[str,
 
 
 def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
-    """search_hetero with the single-template result as incumbent, where planner.heterogeneous
-    asks for it (auto: several device types or node sizes; exact only); None where it does not run."""
+    """The replica search where planner.heterogeneous asks for it (auto: several device types or node
+    sizes): exact's search_hetero (the learned policy where it cannot prove), or under planner=hrl the
+    learned replica policy alone; the single-template result is the bar. None where it does not run."""
     mode = hetero_mode(cfg)
     if not wants_hetero(cfg, cluster):
         return None
-    if name != "exact":
+    if name not in ("exact", "hrl"):
         if mode == "true":
-            raise UserError(f"planner.heterogeneous=true needs planner.name=exact (the heterogeneous-replica "
-                            f"search is exact's); planner.name is {name}")
+            raise UserError(f"planner.heterogeneous=true needs planner.name=exact or hrl (the heterogeneous-replica "
+                            f"searches are theirs); planner.name is {name}")
         return None
     reason = why_not_hetero(train_cfg)
     if reason:
@@ -221,15 +222,33 @@ def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
     # no incumbent: the best replica plan is found (and reported) even where the single template wins;
     # a quarter of the time stays for the learned replica policy where exact cannot prove its sub-space
     whole = float(cfg.get("hetero_time_s", DEFAULT_TIME_S))
-    hetero = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=whole * 0.75), train_cfg, float("inf"),
-                           started=t0, single=tracker.best)
-    if not hetero["proven"]:
-        hetero = _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero, t0 + whole)
+    if name == "hrl":
+        hetero = _learned_replicas_only(sim, meta, cluster, cfg, train_cfg, time.perf_counter() + whole)
+    else:
+        hetero = search_hetero(sim, meta, cluster, dict(cfg, hetero_time_s=whole * 0.75), train_cfg, float("inf"),
+                               started=t0, single=tracker.best)
+        if not hetero["proven"]:
+            hetero = _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero, t0 + whole)
     single = tracker.best.time if tracker.best is not None else float("inf")
     if hetero["plan"] is not None and hetero["predicted"]["step_time_s"] >= single:
         hetero["lost"] = lost_on(sim, hetero, tracker.best)
         hetero["plan"] = None
     return hetero
+
+
+def _learned_replicas_only(sim, meta, cluster, cfg, train_cfg, deadline: float) -> Dict[str, Any]:
+    """planner=hrl on a heterogeneous cluster: the learned replica policy's plan (search/hrl_replicas.py:
+    the high level groups devices into replicas, the low level splits them), zero-shot, no proof."""
+    learned = search_hrl_replicas(sim, meta, cluster, cfg, train_cfg, calls=10 ** 9, deadline=deadline)
+    plan = learned["plan"]
+    predicted = predict_any_plan(plan, meta, cluster, sim=sim) if plan is not None else None
+    found = "its best plan" if plan is not None else "no replica plan that fits"
+    return {"plan": plan, "predicted": predicted, "replicas": learned.get("replicas"), "proven": False,
+            "note": f"the learned replica policy (search/hrl_replicas.py), zero-shot: {found} in "
+                    f"{learned['calls']} simulator calls; not a proof (planner=exact proves a sub-space)",
+            "sub_space": "sampled by the learned replica policy", "rounds": learned["calls"], "template_searches": 0,
+            "options": 0, "time_s": learned["time_s"], "nproc_per_node": [], "out_of_time": False,
+            "learned_replicas": {k: learned[k] for k in ("step_time_s", "calls", "time_s", "low_level", "decisions")}}
 
 
 def _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero: Dict[str, Any], deadline: float):
