@@ -14,6 +14,7 @@ not in rank order (stage 0 on rank 1, as a link-aware planner lays out) maps bot
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Dict, List
 
@@ -41,6 +42,11 @@ from hrlplan.validate.train_options import train_options_refusal
 def plan_schedule(plan: Plan) -> ScheduleSpec:
     """The registry entry the plan's schedule runs (an alias resolved by its stages per rank)."""
     return resolve_schedule(plan.schedule, plan.stages_per_rank)
+
+
+def _takes_return_outputs(schedule) -> bool:
+    """Whether this torch's schedule.step takes return_outputs (older builds keep the outputs regardless)."""
+    return "return_outputs" in inspect.signature(schedule.step).parameters
 
 
 def build_schedule(plan: Plan, stages: List[PipelineStage], loss_fn):
@@ -174,7 +180,7 @@ class TorchPipelineEngine:
                 inputs, targets = cp.take_positions(inputs, positions), cp.take_positions(targets, positions)
             # the step needs the losses only: torch's last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends
-            keep = {"return_outputs": False} if train else {}
+            keep = {"return_outputs": False} if train and _takes_return_outputs(self.schedule) else {}
             if self.has_first:
                 run(inputs, target=targets, losses=losses, **keep)
             else:
