@@ -44,7 +44,8 @@ CALIBRATION_KEYS = {
                           "latency + bytes x s_per_byte; when present it costs the step's all-reduces (loss, "
                           "gradient norms, tied embedding, heterogeneous cross-replica reduces) instead of "
                           "allreduce_latency_s / tied_allreduce_s",
-    "tied_allreduce_s": "float (default allreduce_latency_s): the all-reduce of a tied embedding's gradient "
+    "tied_allreduce_s": "float (default: the head's gradient bytes over the slowest first/last-stage pair's link plus "
+                        "allreduce_latency_s): the all-reduce of a tied embedding's gradient "
                         "between the first and the last stage, after the pipeline",
     "optimizer_s_per_block": "{plain: s, sharded: s, tp: s}: gradient clipping + optimizer step per block of "
                              "a rank's stages (sharded: FSDP/replicate DTensor parameters; tp: a stage sharded "
