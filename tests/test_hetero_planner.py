@@ -18,7 +18,8 @@ from hrlplan.cost.model import Layout
 from hrlplan.search.common import Scored
 from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
 from hrlplan.search.hetero_anchor import AnchorTemplates, anchor_rows, idle_nodes
-from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid, search_hetero
+from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid
+from hrlplan.search.hetero_search import search_hetero
 from tests.test_cost import toy_meta
 
 TRAIN = dict(global_batch_size=8, schedule="1f1b", stages_per_rank=1, microbatches="auto", dtype="float32",

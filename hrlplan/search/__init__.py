@@ -23,7 +23,8 @@ from hrlplan.plan import Plan, check_fits
 from hrlplan.search.common import Scored, cost_options, describe, why_better
 from hrlplan.search.exact import search_exact
 from hrlplan.search.hetero import hetero_mode, hetero_summary, search_exact_until, wants_hetero, why_not_hetero
-from hrlplan.search.hetero_exact import DEFAULT_TIME_S, search_hetero
+from hrlplan.search.hetero_exact import DEFAULT_TIME_S
+from hrlplan.search.hetero_search import search_hetero
 from hrlplan.search.hrl_replicas import search_hrl_replicas
 from hrlplan.search.hrl import search_hrl
 from hrlplan.search.random_search import search_random
