@@ -34,7 +34,7 @@ from hrlplan.cost.simulator import Simulator  # noqa: E402
 from hrlplan.search.common import cost_options  # noqa: E402
 from hrlplan.search.config import ExactPlannerConfig  # noqa: E402
 from hrlplan.search.hetero_baselines import Sampler, annealing, random_search, successive_halving  # noqa: E402
-from hrlplan.search.hetero_exact import search_hetero  # noqa: E402
+from hrlplan.search.hetero_search import search_hetero  # noqa: E402
 from hrlplan.search.hrl_replicas import LOW_LEVEL, search_hrl_replicas  # noqa: E402
 from hrlplan.search.instances import load_meta, load_preset_config  # noqa: E402
 

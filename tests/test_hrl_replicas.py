@@ -14,7 +14,7 @@ from hrlplan.cost.simulator import Simulator
 from hrlplan.plan import validate
 from hrlplan.search.common import cost_options
 from hrlplan.search.config import ExactPlannerConfig
-from hrlplan.search.hetero_exact import search_hetero
+from hrlplan.search.hetero_search import search_hetero
 from hrlplan.search.hrl_replicas import (FEATURES, POLICY_FILE, ReplicaEnv, improve, load_replica_policy, search_hrl_replicas,
                                          train_policy, training_instance)
 from tests.test_cost import toy_meta
