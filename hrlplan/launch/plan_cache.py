@@ -78,7 +78,11 @@ def _key(config: Config, spec, **parts: Any) -> str:
 
 def cache_key(config: Config, spec) -> str:
     train = as_dict(config.train)
-    return _key(config, spec, planner=config.planner, train={k: train[k] for k in PLAN_TRAIN_KEYS})
+    packing = getattr(config.data, "packing", None)
+    packing = str(getattr(packing, "value", packing))
+    # packed documents hold more activation memory (cost/memory.packed_meta): their plan is its own
+    extra = {"packing": packing} if packing in ("document", "balanced") else {}
+    return _key(config, spec, planner=config.planner, train={k: train[k] for k in PLAN_TRAIN_KEYS}, **extra)
 
 
 # The training settings calibrate_in_job reads: micro-batch sizes from the global batch, the dtype it

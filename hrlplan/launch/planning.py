@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hrlplan.cluster import ClusterSpec, spec_from_preset
 from hrlplan.config import ClusterConfig, Config, calibration_mode
+from hrlplan.cost.memory import packed_meta
 from hrlplan.errors import UserError
 from hrlplan.families import LM_DATA, Family, family_of, family_of_meta
 from hrlplan.launch import plan_cache
@@ -118,7 +119,10 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
         info.setdefault("planner", {})["reused_from_cache"] = key
     else:
         try:
-            plan, info = make_plan(meta, spec, planner_settings(config, family_of_meta(meta)), config.train)
+            # a packed-documents run holds one more tensor per block (cost/memory.packed_meta); the saved
+            # model_meta.json stays plain: the trainer adds the same term to its own prediction
+            search_meta = packed_meta(meta) if seq_len is not None and packs_documents(config) else meta
+            plan, info = make_plan(search_meta, spec, planner_settings(config, family_of_meta(meta)), config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
         if key and (is_steady(spec.calibration) or not plan_cache.shared()):
@@ -135,6 +139,12 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
     plan.save(run_dir / "plan.yaml")
     (run_dir / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
     return plan, info, meta
+
+
+def packs_documents(config: Config) -> bool:
+    """data.packing=document|balanced: rows of whole documents, attention kept to each."""
+    packing = getattr(config.data, "packing", None)
+    return str(getattr(packing, "value", packing)) in ("document", "balanced")
 
 
 def calibrated(config: Config, spec):
