@@ -58,7 +58,7 @@ def sync_buckets(plan, meta, sim: Simulator, devices: List[int],
             nbytes = sum(i.numel for i in cut) * value_bytes
             keyed.append((bucket_key(position, set_index, ranks, cut[0].unit),
                           SyncBucket(ranks, tuple(i.unit for i in cut), nbytes,
-                                     _bucket_seconds(sim, devices, node_of, ranks, nbytes))))
+                                     bucket_seconds(sim, devices, node_of, ranks, nbytes))))
     return [b for _, b in sorted(keyed, key=lambda kb: kb[0])]
 
 
@@ -67,7 +67,7 @@ class _UnitItem(NamedTuple):
     numel: float
 
 
-def _bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: float) -> float:
+def bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: float) -> float:
     """A bucket's all-reduce: one ring over its ranks, or in-node first (node all-reduce, the rails'
     all-reduces of 1/rails each across nodes, each rail's part broadcast in its node)."""
     hier = node_hierarchy(ranks, node_of)

@@ -26,7 +26,7 @@ import math
 from typing import List, NamedTuple, Optional, Sequence
 
 from hrlplan.cost.replica_sync import BUCKET_MB, cut_buckets
-from hrlplan.cost.replica_sync_cost import _bucket_seconds   # the simulator's per-bucket figure (one fact)
+from hrlplan.cost.replica_sync_cost import bucket_seconds   # the simulator's per-bucket figure (one fact)
 
 BACKWARD_SHARE = 2.0 / 3.0   # of a micro-batch's forward + backward (search/estimate.py's as well)
 
@@ -45,7 +45,7 @@ def _buckets_seconds(sim, holders: Sequence[int], units: List[_Unit]) -> List[fl
     value = sim.opts.bytes_per_value
     node_of = {d: sim.cluster.devices[d].node for d in holders}
     identity = {d: d for d in holders}
-    return [_bucket_seconds(sim, identity, node_of, holders, sum(u.numel for u in b) * value)
+    return [bucket_seconds(sim, identity, node_of, holders, sum(u.numel for u in b) * value)
             for b in cut_buckets(units, BUCKET_MB * 2 ** 20, value)]
 
 
