@@ -367,6 +367,9 @@ class _StepRun:
                 "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
                 "last_bwd_extra_s": c.last_bwd_extra * scale,     # its reduces in the step's last backward
                 "dp_sync_s": c.dp_sync * scale, "params": c.params,
+                # the part of it exposed after the rank's whole backward however long that is (root_sync_tail)
+                "dp_sync_tail_s": (self.root_sync_tail(k, c.dp_sync) if k == min(
+                    j for j in range(self.n) if lay.stage_group(j) == pos) else 0.0) * scale,
                 "activation_bytes_per_microbatch": c.activation, "static_bytes": c.static_memory,
                 "static_split_bytes": {key: float(v) for key, v in (c.memory or {}).items()},
                 "busy_s": tl.busy[pos] * scale,

@@ -123,7 +123,9 @@ def _predicted_tail(plan: Dict[str, Any], events: List[Dict[str, Any]], result: 
         mine = [s for s in stages if int(s.get("position", spec.stage_rank(s["stage"], pp, v))) == pos]
         end = max((e["end_s"] for e in events if e["position"] == pos), default=0.0)
         sync = sum(float(s.get("dp_sync_s", 0.0)) for s in mine)
-        hidden = min(sync, result.last_backward[pos]) if overlapped else 0.0
+        # as Simulator.step_time: hidden behind the last backward, but never the stage root's tail
+        tail_s = sum(float(s.get("dp_sync_tail_s", 0.0)) for s in mine)
+        hidden = min(sync - tail_s, result.last_backward[pos]) if overlapped else 0.0
         if sync > 0:   # overlapped: a thin bar under the backward it runs beside
             tail.append({**_tail_event(pos, "R", end - hidden, end - hidden + sync), "thin": hidden > 0})
         at = end + sync - hidden
