@@ -414,3 +414,29 @@ def test_a_two_stage_pipeline_carrying_document_ids_equals_one_process(tmp_path,
     assert set(grads) == {n for n, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         assert torch.allclose(grads[name], param.grad, rtol=1e-8, atol=1e-12), name
+
+
+def test_the_pipeline_refinement_checks_its_deadline_before_every_move(monkeypatch):
+    """A step_of call may be a whole simulated step and a pass makes O(n^2) moves: the local search
+    stops at the deadline between moves, not only between passes (one step's dispatch took 626 ms
+    against a 0.5 s budget). A fake clock advanced by each step_of call: no timing in the test."""
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    monkeypatch.setattr(D, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = []
+
+    def step_of(times, bins):
+        calls.append(1)
+        clock[0] += 0.01
+        return 3.0 * max(times) + sum(times)
+
+    rng = random.Random(7)
+    lengths = [rng.randint(10, 400) for _ in range(40)]
+    bins = D.micro_batch_bins(6, 4096)
+    works = [D.document_cost(n, 1.0, 0.01) for n in lengths]
+    start = D.lpt(lengths, works, bins, None)
+    out = D.refine_for_step(lengths, works, bins, start, step_of, deadline=0.1)
+    assert len(calls) <= 11   # the first evaluation, then one move per 0.01 s until 0.1
+    D.check_assignment(out, lengths, bins)
+    assert _held_once(out, len(lengths))

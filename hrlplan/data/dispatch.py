@@ -350,25 +350,32 @@ def refine_for_step(lengths: Sequence[int], works: Sequence[float], bins: Sequen
         times[:], value = trial, got
         return True
 
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
+    def moves():
+        """Every move of one pass, in order; the deadline is checked before each (a step_of call
+        may be a whole simulated step, and a pass over n pieces makes O(n^2) of them)."""
         for a in range(len(bins)):
             for b in range(a + 1, len(bins)):
                 if groups[a] == groups[b] and bins[a].base_work == bins[b].base_work:
-                    if attempt(a, b, list(best[a]), list(best[b])):   # the two micro-batches trade places
-                        improved = True
+                    yield a, b, list(best[a]), list(best[b])   # the two micro-batches trade places
         for a in range(len(bins)):
             for b in range(len(bins)):
-                if a == b or time.perf_counter() >= deadline:
+                if a == b:
                     continue
                 for i in list(best[a]):
-                    if attempt(a, b, [i], []):
-                        improved = True
+                    yield a, b, [i], []
                 for i in list(best[a]):
                     for k in list(best[b]) if a < b else []:
-                        if i in best[a] and k in best[b] and attempt(a, b, [i], [k]):
-                            improved = True
+                        if i in best[a] and k in best[b]:
+                            yield a, b, [i], [k]
+
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for a, b, out_a, out_b in moves():
+            if time.perf_counter() >= deadline:
+                break
+            if attempt(a, b, out_a, out_b):
+                improved = True
     for g in best:
         g.sort()
     return best
