@@ -129,3 +129,19 @@ def test_screening_estimate_follows_the_simulator_on_small_replica_plans():
                      == (len(lay.spans), lay.tp, lay.microbatch_size, lay.num_microbatches))
             assert ConfigEstimator(sim, rs).estimate(c).step_s == pytest.approx(env.low.templates[(t, s, r, tp)].time_s,
                                                                                 rel=0.02), (t, s, r)
+
+
+def test_the_replica_search_leaves_gradients_on():
+    """Proposals draw under no_grad; a planner that leaves gradients off in its thread breaks the next
+    planner's training in the same process (bench/planner.py: HRL after exact's replica search)."""
+    import gc
+
+    meta, cluster, train, cfg = _instance(8, 1, 1)
+    gc.disable()   # the proposal stream sits in a reference cycle: only a collection would close it
+    try:
+        # more draws than the calls screen: the proposal stream is left suspended, as on large instances
+        search_hrl_replicas(Simulator(meta, cluster, cost_options(cfg, train)), meta, cluster, cfg, train, calls=8,
+                            draws=10 ** 6, time_s=2.0)
+        assert torch.is_grad_enabled()
+    finally:
+        gc.enable()

@@ -236,15 +236,19 @@ class Proposals:
     def __init__(self, env: ReplicaEnv, policy: ReplicaPolicy, gen: torch.Generator, draws: int):
         self.env, self.seen, self.count, self.uniform = env, set(), 0, set()
 
+        # no_grad around each draw, never around a yield: a generator suspended inside `with no_grad()`
+        # leaves gradients off in its caller's thread until it is collected (a cycle here: late), and a
+        # later planner's training then failed ("element 0 of tensors does not require grad")
+        draw, alone = torch.no_grad()(sample), torch.no_grad()(_alone)
+
         def stream():
-            with torch.no_grad():
-                yield sample(env, policy, gen, greedy=True)[0]
-                for chosen in _uniform(env):
-                    self.uniform.add(tuple(chosen))
-                    yield chosen
-                yield from _alone(env, policy)
-                for _ in range(draws):
-                    yield sample(env, policy, gen)[0]
+            yield draw(env, policy, gen, greedy=True)[0]
+            for chosen in _uniform(env):
+                self.uniform.add(tuple(chosen))
+                yield chosen
+            yield from alone(env, policy)
+            for _ in range(draws):
+                yield draw(env, policy, gen)[0]
         self.stream = stream()
 
     def screen(self, until: float) -> List[Tuple[float, List[Entry], Optional[int], List[int]]]:
