@@ -6,7 +6,8 @@ from hrlplan.cluster import spec_from_preset
 from hrlplan.compose import compose
 from hrlplan.config import as_config
 from hrlplan.launch import planning, plan_cache
-from hrlplan.launch.planning import introspect_and_plan, packs_documents
+from hrlplan.launch.plan_cache import packs_documents
+from hrlplan.launch.planning import introspect_and_plan
 
 
 def _config(tmp_path, *extra):

@@ -76,12 +76,16 @@ def _key(config: Config, spec, **parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def packs_documents(config: Config) -> bool:
+    """data.packing=document|balanced: rows of whole documents, attention kept to each."""
+    packing = getattr(config.data, "packing", None)
+    return str(getattr(packing, "value", packing)) in ("document", "balanced")
+
+
 def cache_key(config: Config, spec) -> str:
     train = as_dict(config.train)
-    packing = getattr(config.data, "packing", None)
-    packing = str(getattr(packing, "value", packing))
     # packed documents hold more activation memory (cost/memory.packed_meta): their plan is its own
-    extra = {"packing": packing} if packing in ("document", "balanced") else {}
+    extra = {"packing": config.data.packing.value} if packs_documents(config) else {}
     return _key(config, spec, planner=config.planner, train={k: train[k] for k in PLAN_TRAIN_KEYS}, **extra)
 
 

@@ -121,7 +121,7 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
         try:
             # a packed-documents run holds one more tensor per block (cost/memory.packed_meta); the saved
             # model_meta.json stays plain: the trainer adds the same term to its own prediction
-            search_meta = packed_meta(meta) if seq_len is not None and packs_documents(config) else meta
+            search_meta = packed_meta(meta) if seq_len is not None and plan_cache.packs_documents(config) else meta
             plan, info = make_plan(search_meta, spec, planner_settings(config, family_of_meta(meta)), config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
@@ -139,12 +139,6 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
     plan.save(run_dir / "plan.yaml")
     (run_dir / "plan_info.json").write_text(json.dumps(info, indent=1, default=str))
     return plan, info, meta
-
-
-def packs_documents(config: Config) -> bool:
-    """data.packing=document|balanced: rows of whole documents, attention kept to each."""
-    packing = getattr(config.data, "packing", None)
-    return str(getattr(packing, "value", packing)) in ("document", "balanced")
 
 
 def calibrated(config: Config, spec):
