@@ -37,3 +37,71 @@ def test_packed_runs_plan_with_the_packed_memory_and_cache_apart(tmp_path, monke
     assert all(b > a for a, b in zip(plain, held))
     saved = json.loads((tmp_path / "model_meta.json").read_text())
     assert saved["block_activation_bytes_per_token"] == plain
+
+
+def _lengths(budget):
+    import random
+
+    rng = random.Random(0)
+    return [rng.choice([3, 5, 9, 17, 40, budget // 2, budget]) for _ in range(300)]
+
+
+def test_exact_re_ranks_its_fastest_candidates_by_the_packed_step():
+    """planner_cfg["packed_lengths"] makes exact keep its fastest candidates and choose among them by the
+    mean packed step (cost/lengths.rank_by_packed_step), recorded in the plan's planner info. Packed as
+    `document` (arrival order): `balanced` dispatches within a time budget, which a busy host may cut."""
+    from hrlplan.cost.lengths import LengthDistribution, rank_by_packed_step
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.model_meta import introspect
+    from hrlplan.search import make_plan
+    from hrlplan.search.common import cost_options
+    from hrlplan.search.exact import search_exact
+    from hrlplan.search.space import SearchSpace
+
+    cfg = as_config(compose(["arch=gpt2-tiny", "data=code", "data.seq_len=64", "train.global_batch_size=4",
+                             "planner.microbatch_sizes=[1]"]))
+    meta = introspect(cfg.arch, seq_len=64)
+    distribution = LengthDistribution(_lengths(64), 64)
+    planner = dict(cfg.planner, packed_lengths=dict(distribution.to_dict(), packing="document"), packed_top_k=3)
+    sim = Simulator(meta, _spec(), cost_options(planner, cfg.train))
+    space = SearchSpace(meta, _spec(), planner, cfg.train)
+    space.sim = sim
+    out = search_exact(sim, space, planner)
+    top = out["tracker"].top
+    assert 1 < len(top) <= 3 and [s.time for s in top] == sorted(s.time for s in top)
+    rerank = out["packed_rerank"]
+    packed = [r["packed_step_s"] for r in rerank["ranked"]]
+    assert packed == sorted(packed) and len(packed) == len(top)
+    again = rank_by_packed_step(sim, [s.layout for s in top], distribution, "document", steps=12)
+    assert out["tracker"].best.layout == top[again[0][1]].layout
+    assert rerank["chosen_changed"] == (again[0][1] != 0)
+    assert [(r["packed_step_s"], r["rank_by_fixed_step"]) for r in rerank["ranked"]] == again
+    # through make_plan, the record lands in the planner's info; without the lengths nothing is kept
+    _, info = make_plan(meta, _spec(), planner, cfg.train)
+    assert info["planner"]["packed_rerank"]["ranked"] == rerank["ranked"]
+    plain = search_exact(sim, space, dict(cfg.planner))
+    assert "packed_rerank" not in plain and plain["tracker"].top == []
+
+
+def test_a_packed_re_rank_that_changes_the_plan_says_so(monkeypatch):
+    from hrlplan.cost.lengths import LengthDistribution
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.model_meta import introspect
+    from hrlplan.search import exact
+    from hrlplan.search.common import cost_options
+    from hrlplan.search.space import SearchSpace
+
+    cfg = as_config(compose(["arch=gpt2-tiny", "data=code", "data.seq_len=64", "train.global_batch_size=4",
+                             "planner.microbatch_sizes=[1]"]))
+    meta = introspect(cfg.arch, seq_len=64)
+    planner = dict(cfg.planner, packed_lengths=dict(LengthDistribution(_lengths(64), 64).to_dict(), packing="balanced"))
+    monkeypatch.setattr(exact, "rank_by_packed_step",   # the slowest fixed-length candidate packs fastest
+                        lambda sim, layouts, *a, **k: [(1.0 + i, len(layouts) - 1 - i) for i in range(len(layouts))])
+    sim = Simulator(meta, _spec(), cost_options(planner, cfg.train))
+    space = SearchSpace(meta, _spec(), planner, cfg.train)
+    space.sim = sim
+    out = exact.search_exact(sim, space, planner)
+    top = out["tracker"].top
+    assert len(top) > 1 and out["packed_rerank"]["chosen_changed"]
+    assert out["tracker"].best is top[-1] and out["tracker"].runner_up is top[0]
+    assert "re-ranked by the packed step" in out["note"]

@@ -29,12 +29,16 @@ class Scored:
 @dataclass
 class Tracker:
     """Keeps the best candidate and the best one with a different high-level shape (the runner-up
-    a user would otherwise have picked), plus the first infeasibility reason seen."""
+    a user would otherwise have picked), plus the first infeasibility reason seen; with keep > 0 also
+    the `keep` fastest feasible candidates (`top`, fastest first, one per layout: what a second
+    objective, such as a packed run's step, re-ranks)."""
     best: Optional[Scored] = None
     runner_up: Optional[Scored] = None
     infeasible: int = 0
     first_reason: str = ""
     history: List[float] = field(default_factory=list)
+    keep: int = 0
+    top: List[Scored] = field(default_factory=list)
 
     @staticmethod
     def shape(s: Scored):
@@ -53,6 +57,8 @@ class Tracker:
         elif self.shape(s) != self.shape(self.best) and (self.runner_up is None or s.time < self.runner_up.time):
             self.runner_up = s
         self.history.append(self.best.time)
+        if self.keep > 0 and all(t.layout != s.layout for t in self.top):
+            self.top = sorted(self.top + [s], key=lambda t: t.time)[:self.keep]
 
 
 def describe(layout: Layout) -> str:
