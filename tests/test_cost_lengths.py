@@ -91,3 +91,7 @@ def test_layouts_rank_by_their_mean_packed_step_and_multi_row_micro_batches_are_
                       schedule="1f1b")
     with pytest.raises(ValueError, match="one-row micro-batches"):
         rank_by_packed_step(sim, [two_rows], d, "document")
+
+
+def test_a_corpus_not_built_yet_has_no_lengths(tmp_path):
+    assert LengthDistribution.of_corpus(str(tmp_path / "absent"), 64) is None

@@ -23,6 +23,7 @@ on which documents it holds: its sum of squared lengths. This module
 """
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 
 from hrlplan.cost.schedule_orders import B, BW, F, structure
 from hrlplan.data import dispatch as D
+from hrlplan.data.code_corpus import CodeCorpus
 from hrlplan.data.packing import document_pieces, next_fit, predictions, split_documents
 
 
@@ -62,6 +64,17 @@ class LengthDistribution:
     @classmethod
     def from_dict(cls, d: Dict) -> "LengthDistribution":
         return cls([int(n) for n in d["lengths"]], int(d["budget"]))
+
+    @classmethod
+    def of_corpus(cls, path: str, budget: int) -> Optional["LengthDistribution"]:
+        """The pieces of the data=code corpus built at `path`, cut at `budget`; None where none is built
+        yet (training builds it) or it has no end-of-text token to cut documents at."""
+        if not os.path.exists(os.path.join(path, "meta.json")):
+            return None
+        corpus = CodeCorpus.load(path)
+        if corpus.eot_id is None:
+            return None
+        return cls.from_tokens(corpus.train_tokens, int(corpus.eot_id), int(budget))
 
 
 @dataclass
