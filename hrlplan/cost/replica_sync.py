@@ -15,14 +15,45 @@ runtime/hetero_sync.py runs it, cost/plans.py costs it (one fact in one place).
   node, i < rails = the fewest members any node has), then member i broadcasts its part in its node.
   The inter-node link then carries 1/rails of what a flat ring over every member would send
   through it.
+- The optimizer across replicas (replica_optimizer, plan.meta's `replica_optimizer`): "sharded"
+  (ZeRO-1, as Megatron's distributed optimizer): member i of a rank set of n owns slice i of every
+  bucket's flat (shard_slice), steps only that slice (master weights and AdamW moments for it
+  alone) and all-gathers the updated slices; a flat set reduce-scatters its buckets instead of
+  all-reducing them, an in-node-first set all-reduces as above and keeps its slice. "replicated":
+  every member steps the whole unit. A set of one member steps its units in place either way.
 """
 from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from hrlplan.errors import UserError
+
 Holder = Tuple[int, int]   # (pipeline, stage)
 RankSet = Tuple[int, ...]
 BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
+SHARDED, REPLICATED = "sharded", "replicated"
+REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
+# Sharded: the same bytes on the wire where a set reduces flat (reduce-scatter + all-gather = one
+# all-reduce), the optimizer's time and state over n; it costs an exposed all-gather after the step.
+DEFAULT_REPLICA_OPTIMIZER = SHARDED
+
+
+def replica_optimizer(plan) -> str:
+    """How a heterogeneous plan's replicas step their optimizer (module docstring): plan.meta's
+    `replica_optimizer`, else DEFAULT_REPLICA_OPTIMIZER."""
+    value = (getattr(plan, "meta", None) or {}).get("replica_optimizer", DEFAULT_REPLICA_OPTIMIZER)
+    if value not in REPLICA_OPTIMIZERS:
+        raise UserError(f"plan meta.replica_optimizer={value!r} is not one of {', '.join(REPLICA_OPTIMIZERS)}: "
+                        "fix the plan file's meta.replica_optimizer or delete the key")
+    return value
+
+
+def shard_slice(numel: int, members: int, index: int) -> Tuple[int, int]:
+    """Member `index`'s slice of a bucket of `numel` values over `members`: the bucket padded to a
+    multiple of `members` (reduce_scatter_tensor's and all_gather_into_tensor's equal parts), cut
+    to the real values (the last members' slices may be shorter or empty)."""
+    part = -(-numel // members)
+    return min(index * part, numel), min((index + 1) * part, numel)
 
 
 def unit_order(n_layer: int, embed_units: Sequence[str]) -> List[str]:

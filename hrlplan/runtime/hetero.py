@@ -20,6 +20,9 @@ final norm + head) is all-reduced over the ranks holding it, every contribution 
 pipeline's share of the global batch, so the update equals one process on the global batch:
 bucketed, in the training dtype where safe, and started during the last micro-batch's backward
 (hetero_sync.py says exactly how). GPT-2 replicas may hold a block at different tp degrees.
+The optimizer: sharded over each bucket's ranks (hetero_zero.py: each steps its slice, then the
+slices are all-gathered) where the plan says so (cost/replica_sync.replica_optimizer, the default)
+and the trainer asks the engine for it (make_optimizer); else each rank steps its whole stage.
 
 Packed documents (data.packing=document|balanced): a replica's rows hold its share of the step's
 documents (data/packed_stream.py lays them out over the replicas), every rank of the pipeline reads
@@ -45,8 +48,10 @@ from hrlplan.families import GENERIC_HF, family_for
 from hrlplan.models.documents import is_packed_inputs, split_packed_inputs, trim_packed
 from hrlplan.models.hf import build_stage_modules, hf_layout, materialize
 from hrlplan.plan import Plan
-from hrlplan.cost.replica_sync import unit_holders, unit_order
+from hrlplan import devices
+from hrlplan.cost.replica_sync import SHARDED, replica_optimizer, unit_holders, unit_order
 from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype
+from hrlplan.runtime.hetero_zero import ShardedReplicaOptimizer
 from hrlplan.runtime.recompute import apply_recompute
 from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
 from hrlplan.runtime.timing import StepRecorder
@@ -163,8 +168,11 @@ class HeteroPipelineEngine:
             self.resume_refusal = ("this plan's GPT-2 replicas hold a block at different tp degrees, whose "
                                    "checkpoints do not load back yet")
         tp_mesh = self._tp_meshes()
+        self.sharded = replica_optimizer(plan) == SHARDED
+        self.sharded_optimizer: Optional[ShardedReplicaOptimizer] = None
         self.reducer = GradientReducer(plan, self.pipes, holders, self.rank, unit_order(plan.n_layer, embed_units),
-                                       reduce_dtype(train.dtype))
+                                       reduce_dtype(train.dtype), sharded=self.sharded)
+        self.reducer.sharded = False   # on once make_optimizer() hands out the sharded optimizer
         self.parts: Dict[int, nn.Module] = {}
         self.not_written: set = set()   # parameter names another holder writes to a checkpoint
         self.hidden = int(full_model.config.hidden_size)
@@ -195,6 +203,21 @@ class HeteroPipelineEngine:
         gpt2 = per_degree_layout(full_model)
         self.reducer.attach(self._unit_params(), self.me, self.tp_index, self.stage.tp, self.pipe.num_microbatches,
                             lambda name: gpt2_layout(name, self.stage.tp, self.hidden) if gpt2 else None)
+
+    def make_optimizer(self, train) -> Optional[torch.optim.Optimizer]:
+        """This rank's optimizer where the plan shards it across replicas (hetero_zero.py), else None
+        (the trainer's own AdamW steps the whole stage). Every rank of the job calls it or none does:
+        it switches the reduce to the sharded one."""
+        if not self.sharded or self.me is None:
+            return None
+        t = section(TrainConfig, train)
+        self.reducer.sharded = True
+        params = [p for _, _, p in self._unit_params() if p.requires_grad]
+        self.sharded_optimizer = ShardedReplicaOptimizer(
+            params, self.reducer, {"lr": float(t.lr), "betas": (float(t.beta1), float(t.beta2)),
+                                   "weight_decay": float(t.weight_decay)},
+            devices.optimizer_impl(self.device, dtensor=False))
+        return self.sharded_optimizer
 
     def checkpoint_writes(self, name: str) -> bool:
         """Whether this rank writes parameter `name` (and its optimizer state) to a checkpoint. Replicas
@@ -321,6 +344,8 @@ class HeteroPipelineEngine:
             if sharded or self.tp_index == 0:
                 local = g.to_local() if hasattr(g, "to_local") else g
                 sq += local.detach().float().pow(2).sum()
+        if self.sharded_optimizer is not None:   # the sharded buckets' gradients: each member's slice
+            sq += self.sharded_optimizer.squared_norm(self.tp_index).to(sq.device)
         dist.all_reduce(sq)
         total = sq.sqrt()[0]
         if max_norm and max_norm > 0:
@@ -330,6 +355,10 @@ class HeteroPipelineEngine:
                     if param.grad is not None:
                         g = param.grad
                         (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+                if self.sharded_optimizer is not None:
+                    self.sharded_optimizer.scale_gradients(coef)
+        if self.sharded_optimizer is not None:
+            self.sharded_optimizer.take_gradients()
         return total
 
     def _unit_params(self) -> List[Tuple[str, str, nn.Parameter]]:

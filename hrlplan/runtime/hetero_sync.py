@@ -32,6 +32,10 @@ What it does, exactly:
   the previous one is complete on this rank (checked at every hook, then waited for in finish()),
   on groups of its own, and never ahead of an earlier bucket's same phase, so every group sees
   its collectives in the bucket order.
+- Sharded optimizer (cost/replica_sync.replica_optimizer, hetero_zero.py): a set of two or more
+  members reduce-scatters each bucket instead (flat), or all-reduces it in node first and keeps
+  member i's slice (shard_slice); finish() leaves each member its slice of the summed bucket
+  (shard_grads) and frees the parameters' own gradients, which nothing reads after that.
 - GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree
   (tensor_parallel.py); where its holders mix tp degrees, each holder maps its whole-shape
   contribution to the Hugging Face Conv1D layout before the sum and back after it.
@@ -48,7 +52,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from hrlplan.cost.replica_sync import (BUCKET_MB, Hierarchy, Holder, RankSet, bucket_key, cut_buckets,  # noqa: F401
-                                       node_hierarchy, rail_slices, unit_rank_sets)
+                                       node_hierarchy, rail_slices, shard_slice, unit_rank_sets)
 from hrlplan.plan import PipelinePlan
 from hrlplan.runtime.tensor_parallel import qkv_row_order
 
@@ -122,6 +126,7 @@ class _SetGroups(NamedTuple):
     node_spread: object           # phase 3 over them, a group apart so each group sees one phase in order
     rail: Optional[int]           # this rank's rail (None: on none)
     rail_group: object
+    whole: object = None          # the whole set, flat (the sharded optimizer's gathers; None: one member)
 
 
 def node_keys() -> List[str]:
@@ -134,16 +139,19 @@ def node_keys() -> List[str]:
     return [str(k) for k in out]
 
 
-def make_set_groups(ordered: Sequence[RankSet], rank: int, node_of: Sequence[str]) -> Dict[RankSet, _SetGroups]:
-    """Every rank creates every group, in the same order (new_group is collective over the world)."""
+def make_set_groups(ordered: Sequence[RankSet], rank: int, node_of: Sequence[str],
+                    sharded: bool = False) -> Dict[RankSet, _SetGroups]:
+    """Every rank creates every group, in the same order (new_group is collective over the world).
+    sharded: an in-node-first set gets a flat group too, for the optimizer's gathers."""
     out: Dict[RankSet, _SetGroups] = {}
     for ranks in ordered:
         hier = node_hierarchy(ranks, node_of)
         if hier is None:
             flat = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             if rank in ranks:
-                out[ranks] = _SetGroups(flat, None, (), None, None, None, None)
+                out[ranks] = _SetGroups(flat, None, (), None, None, None, None, flat)
             continue
+        whole = dist.new_group(list(ranks)) if sharded else None
         mine: Dict[str, object] = {"node": ()}
         for node in hier.nodes:
             reduce_group, spread_group = (dist.new_group(list(node)), dist.new_group(list(node))) \
@@ -156,7 +164,7 @@ def make_set_groups(ordered: Sequence[RankSet], rank: int, node_of: Sequence[str
                 mine.update(rail=i, rail_group=group)
         if rank in ranks:
             out[ranks] = _SetGroups(None, hier, mine["node"], mine.get("node_reduce"), mine.get("node_spread"),
-                                    mine.get("rail"), mine.get("rail_group"))
+                                    mine.get("rail"), mine.get("rail_group"), whole)
     return out
 
 
@@ -166,12 +174,21 @@ class _Reduce:
 
     PHASES = 3
 
-    def __init__(self, bucket: "Bucket", buf: torch.Tensor, groups: _SetGroups):
+    def __init__(self, bucket: "Bucket", buf: torch.Tensor, groups: _SetGroups, scatter: bool = False):
+        """scatter: a flat set reduce-scatters (the sharded optimizer): `part` receives this member's
+        padded slice (shard_slice) of the sum."""
         self.bucket, self.buf, self.groups = bucket, buf, groups
         self.works: List[object] = []
+        self.part: Optional[torch.Tensor] = None
         self.issued = 0   # phases issued, of PHASES
         if groups.hier is None:
-            if groups.flat is not None:
+            if groups.flat is not None and scatter:
+                members = len(bucket.ranks)
+                size = -(-buf.numel() // members)
+                padded = torch.cat([buf, buf.new_zeros(size * members - buf.numel())])
+                self.part = buf.new_empty(size)
+                self.works = [dist.reduce_scatter_tensor(self.part, padded, group=groups.flat, async_op=True)]
+            elif groups.flat is not None:
                 self.works = [dist.all_reduce(buf, group=groups.flat, async_op=True)]
             self.issued = self.PHASES
         else:
@@ -204,18 +221,29 @@ class GradientReducer:
     """This rank's buckets, their groups, the hooks that start them and the wait (module docstring)."""
 
     def __init__(self, plan, pipes: List[PipelinePlan], holders: Dict[str, List[Holder]], rank: int,
-                 order: Sequence[str], dtype: torch.dtype = torch.float32, node_of: Optional[Sequence[str]] = None):
-        """node_of: every rank's node (default node_keys())."""
-        self.rank, self.dtype = rank, dtype
+                 order: Sequence[str], dtype: torch.dtype = torch.float32, node_of: Optional[Sequence[str]] = None,
+                 sharded: bool = False):
+        """node_of: every rank's node (default node_keys()); sharded: the sharded optimizer's reduce
+        (module docstring)."""
+        self.rank, self.dtype, self.sharded = rank, dtype, sharded
         self.weights = [p.batch_size / plan.global_batch_size for p in pipes]
         self.holders = holders
         self.position = {u: i for i, u in enumerate(order)}
         # unit -> [(rank set, whole?)]: one group per tp index, or one whole-unit group across tp degrees
         self.unit_groups, ordered = unit_rank_sets(pipes, holders, order)
-        self.groups = make_set_groups(ordered, rank, node_keys() if node_of is None else node_of)
+        self.groups = make_set_groups(ordered, rank, node_keys() if node_of is None else node_of, sharded)
         self.group_rank = {ranks: i for i, ranks in enumerate(ordered)}
         self.buckets: List[Bucket] = []
         self.started_in_backward = 0   # buckets the last step started from the hooks (the overlap)
+        self.shard_grads: Dict[int, torch.Tensor] = {}   # sharded: bucket index -> this member's slice, fp32
+
+    def shards(self, bucket: Bucket) -> bool:
+        """Whether this bucket's optimizer is sharded over its members (sets of one step in place)."""
+        return self.sharded and len(bucket.ranks) > 1
+
+    def slice_of(self, bucket: Bucket) -> Tuple[int, int]:
+        """This member's slice of the bucket's flat values (cost/replica_sync.shard_slice)."""
+        return shard_slice(sum(i.numel for i in bucket.items), len(bucket.ranks), bucket.ranks.index(self.rank))
 
     def canonical(self, unit: str) -> Holder:
         """The holder whose copy counts in the global gradient norm (first pipeline, first stage)."""
@@ -280,7 +308,7 @@ class GradientReducer:
             else:
                 part = _local(item.param.grad).detach().float() * weight
             flats.append(part.reshape(-1).to(self.dtype))
-        self.launched.append(_Reduce(bucket, torch.cat(flats), self.groups[bucket.ranks]))
+        self.launched.append(_Reduce(bucket, torch.cat(flats), self.groups[bucket.ranks], scatter=self.shards(bucket)))
 
     def _progress(self, block: bool) -> None:
         """Issue the next phases of in-node-first buckets whose previous phase is complete. A bucket
@@ -308,29 +336,68 @@ class GradientReducer:
         return whole * weight
 
     def finish(self) -> None:
-        """Start the buckets backward did not, wait for all, unpack; ready for the next step."""
+        """Start the buckets backward did not, wait for all, unpack (sharded: keep this member's slice
+        in shard_grads and free the gradients); ready for the next step."""
         for bucket in self.buckets[len(self.launched):]:
             self._start(bucket)
         self._progress(block=True)
         launched = self.launched
         self._reset()
-        for red in launched:
+        self.shard_grads = {}
+        for k, red in enumerate(launched):
             red.wait()
             bucket, buf = red.bucket, red.buf
-            offset = 0
-            with torch.no_grad():
+            if self.shards(bucket):
+                lo, hi = self.slice_of(bucket)
+                mine = red.part[:hi - lo] if red.part is not None else buf[lo:hi]
+                self.shard_grads[k] = mine.float()
                 for item in bucket.items:
-                    piece = buf[offset:offset + item.numel].float()
-                    offset += item.numel
-                    grad = item.param.grad
-                    local = _local(grad)
-                    if item.whole:
-                        piece = from_hf(piece.reshape(_hf_shape(grad.shape, self.layout_of(item.name))),
-                                        self.layout_of(item.name))
-                        dim = _shard_dim(grad)
-                        if dim is not None:
-                            piece = torch.chunk(piece, self.tp, dim=dim)[self.tp_index]
-                    local.copy_(piece.reshape(local.shape).to(local.dtype))
+                    item.param.grad = None
+                continue
+            with torch.no_grad():
+                self.unpack(bucket, buf, lambda item: item.param.grad)
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, target_of: Callable[[Item], torch.Tensor]) -> None:
+        """Copy a bucket's whole flat (its layout: whole items in Hugging Face's) into each item's
+        tensor of this rank's shape, `target_of(item)` (its gradient, weight or optimizer state)."""
+        offset = 0
+        for item in bucket.items:
+            piece = flat[offset:offset + item.numel].float()
+            offset += item.numel
+            target = target_of(item)
+            local = _local(target)
+            if item.whole:
+                layout = self.layout_of(item.name)
+                piece = from_hf(piece.reshape(_hf_shape(item.param.shape, layout)), layout)
+                dim = _shard_dim(item.param)
+                if dim is not None:
+                    piece = torch.chunk(piece, self.tp, dim=dim)[self.tp_index]
+            local.copy_(piece.reshape(local.shape).to(local.dtype))
+
+    def pack_values(self, bucket: Bucket, value_of: Callable[[Item], torch.Tensor]) -> torch.Tensor:
+        """A bucket's whole flat (fp32) of one value per item (`value_of(item)`: a tensor of the
+        parameter's shape on this rank, a DTensor's local shard). Same-tp items pack locally; whole
+        items are summed over the set from each parameter's canonical holder's ranks alone (its shard
+        in place, a replicated tensor from tp rank 0), so the sum is the value, exactly. A collective
+        over the set where it has whole items."""
+        flats = []
+        for item in bucket.items:
+            local = _local(value_of(item)).detach().float()
+            if not item.whole:
+                flats.append(local.reshape(-1))
+                continue
+            canonical = self.canonical(item.unit) == self.me
+            whole = torch.zeros(tuple(item.param.shape), dtype=torch.float32, device=local.device)
+            dim = _shard_dim(item.param)
+            if canonical and dim is not None:
+                torch.chunk(whole, self.tp, dim=dim)[self.tp_index].copy_(local)
+            elif canonical and self.tp_index == 0:
+                whole.copy_(local)
+            flats.append(to_hf(whole, self.layout_of(item.name)).reshape(-1))
+        flat = torch.cat(flats) if flats else torch.zeros(0)
+        if any(item.whole for item in bucket.items):
+            dist.all_reduce(flat, group=self.groups[bucket.ranks].whole)
+        return flat
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
