@@ -20,6 +20,9 @@ from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, plac
 from hrlplan.search.hetero_anchor import AnchorTemplates, anchor_rows, idle_nodes
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid
 from hrlplan.search.hetero_search import search_hetero
+from hrlplan.search.hetero_single import single_template_search
+from hrlplan.search.exact import search_exact
+from hrlplan.search.space import SearchSpace
 from tests.test_cost import toy_meta
 
 TRAIN = dict(global_batch_size=8, schedule="1f1b", stages_per_rank=1, microbatches="auto", dtype="float32",
@@ -426,3 +429,28 @@ def test_anchor_rows_leave_the_other_replicas_whole_grid_units():
     assert anchor_rows(2048, 128, 4) == list(range(32, 513, 32))
     thinned = anchor_rows(1024, 1, 2)
     assert len(thinned) <= 48 and 512 in thinned and all(0 < r <= 512 for r in thinned)
+
+
+def test_single_template_candidate_is_bounded_by_work_so_a_reference_search_finds_it():
+    """The planner's single-template candidate is hetero_single.single_template_search, bounded by
+    simulator calls and never by planner.hetero_time_s: a reference search with the same settings
+    (bench/hetero.py's) finds the same template, however little time planning had -- so the planned
+    plan is never slower than the reference by construction. With few calls the screen gives up and
+    the refine pass searches its best configurations on."""
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4, hetero_single_simulations=4,
+               hetero_time_s=1e-3)   # the clock would have cut the single template's search at once
+    train = section(TrainConfig, TRAIN)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = SearchSpace(meta, cluster, cfg, train)
+    space.sim = sim
+    ref = single_template_search(sim, space, cfg)
+    assert ref["single_template_search"] == "screen and refine" and not ref["proven_optimal"]
+    assert "hetero_single_simulations=4" in ref["note"]
+    screen_cfg = dict(cfg, max_simulations=1)   # the screen alone: the refine pass only improves on it
+    screen = search_exact(Simulator(meta, cluster, cost_options(cfg, train)), space, screen_cfg)
+    assert ref["tracker"].best.time <= screen["tracker"].best.time
+    plan, info = make_plan(meta, cluster, dict(cfg, heterogeneous="true"), TRAIN)
+    single = info["runner_up"] if plan.heterogeneous else info["chosen"]
+    assert single["step_time_s"] == ref["tracker"].best.time
+    assert plan.meta["predicted"]["step_time_s"] <= ref["tracker"].best.time

@@ -26,6 +26,7 @@ from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.exact import search_exact
+from hrlplan.search.hetero_single import single_template_search
 from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
 from hrlplan.families import family_of_meta
 
@@ -113,8 +114,15 @@ def single_template_of(sim) -> Optional[Scored]:
 
 
 def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_key: str) -> Dict[str, Any]:
-    """search_exact stopped at `deadline` (a 1024-GPU template search runs to its 20k simulations at
-    ~0.1 s each): then the best layout simulated so far, not proven, the note naming `budget_key`."""
+    """A replica template's search_exact stopped at `deadline` (a 1024-GPU template search runs to
+    its 20k simulations at ~0.1 s each): then the best layout simulated so far, not proven, the note
+    naming `budget_key`. A whole-cluster space -- the single template -- is searched by work, not
+    until the deadline (single_template_search, hetero_single.py): the same template at any load,
+    so that a reference search with the same settings finds the planner's own candidate."""
+    if not isinstance(space, ReplicaSpace):
+        out = single_template_search(sim, space, cfg)
+        _SINGLE_TEMPLATE[sim] = out["tracker"]
+        return out
     t0 = time.perf_counter()
     timed = TimedSimulator(sim, deadline)
     own = space.sim
@@ -128,8 +136,6 @@ def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_
                        "simulated, not proven optimal"}
     finally:
         space.sim = own
-    if not isinstance(space, ReplicaSpace):
-        _SINGLE_TEMPLATE[sim] = out["tracker"]
     return out
 
 

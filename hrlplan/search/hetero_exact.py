@@ -30,6 +30,7 @@ from hrlplan.search.common import Scored
 from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
+from hrlplan.search.hetero_single import exact_proved
 from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
                                   search_exact_until)
 
@@ -195,7 +196,7 @@ class TemplateTable:
                                      "a quarter of what was left of planner.hetero_time_s")
             self.out_of_time = self.out_of_time or time.perf_counter() > self.search_deadline
             self.searches += 1
-            self.unproven += not out["proven_optimal"]
+            self.unproven += not exact_proved(out, self.cfg)
             best = out["tracker"].best
             if best is None and out.get("out_of_time"):
                 best = self._quick(key)
