@@ -209,6 +209,8 @@ def per_rank_actions(predicted_stages: List[Dict[str, Any]], summary: Dict[str, 
     for entry in quota_work:
         for rank in entry["devices"]:
             out.setdefault(rank, {})["predicted_cpu_per_step_ms"] = entry["work_s"] * 1e3
+            if entry.get("parts_s"):
+                out[rank]["predicted_cpu_per_step_parts_ms"] = {k: v * 1e3 for k, v in entry["parts_s"].items()}
     for trained_rank, job_rank in enumerate(used):
         mine = [dict(e, stage=0) for e in events if e.get("rank") == trained_rank]
         wall, cpu = action_medians(mine).get(0, {}), action_medians(mine, cpu=True).get(0, {})
@@ -242,9 +244,11 @@ def action_lines(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
                    f"{ms(row, 'measured_cpu_per_step_ms')}"
                    + (f" (pred {ms(row, 'predicted_cpu_per_step_ms')})" if "predicted_cpu_per_step_ms" in row else "")
                    + throttled)
-        parts = row.get("measured_cpu_per_step_parts_ms")
-        if parts:
-            out.append(" " * 36 + "CPU per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())))
+        for label, key in (("CPU per step", "measured_cpu_per_step_parts_ms"),
+                           ("predicted", "predicted_cpu_per_step_parts_ms")):
+            parts = row.get(key)
+            if parts:
+                out.append(" " * 36 + f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())))
     return out
 
 
@@ -262,7 +266,7 @@ def uncapped_core_share(runs: Dict[str, List[Dict[str, Any]]], shares: List[Opti
     return statistics.median(got) if got else None
 
 
-def main() -> None:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
@@ -271,87 +275,118 @@ def main() -> None:
     ap.add_argument("--run-dir", default="/tmp/hrlplan-bench-hetero-pick")
     ap.add_argument("--only", default="", help="comma-separated layout names (diagnosis): the others are not trained")
     ap.add_argument("--actions", action="store_true", help="print each rank's predicted vs measured forward/backward")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def calibrate_and_plan(config, meta, shares: List[Optional[float]], candidates: Dict[str, Any], r: int,
+                       run_dir: Path):
+    """One round's calibration of the emulated workers, and exact's pick (heterogeneous=true) and best
+    single template (=false) on it, each added to `candidates` under a hand-written layout's name when
+    it is one (same_layout), else as pick-<r> / single-<r>. (calibrated cluster, the pick's name, the
+    record without its raw measurements)."""
     from hrlplan.cluster import ClusterSpec
-    from hrlplan.compose import compose
     from hrlplan.launch.local import launch_workers
-    from hrlplan.model_meta import introspect
-    from hrlplan.cost.plans import options_for_train, predict_any_plan
-    from hrlplan.runtime.timing import mean_step_time, median_step_time
     from hrlplan.search import make_plan
     from hrlplan.search.config import ExactPlannerConfig
 
-    shares = [None if float(s) >= 1 else float(s) for s in args.shares.split(",")]
-    world = len(shares)
-    config = compose([*ARCH, f"train.steps={args.steps}"])
-    meta = introspect(config["arch"], seq_len=int(config["data"]["seq_len"]))
-    candidates = hand_written(world)
-    runs: Dict[str, List[Dict[str, float]]] = {}
-    picks: List[str] = []
-    loads, calibrations = [], []
-    for r in range(args.rounds):
-        t0 = time.time()
-        threads_for(world)
-        out = launch_workers(_calibrate_worker, (config,), world, name="hetero-pick-calibrate", cpu_shares=shares)[0]
-        calibrated = ClusterSpec.from_dict(out["calibrated"])
-        exact = dict(asdict(ExactPlannerConfig()), microbatch_sizes=MICROBATCH_SIZES)
-        pick, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="true"), config["train"])
-        single, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="false"), config["train"])
-        for label, plan in (("pick", pick), ("single", single)):
-            name = next((n for n, p in candidates.items() if same_layout(p, plan)), None)
-            if name is None:
-                name = f"{label}-{r}"
-                candidates[name] = plan
-            if label == "pick":
-                picks.append(name)
-        print(f"[hetero-pick] round {r + 1}/{args.rounds}: calibrated in {time.time() - t0:.0f} s (flops per worker "
-              f"{[round(d.peak_flops / 1e9, 1) for d in calibrated.devices]} GFLOP/s); pick {picks[-1]}: "
-              f"{pick.layout()}", flush=True)
-        record = out["calibrated"].get("calibration") or {}
-        calibrations.append({k: v for k, v in record.items() if k != "measurements"})   # the raw ones: run dir
-        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.run_dir) / f"calibration-{r}.json").write_text(json.dumps(out["calibrated"], default=float))
-        for name, plan in candidates.items():
-            if args.only and name not in args.only.split(","):
-                continue
-            prediction = predict_any_plan(plan, meta, calibrated, options_for_train(config["train"]))
-            predicted = prediction["step_time_s"]
-            try:
-                summary = train_capped(plan, config, shares, Path(args.run_dir) / name.replace("/", "_"))
-            except Exception as e:   # one layout's failure must not hide the others' figures
-                print(f"[hetero-pick]   {name:20s} FAILED: {str(e)[:200]}", flush=True)
-                continue
-            times = [h["train/step_time_s"] for h in summary["history"]]
-            step = mean_step_time(times)
-            actions = per_rank_actions(prediction["stages"], summary,
-                                       prediction.get("breakdown", {}).get("quota_cpu_work") or ())
-            runs.setdefault(name, []).append({"measured_s": step, "median_step_s": median_step_time(times),
-                                              "predicted_s": predicted, "load": os.getloadavg()[0],
-                                              "step_times_s": times, "ranks": actions})
-            print(f"[hetero-pick]   {name:20s} {step * 1e3:8.2f} ms mean step, median {median_step_time(times) * 1e3:8.2f} "
-                  f"(predicted {predicted * 1e3:8.2f} ms), load {os.getloadavg()[0]:.1f}", flush=True)
-            if args.actions:
-                print("\n".join(action_lines(name, actions)), flush=True)
-                print(f"    steps (ms): {[round(h['train/step_time_s'] * 1e3, 1) for h in summary['history']]}")
-        loads.append(os.getloadavg())
+    t0 = time.time()
+    threads_for(len(shares))
+    out = launch_workers(_calibrate_worker, (config,), len(shares), name="hetero-pick-calibrate", cpu_shares=shares)[0]
+    calibrated = ClusterSpec.from_dict(out["calibrated"])
+    exact = dict(asdict(ExactPlannerConfig()), microbatch_sizes=MICROBATCH_SIZES)
+    pick, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="true"), config["train"])
+    single, _ = make_plan(meta, calibrated, dict(exact, heterogeneous="false"), config["train"])
+    names = {}
+    for label, plan in (("pick", pick), ("single", single)):
+        name = next((n for n, p in candidates.items() if same_layout(p, plan)), None)
+        if name is None:
+            name = f"{label}-{r}"
+            candidates[name] = plan
+        names[label] = name
+    print(f"[hetero-pick] round {r + 1}: calibrated in {time.time() - t0:.0f} s (flops per worker "
+          f"{[round(d.peak_flops / 1e9, 1) for d in calibrated.devices]} GFLOP/s); pick {names['pick']}: "
+          f"{pick.layout()}; single template {names['single']}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / f"calibration-{r}.json").write_text(json.dumps(out["calibrated"], default=float))
+    record = out["calibrated"].get("calibration") or {}
+    return calibrated, names["pick"], {k: v for k, v in record.items() if k != "measurements"}
+
+
+def measure_layout(name: str, plan, config, meta, calibrated, shares: List[Optional[float]], run_dir: Path,
+                   actions: bool) -> Optional[Dict[str, Any]]:
+    """Predict `plan` on this round's calibration and train it on the capped workers: its run's
+    figures (mean and median step, prediction, load, each rank's actions), None when it failed (one
+    layout's failure must not hide the others' figures)."""
+    from hrlplan.cost.plans import options_for_train, predict_any_plan
+    from hrlplan.runtime.timing import mean_step_time, median_step_time
+
+    prediction = predict_any_plan(plan, meta, calibrated, options_for_train(config["train"]))
+    predicted = prediction["step_time_s"]
+    try:
+        summary = train_capped(plan, config, shares, run_dir / name.replace("/", "_"))
+    except Exception as e:
+        print(f"[hetero-pick]   {name:20s} FAILED: {str(e)[:200]}", flush=True)
+        return None
+    times = [h["train/step_time_s"] for h in summary["history"]]
+    step, median = mean_step_time(times), median_step_time(times)
+    ranks = per_rank_actions(prediction["stages"], summary, prediction.get("breakdown", {}).get("quota_cpu_work") or ())
+    load = os.getloadavg()[0]
+    print(f"[hetero-pick]   {name:20s} {step * 1e3:8.2f} ms mean step, median {median * 1e3:8.2f} "
+          f"(predicted {predicted * 1e3:8.2f} ms), load {load:.1f}", flush=True)
+    if actions:
+        print("\n".join(action_lines(name, ranks)), flush=True)
+        print(f"    steps (ms): {[round(t * 1e3, 1) for t in times]}")
+    return {"measured_s": step, "median_step_s": median, "predicted_s": predicted, "load": load,
+            "step_times_s": times, "ranks": ranks}
+
+
+def report(args, shares, candidates, runs, picks, loads, calibrations) -> Dict[str, Any]:
+    """The table over the rounds (median, min-max per layout), Spearman and the pick's rank, printed;
+    the report written to args.out."""
     rows = {n: dict(_measure.timing_row([x["measured_s"] for x in xs], [x["predicted_s"] for x in xs]),
                     layout=candidates[n].layout(), runs=xs) for n, xs in runs.items()}
     pick = statistics.mode(picks)
     rank = _measure.ranking(rows, pick)
-    report = {"world": world, "shares": shares, "rounds": args.rounds, "steps": args.steps, "layouts": rows,
-              "picks": picks, "pick": pick, **rank, "load_average": loads,
-              "calibrations": calibrations, "uncapped_core_share": uncapped_core_share(runs, shares)}
+    out = {"world": len(shares), "shares": shares, "rounds": args.rounds, "steps": args.steps, "layouts": rows,
+           "picks": picks, "pick": pick, **rank, "load_average": loads,
+           "calibrations": calibrations, "uncapped_core_share": uncapped_core_share(runs, shares)}
     print()
     print("\n".join(_measure.timing_lines(rows, rank, label="layout")))
     print(f"load average per round: {loads}")
-    share = report["uncapped_core_share"]
+    share = out["uncapped_core_share"]
     if share is not None:
         print(f"the uncapped worker trained fast-only on {share:.2f} of a core (CPU per step / step)"
               + ("" if share >= BUSY_HOST_SHARE else f": below {BUSY_HOST_SHARE}, the host was too busy for "
                  "this bench to see the caps (capped workers got no less than the uncapped); rerun when quiet"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=float))
+    Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from hrlplan.compose import compose
+    from hrlplan.model_meta import introspect
+
+    args = parse_args(argv)
+    shares = [None if float(s) >= 1 else float(s) for s in args.shares.split(",")]
+    config = compose([*ARCH, f"train.steps={args.steps}"])
+    meta = introspect(config["arch"], seq_len=int(config["data"]["seq_len"]))
+    candidates = hand_written(len(shares))
+    only = set(args.only.split(",")) if args.only else None
+    runs: Dict[str, List[Dict[str, Any]]] = {}
+    picks: List[str] = []
+    loads, calibrations = [], []
+    for r in range(args.rounds):
+        calibrated, pick, record = calibrate_and_plan(config, meta, shares, candidates, r, Path(args.run_dir))
+        picks.append(pick)
+        calibrations.append(record)
+        for name, plan in candidates.items():   # round-robin: a shared host's drift hits every layout alike
+            if only is None or name in only:
+                got = measure_layout(name, plan, config, meta, calibrated, shares, Path(args.run_dir), args.actions)
+                if got is not None:
+                    runs.setdefault(name, []).append(got)
+        loads.append(os.getloadavg())
+    report(args, shares, candidates, runs, picks, loads, calibrations)
 
 
 if __name__ == "__main__":

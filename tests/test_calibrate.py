@@ -37,6 +37,12 @@ def test_calibrate_cli_writes_calibration_the_cost_model_reads(tmp_path):
     assert [p["tokens"] for p in cal["tp_block_overhead_s"]] == sorted(p["tokens"] for p in cal["tp_block_overhead_s"])
     assert all(p["fwd"] >= 0 and p["bwd"] >= 0 for p in cal["tp_block_overhead_s"])
     assert cal["optimizer_s_per_block"]["tp"] > 0 and cal["optimizer_fixed_s"]["tp"] >= 0
+    # the send + receive exchange's CPU per message size, on both ranks of the pair (cost/quota_cpu.py)
+    for measured in cal["measurements"]["ranks"]:
+        points = measured["p2p_exchange_cpu"]
+        assert len(points) >= 2 and [p["bytes"] for p in points] == sorted(p["bytes"] for p in points)
+        assert all(p["cpu_s"] > 0 for p in points)
+        assert {h["message_bytes"] for h in measured["pipeline_hop"].values()} == {points[0]["bytes"]}
     # every judged timing repeated at least 3 times, its median and spread recorded
     verdict = cal["steadiness"]
     assert verdict["steady"] in (True, False) and verdict["threshold"] > 0

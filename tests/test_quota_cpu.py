@@ -251,3 +251,36 @@ def test_every_rank_measures_the_cpu_of_its_all_reduces_and_of_the_pipelines_sch
         assert out["cpu_keys"] == sorted(["cpu/2/4", "cpu/2/32768", "cpu/2/524288"]), (rank, out)
         assert len(out["fits"]) == 1 and out["fits"][0]["cpu_s"] >= 0 and out["fits"][0]["cpu_s_per_byte"] >= 0
         assert out["beyond"] is not None and out["beyond"] >= 0.0
+
+
+def test_the_machinery_charges_each_stage_its_own_exchanges_at_its_message_size():
+    exchange = {"cpu_s": 5e-5, "cpu_s_per_byte": 2e-9}
+    hop_bytes = 16384.0
+    figures = {"pipeline_per_microbatch": 5e-4, "pipeline_hop_bytes": hop_bytes, "p2p_exchange": exchange}
+    schedule = 5e-4 - (5e-5 + hop_bytes * 2e-9)
+    # the calibration's own pipeline (one neighbour, its message): the hop's figure as it is
+    assert quota_cpu.machinery_cpu_s(figures, 1, hop_bytes) == pytest.approx(5e-4)
+    assert quota_cpu.machinery_cpu_s(figures, 2, 4 * hop_bytes) == pytest.approx(schedule + 2 * (5e-5 + 4 * hop_bytes * 2e-9))
+    assert quota_cpu.machinery_cpu_s(figures, 0, 4 * hop_bytes) == pytest.approx(schedule)   # no neighbour
+    assert quota_cpu.machinery_cpu_s({"pipeline_per_microbatch": 5e-4}, 2, 1e6) == pytest.approx(5e-4)   # old record
+
+    plain, t0, _ = _run(_cluster(NAMES, {"pipeline_per_microbatch": 5e-4}), _pp3())
+    run, t, meta = _run(_cluster(NAMES, figures), _pp3())
+    message = run.sim.costs.activation_message(1)
+    before, after = quota_cpu.position_work(plain, t0), quota_cpu.position_work(run, t)
+    assert after[1][0] - before[1][0] == pytest.approx(4 * (quota_cpu.machinery_cpu_s(figures, 2, message) - 5e-4))
+    assert after[2][0] - before[2][0] == pytest.approx(4 * (quota_cpu.machinery_cpu_s(figures, 1, message) - 5e-4))
+    assert run.quota_parts[1]["machinery"] == pytest.approx(4 * quota_cpu.machinery_cpu_s(figures, 2, message))
+
+
+def test_the_exchange_line_is_fitted_per_rank_and_pooled_with_the_hops_message_bytes():
+    from hrlplan.runtime.calibrate.record import fit_quota_cpu
+
+    def rank(per_byte):
+        return {"pipeline_hop": {"1f1b": {"cpu_beyond_actions_per_microbatch_s": 1e-3, "message_bytes": 32768}},
+                "p2p_exchange_cpu": [{"bytes": b, "cpu_s": 4e-5 + b * per_byte} for b in (32768.0, 131072.0, 393216.0)]}
+    fits = fit_quota_cpu(_capped_spec(["cpu", "cpu@0.33", "cpu@0.33"]), [rank(1e-9), rank(3e-9), {}])
+    assert fits["cpu@0.33"]["pipeline_hop_bytes"] == 32768
+    assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s"] == pytest.approx(4e-5)
+    assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(3e-9)   # its own rank's line
+    assert fits["cpu"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(1e-9)

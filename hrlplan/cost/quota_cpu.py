@@ -8,7 +8,13 @@ The work, all of it in process CPU time (every thread: gloo's too, as the quota 
 - compute: the position's forwards and backwards costed alone (waiting for a core spends no quota);
 - the pipeline's machinery per micro-batch and stage: torch's schedule, its sends and receives and
   their waits, beyond the forwards and backwards (quota_cpu_s' pipeline_per_microbatch, from the real
-  two-stage pipeline calibration runs: a CPU time, on that rank);
+  two-stage pipeline calibration runs: a CPU time, on that rank), its one exchange with a neighbour
+  (messages of pipeline_hop_bytes, one sequence) replaced by the stage's own: an exchange (a send and
+  a receive) per neighbour, at the stage's message size (p2p_exchange, a line over the bytes from a
+  CPU-timed ping-pong: machinery_cpu_s). A middle stage has two neighbours, and at 4 sequences a
+  message costs 3x the hop's in copies and gloo's threads: the pick's capped stages of pp3 4/1/1 at
+  3 micro-batches of 4 spent 1.4-1.9 ms a step beyond their forwards and backwards where the hop's
+  figure gave 0.9;
 - the step's collectives the position takes part in (its start barrier, the loss, the gradient norms,
   a tied embedding's gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and
   per byte, by group size (calibration's all-reduces, in CPU time on each rank);
@@ -24,10 +30,12 @@ quota-bound layout was predicted 7-25% under its step, and the planner picked a 
 last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
 
 calibration["quota_cpu_s"] (written only where a device runs under a quota):
-    {device name: {"pipeline_per_microbatch": s, "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}],
+    {device name: {"pipeline_per_microbatch": s, "pipeline_hop_bytes": bytes,
+                   "p2p_exchange": {"cpu_s": s, "cpu_s_per_byte": s},
+                   "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}],
                    "step_overhead": s, "optimizer_scale": f}}
 Absent (uncalibrated, or a record from before): the bound counts compute, optimizer and overhead
-only, as it did.
+only, as it did; without p2p_exchange, pipeline_per_microbatch per stage as it is.
 """
 from __future__ import annotations
 
@@ -66,6 +74,25 @@ def gradient_sync_cpu_s(fig: Mapping[str, Any], ranks: int, nbytes: float,
     return calls * allreduce_cpu_s(fig, ranks, nbytes / calls)
 
 
+def exchange_cpu_s(fig: Mapping[str, Any], nbytes: float) -> float:
+    """The CPU of one send + receive of `nbytes` each (quota_cpu_s' p2p_exchange; 0 without it)."""
+    line = fig.get("p2p_exchange") or {}
+    return float(line.get("cpu_s", 0.0)) + nbytes * float(line.get("cpu_s_per_byte", 0.0))
+
+
+def machinery_cpu_s(fig: Mapping[str, Any], exchanges: int, nbytes: float) -> float:
+    """A stage's pipeline machinery per micro-batch: the two-stage calibration pipeline's CPU beyond
+    its forwards and backwards (pipeline_per_microbatch: one exchange with its neighbour, of
+    pipeline_hop_bytes) with that exchange replaced by the stage's own -- `exchanges` neighbours
+    (0 alone, 1 first or last, 2 in between), messages of `nbytes`. Without the exchange figures
+    (a record from before), pipeline_per_microbatch as it is."""
+    base = float(fig.get("pipeline_per_microbatch", 0.0))
+    if not fig.get("p2p_exchange") or not fig.get("pipeline_hop_bytes"):
+        return base
+    schedule = max(base - exchange_cpu_s(fig, float(fig["pipeline_hop_bytes"])), 0.0)
+    return schedule + exchanges * exchange_cpu_s(fig, nbytes)
+
+
 def position_share(cluster, group: Sequence[int]) -> Optional[float]:
     """The smallest CPU share among a position's devices (None: none capped)."""
     shares = [cpu_quota_share(cluster.devices[d].name) for d in group]
@@ -93,12 +120,13 @@ def step_collectives_cpu_s(fig: Mapping[str, Any], layout, meta, pos: int, dp_mo
     return cpu
 
 
-def position_work(run, totals) -> Dict[int, Tuple[float, float]]:
-    """{position: (CPU seconds per step, share)} of every position with a capped device. `run`: the
+def position_parts(run, totals) -> Dict[int, Tuple[Dict[str, float], float]]:
+    """{position: ({part: CPU seconds per step}, share)} of every position with a capped device: its
+    compute, the pipeline's machinery, the step's collectives, optimizer and overhead. `run`: the
     simulator's _StepRun after simulate_pipeline (its layout, the simulator, durations at full speed,
     per-micro-batch work); `totals`: its _PositionTotals (optimizer, gradient bytes)."""
     lay, sim, ov = run.layout, run.sim, run.ov
-    out: Dict[int, Tuple[float, float]] = {}
+    out: Dict[int, Tuple[Dict[str, float], float]] = {}
     alone = None
     for pos, group in enumerate(lay.groups):
         share = position_share(sim.cluster, group)
@@ -108,16 +136,26 @@ def position_work(run, totals) -> Dict[int, Tuple[float, float]]:
             alone = run.durations(run.stage_costs_at(1.0))
         fig = figures(sim.cluster.calibration, sim.cluster.devices[group[0]].name)
         mine = [k for k in range(run.n) if lay.stage_group(k) == pos]
-        compute = sum((lay.num_microbatches if run.work is None else sum(run.work[k]))
-                      * (alone[0][k] + alone[1][k] + alone[2][k]) for k in mine)
-        machinery = len(mine) * lay.num_microbatches * float(fig.get("pipeline_per_microbatch", 0.0))
-        collectives = step_collectives_cpu_s(fig, lay, sim.meta, pos, sim.opts.dp_mode)
+        message = sim.costs.activation_message(lay.microbatch_size, (lay.tp if lay.sequence_parallel else 1) * lay.cp)
+        parts = {"compute": sum((lay.num_microbatches if run.work is None else sum(run.work[k]))
+                                * (alone[0][k] + alone[1][k] + alone[2][k]) for k in mine),
+                 "machinery": lay.num_microbatches * sum(
+                     machinery_cpu_s(fig, (k > 0) + (k < run.n - 1), message) for k in mine),
+                 "collectives": step_collectives_cpu_s(fig, lay, sim.meta, pos, sim.opts.dp_mode)}
         if lay.dp > 1:
-            collectives += gradient_sync_cpu_s(fig, lay.dp, totals.grads[pos])
-        overhead = fig["step_overhead"] if "step_overhead" in fig else ov.step / max(ov.contention, 1.0)
-        fixed = totals.optimizer[pos] / max(ov.contention, 1.0) * float(fig.get("optimizer_scale", 1.0)) + overhead
-        out[pos] = (compute + machinery + collectives + fixed, share)
+            parts["collectives"] += gradient_sync_cpu_s(fig, lay.dp, totals.grads[pos])
+        parts["optimizer"] = totals.optimizer[pos] / max(ov.contention, 1.0) * float(fig.get("optimizer_scale", 1.0))
+        parts["overhead"] = fig["step_overhead"] if "step_overhead" in fig else ov.step / max(ov.contention, 1.0)
+        out[pos] = (parts, share)
     return out
+
+
+def position_work(run, totals) -> Dict[int, Tuple[float, float]]:
+    """{position: (CPU seconds per step, share)} of every position with a capped device (the sum of
+    position_parts); keeps the parts on `run` (quota_parts) for the breakdown."""
+    parts = position_parts(run, totals)
+    run.quota_parts = {pos: p for pos, (p, _) in parts.items()}
+    return {pos: (sum(p.values()), share) for pos, (p, share) in parts.items()}
 
 
 def position_bounds(run, totals) -> List[float]:
@@ -149,6 +187,8 @@ def replica_bounds(cluster, results: Sequence[Any], buckets: Sequence[Tuple[Sequ
 
 
 def breakdown_entries(run, work: Mapping[int, Tuple[float, float]]) -> List[Dict[str, Any]]:
-    """breakdown["quota_cpu_work"]: per capped position, its devices, CPU work per step and share."""
-    return [{"position": pos, "devices": list(run.layout.groups[pos]), "work_s": w, "share": s}
-            for pos, (w, s) in sorted(work.items())]
+    """breakdown["quota_cpu_work"]: per capped position, its devices, CPU work per step, share and
+    the work's parts (position_parts)."""
+    parts = getattr(run, "quota_parts", None) or {}
+    return [{"position": pos, "devices": list(run.layout.groups[pos]), "work_s": w, "share": s,
+             "parts_s": dict(parts.get(pos) or {})} for pos, (w, s) in sorted(work.items())]

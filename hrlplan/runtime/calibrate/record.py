@@ -17,7 +17,7 @@ from hrlplan.cost.quota_cpu import QUOTA_CPU_KEY
 from hrlplan.cost.plans import options_for_train, predict_any_plan
 from hrlplan.errors import ConfigError
 from hrlplan.measure import sample_summary
-from hrlplan.runtime.calibrate.collectives import fit_allreduce, fit_allreduce_cpu, fit_dp_scaling
+from hrlplan.runtime.calibrate.collectives import anchored_line, fit_allreduce, fit_allreduce_cpu, fit_dp_scaling
 from hrlplan.runtime.calibrate.comm import (HANDSHAKE_LATENCIES, fit_hop_delay, fit_pipeline_compute,
                                             fit_tensor_parallel)
 from hrlplan.runtime.calibrate.compute import (CONTENTION_SLACK, fit_compute, fit_optimizer,
@@ -64,27 +64,28 @@ def fit_calibration(spec, meta, gathered: List[Dict[str, Any]], p2p: Optional[Di
 def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """quota_cpu_s (cost/quota_cpu.py) per device name, where a device runs under a CPU quota ({}
     otherwise): the process CPU time of the real two-stage pipeline beyond its forwards and backwards
-    per micro-batch, and of one all-reduce per group size (a line over the payloads), each the median
+    per micro-batch (and the bytes of its messages), of one send + receive exchange (a line over the
+    message bytes), and of one all-reduce per group size (a line over the payloads), each the median
     over that name's ranks. A name none of whose ranks measured one (a rank left out of the pairs)
     takes the median over the ranks that did: it is CPU time, what the work costs, not how fast the
     rank gets it done."""
     if not any(cpu_quota_share(d.name) is not None for d in spec.devices):
         return {}
-    per_rank = []
-    for rank, measured in enumerate(gathered):
-        hops = [h["cpu_beyond_actions_per_microbatch_s"] for h in (measured.get("pipeline_hop") or {}).values()
-                if h and h.get("cpu_beyond_actions_per_microbatch_s") is not None]
-        per_rank.append({"pipeline": med(hops) if hops else None,
-                         "allreduce": fit_allreduce_cpu(measured.get("allreduce") or {})})
+    per_rank = [_quota_cpu_of_rank(measured) for measured in gathered]
 
     def pooled(ranks: List[int]) -> Dict[str, Any]:
         pipeline = [per_rank[r]["pipeline"] for r in ranks if per_rank[r]["pipeline"] is not None]
+        hop_bytes = [per_rank[r]["hop_bytes"] for r in ranks if per_rank[r]["hop_bytes"] is not None]
+        exchange = [per_rank[r]["exchange"] for r in ranks if per_rank[r]["exchange"] is not None]
         sizes = sorted({f["ranks"] for r in ranks for f in per_rank[r]["allreduce"]})
         fits = [{"ranks": k, **{key: med(f[key] for r in ranks for f in per_rank[r]["allreduce"] if f["ranks"] == k)
                                 for key in ("cpu_s", "cpu_s_per_byte")}} for k in sizes]
         out: Dict[str, Any] = {}
         if pipeline:
             out["pipeline_per_microbatch"] = med(pipeline)
+        if hop_bytes and exchange:
+            out["pipeline_hop_bytes"] = med(hop_bytes)
+            out["p2p_exchange"] = {key: med(e[key] for e in exchange) for key in ("cpu_s", "cpu_s_per_byte")}
         if fits:
             out["allreduce"] = fits
         return out
@@ -95,6 +96,23 @@ def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, A
         mine = pooled([d.rank for d in spec.devices if d.name == name and d.rank < len(per_rank)])
         out[name] = {**everyone, **mine}
     return {name: fig for name, fig in out.items() if fig}
+
+
+def _quota_cpu_of_rank(measured: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank's quota CPU figures: the pipeline hops' CPU beyond their forwards and backwards per
+    micro-batch (median over schedules) and their message bytes, the send + receive exchange's line
+    (cpu_s at no bytes, cpu_s_per_byte; anchored at the smallest message), its all-reduce lines."""
+    hops = [h for h in (measured.get("pipeline_hop") or {}).values()
+            if h and h.get("cpu_beyond_actions_per_microbatch_s") is not None]
+    points = [(p["bytes"], p["cpu_s"]) for p in measured.get("p2p_exchange_cpu") or ()]
+    exchange = None
+    if points:
+        cpu, per_byte = anchored_line(sorted(points))
+        exchange = {"cpu_s": cpu, "cpu_s_per_byte": per_byte}
+    hop_bytes = [h["message_bytes"] for h in hops if h.get("message_bytes")]
+    return {"pipeline": med(h["cpu_beyond_actions_per_microbatch_s"] for h in hops) if hops else None,
+            "hop_bytes": med(hop_bytes) if hop_bytes else None, "exchange": exchange,
+            "allreduce": fit_allreduce_cpu(measured.get("allreduce") or {})}
 
 
 def _fit_compute_keys(cal: Dict[str, Any], spec, meta, gathered: List[Dict[str, Any]]) -> None:

@@ -18,8 +18,8 @@ from hrlplan.model_meta import introspect
 from hrlplan.runtime.calibrate.blocks import REPEATS
 from hrlplan.runtime.calibrate.collectives import (DP_SCALING_BLOCKS, allreduce_partitions, measure_allreduce,
                                                    measure_data_parallel, pool_allreduce_passes)
-from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_p2p, measure_pipeline_hop, measure_tensor_parallel,
-                                            pool_hop_passes)
+from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_exchange_cpu, measure_p2p, measure_pipeline_hop,
+                                            measure_tensor_parallel, pool_exchange_passes, pool_hop_passes)
 from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_compile, measure_contention,
                                                measure_optimizer, measure_pipeline_ops, measure_step,
                                                measure_tp_optimizer, measure_zb_split)
@@ -282,10 +282,11 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device:
                      sizes: List[int], pairs: List[List[int]], pair_groups: List[Any]) -> Dict[str, Any]:
     """Collective: the two-rank micro-benchmarks, every pair at once and a rank left over kept busy (a
     step has every rank working too, so what they measure needs no scaling for ranks sharing cores).
-    {data_parallel, pipeline_hop, tensor_parallel, tp_optimizer}: None on a rank left over."""
+    {data_parallel, pipeline_hop, p2p_exchange_cpu, tensor_parallel, tp_optimizer}: None on a rank left over."""
     g = max(sizes)
     rank = dist.get_rank()
-    out: Dict[str, Any] = dict(data_parallel=None, pipeline_hop=None, tensor_parallel=None, tp_optimizer=None)
+    out: Dict[str, Any] = dict(data_parallel=None, pipeline_hop=None, p2p_exchange_cpu=None, tensor_parallel=None,
+                               tp_optimizer=None)
     mine = next((i for i, pair in enumerate(pairs) if rank in pair), None)
     if mine is None:
         busy_until_barrier(arch, seq, max(1, g // 4), device)
@@ -293,6 +294,10 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device:
     group = pair_groups[mine]
     tied_numel = int(meta.head_matmul_params) if meta.tied_embeddings else 0
     hop_passes: Dict[str, List[Dict[str, Any]]] = {sched: [] for sched in HOP_SCHEDULES}
+    exchange_passes: List[Any] = []
+    # the activation message (fp32, as the hop sends it) at the smallest, a middle and the largest micro-batch
+    exchange_sizes = [mbs * seq * meta.hidden_size * 4 for mbs in sorted({min(sizes), sorted(sizes)[len(sizes) // 2],
+                                                                         max(sizes)})]
 
     def hop_pass() -> None:
         # one-block stages: plan-sized ones (half the blocks, a quarter of the batch) fitted GPipe's
@@ -300,6 +305,7 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device:
         for sched in HOP_SCHEDULES:
             hop_passes[sched].append(measure_pipeline_hop(arch, seq, device, group, pairs[mine],
                                                           schedule=sched, repeats=REPEATS, tied_numel=tied_numel))
+        exchange_passes.append(measure_exchange_cpu(group, pairs[mine], exchange_sizes, device))
 
     hop_pass()
     dp = measure_data_parallel(arch, seq, train, device, group)
@@ -312,6 +318,7 @@ def _pair_benchmarks(arch: Dict[str, Any], seq: int, train: TrainConfig, device:
     hop_pass()
     out["data_parallel"] = dp
     out["pipeline_hop"] = {sched: pool_hop_passes(passes) for sched, passes in hop_passes.items()}
+    out["p2p_exchange_cpu"] = pool_exchange_passes(exchange_passes)
     out["tensor_parallel"] = measure_tensor_parallel(arch, seq, sizes, device, group)
     out["tp_optimizer"] = measure_tp_optimizer(arch, train, device, group)
     dist.barrier()
