@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,7 +25,7 @@ from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.exact import search_exact
-from hrlplan.search.hetero_single import single_template_search
+from hrlplan.search.hetero_single import SINGLE_TEMPLATE, single_template_search
 from hrlplan.search.space import Pool, SearchSpace, _divisors, _plain, launch_of_devices
 from hrlplan.families import family_of_meta
 
@@ -101,15 +100,10 @@ class TimedSimulator:
         return result
 
 
-# The single-template search's result per simulator (search_exact_until on a whole-cluster space):
-# the replica search anchors replica plans on its optimum (hetero_anchor.py) where make_plan does
-# not hand it over itself.
-_SINGLE_TEMPLATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def single_template_of(sim) -> Optional[Scored]:
-    """The best single-template layout search_exact_until found with this simulator, or None."""
-    tracker = _SINGLE_TEMPLATE.get(sim)
+    """The best single-template layout single_template_search found with this simulator, or None
+    (the replica search anchors replica plans on it where make_plan does not hand it over itself)."""
+    tracker = SINGLE_TEMPLATE.get(sim)
     return tracker.best if tracker is not None else None
 
 
@@ -120,9 +114,7 @@ def search_exact_until(sim, space, cfg: Dict[str, Any], deadline: float, budget_
     until the deadline (single_template_search, hetero_single.py): the same template at any load,
     so that a reference search with the same settings finds the planner's own candidate."""
     if not isinstance(space, ReplicaSpace):
-        out = single_template_search(sim, space, cfg)
-        _SINGLE_TEMPLATE[sim] = out["tracker"]
-        return out
+        return single_template_search(sim, space, cfg)
     t0 = time.perf_counter()
     timed = TimedSimulator(sim, deadline)
     own = space.sim

@@ -21,14 +21,18 @@ exact's max_search_s (120 s by default) stays as the safety it is in every exact
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Dict, List
 
 from hrlplan.search.common import Tracker
-from hrlplan.search.exact import search_exact
+from hrlplan.search.exact import DEFAULTS, search_exact
 
 DEFAULT_SINGLE_SIMULATIONS = 1600   # planner.hetero_single_simulations
 SINGLE_REFINE_CONFIGS = 4
 SCREEN_SHARE = 0.25
+# per simulator, the tracker of the single-template search run with it (hetero.single_template_of:
+# the replica search anchors on its best where make_plan does not hand it over)
+SINGLE_TEMPLATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Recording:
@@ -79,7 +83,7 @@ def exact_proved(out: Dict[str, Any], cfg: Dict[str, Any]) -> bool:
     """search_exact's proof, and not one whose simulation budget was spent: exact skips a
     configuration's branch and bound once its DP splits alone spend the budget without saying it
     gave up (a proof claimed with splits below the incumbent never simulated)."""
-    spent = out["split_simulations"] >= int(cfg.get("max_simulations", DEFAULT_SINGLE_SIMULATIONS))
+    spent = out["split_simulations"] >= int(cfg.get("max_simulations", DEFAULTS.max_simulations))
     return bool(out["proven_optimal"]) and not spent
 
 
@@ -88,13 +92,13 @@ def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
     output keys, its tracker the best of both passes."""
     t0 = time.perf_counter()
     total = min(int(cfg.get("hetero_single_simulations", DEFAULT_SINGLE_SIMULATIONS)),
-                int(cfg.get("max_simulations", DEFAULT_SINGLE_SIMULATIONS)))
+                int(cfg.get("max_simulations", DEFAULTS.max_simulations)))
     screen_space, log = _Recording(space), _ResultLog(sim)
     screen_cfg = dict(cfg, max_simulations=max(1, int(total * SCREEN_SHARE)))
     screen = search_exact(log, screen_space, screen_cfg)
     if exact_proved(screen, screen_cfg) or screen["tracker"].best is None:
-        screen["single_template_search"] = "screen"
-        return screen
+        SINGLE_TEMPLATE[sim] = screen["tracker"]
+        return dict(screen, single_template_search="screen")
     configs = best_configs(screen_space, log, SINGLE_REFINE_CONFIGS)
     refine = search_exact(sim, _Recording(space, configs),
                           dict(cfg, max_simulations=max(1, total - int(total * SCREEN_SHARE))))
@@ -106,6 +110,7 @@ def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
     note = (f"gave up: exact's search bounded by work (planner.hetero_single_simulations={total:,} simulator "
             f"calls: a screen of every configuration, then branch and bound over its {len(configs)} best); "
             f"the best of what was searched, not proven optimal (screen: {screen['note']})")
+    SINGLE_TEMPLATE[sim] = tracker
     return dict(screen, tracker=tracker, evaluations=sim.evaluations, proven_optimal=False, note=note,
                 dp_cells=screen["dp_cells"] + refine["dp_cells"],
                 split_simulations=screen["split_simulations"] + refine["split_simulations"],
