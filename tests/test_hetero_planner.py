@@ -20,7 +20,7 @@ from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, plac
 from hrlplan.search.hetero_anchor import AnchorTemplates, anchor_rows, idle_nodes
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid
 from hrlplan.search.hetero_search import search_hetero
-from hrlplan.search.hetero_single import single_template_search
+from hrlplan.search.hetero_single import exact_proved, single_template_search
 from hrlplan.search.exact import search_exact
 from hrlplan.search.space import SearchSpace
 from tests.test_cost import toy_meta
@@ -454,3 +454,12 @@ def test_single_template_candidate_is_bounded_by_work_so_a_reference_search_find
     single = info["runner_up"] if plan.heterogeneous else info["chosen"]
     assert single["step_time_s"] == ref["tracker"].best.time
     assert plan.meta["predicted"]["step_time_s"] <= ref["tracker"].best.time
+
+
+def test_a_spent_simulation_budget_is_no_proof():
+    """exact skips a configuration's branch and bound once its DP splits spend max_simulations, without
+    saying it gave up: neither the single template nor a replica template claims a proof then; a search
+    cut by its deadline has no simulation count at all."""
+    assert not exact_proved({"proven_optimal": True, "split_simulations": 4}, {"max_simulations": 4})
+    assert exact_proved({"proven_optimal": True, "split_simulations": 3}, {"max_simulations": 4})
+    assert not exact_proved({"proven_optimal": False, "out_of_time": True}, {"max_simulations": 4})

@@ -83,8 +83,9 @@ def exact_proved(out: Dict[str, Any], cfg: Dict[str, Any]) -> bool:
     """search_exact's proof, and not one whose simulation budget was spent: exact skips a
     configuration's branch and bound once its DP splits alone spend the budget without saying it
     gave up (a proof claimed with splits below the incumbent never simulated)."""
-    spent = out["split_simulations"] >= int(cfg.get("max_simulations", DEFAULTS.max_simulations))
-    return bool(out["proven_optimal"]) and not spent
+    if not out["proven_optimal"]:
+        return False
+    return out["split_simulations"] < int(cfg.get("max_simulations", DEFAULTS.max_simulations))
 
 
 def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
