@@ -36,3 +36,90 @@ def test_sharded_replicas_with_split_stages_match_one_process(tmp_path, monkeypa
     # every value's two moments held once over the job (a replicated optimizer: once per replica)
     params = sum(p.numel() for p in _model(GPT2).parameters())
     assert sum(summary["moments"]) == 2 * params
+
+
+@pytest.mark.slow
+def test_sharded_replicas_at_tp_1_and_2_resume_the_one_process_curve(tmp_path):
+    """Llama whole on rank 0 and at tp 2 on ranks 1-2: every unit is reduced whole over three ranks
+    (a DTensor shard on two of them), so slices cut across tp shards. A checkpoint holds the whole
+    optimizer state either way: step 1 replicated, step 2 sharded resumed from it (its slices taken
+    from the whole state), step 3 replicated resumed from the sharded checkpoint (gathered): one
+    process's curve."""
+    from hrlplan.launch.local_run import train_plan
+    from hrlplan.runtime.reference import train_single_process
+    from tests._sharded_optimizer_runs import train_sharded
+
+    model = _model(LLAMA)
+    modules = get_modules(model)
+    whole, sharded = PipelineTemplate(model, [modules]), PipelineTemplate(model, [modules], tp=[2])
+    plan = build_plan([whole, sharded], {whole: 2, sharded: 2}, world_size=3, global_batch_size=8,
+                      model="llama-tiny")
+    config = compose([*LLAMA, "train.steps=3", "train.checkpoint_interval=1", "logger.mode=disabled"])
+
+    def until(step, **extra):
+        return dict(config, train=dict(config["train"], stop_after=step, resume="auto", **extra))
+
+    replicated = dict(plan.meta, replica_optimizer="replicated")
+    plan.meta = replicated
+    first = train_plan(plan, until(1), tmp_path)
+    plan.meta = dict(replicated, replica_optimizer="sharded")
+    second = train_sharded(plan, until(2), tmp_path)
+    assert second["sharded"] == [True] * 3
+    plan.meta = replicated
+    third = train_plan(plan, until(3), tmp_path)
+    losses = {h["step"]: h["train/lm_loss"] for h in first["history"] + second["history"] + third["history"]}
+    assert sorted(losses) == [1, 2, 3]
+    reference = [h["loss"] for h in train_single_process(config, 3)]
+    assert [losses[s] for s in (1, 2, 3)] == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sharded_replicas_on_emulated_nodes_reduce_in_node_first_and_match_one_process(tmp_path, monkeypatch):
+    """Four one-rank replicas on two emulated nodes of two: each bucket is all-reduced in node first,
+    each member keeps its slice of the sum, and the gathers run over the whole set."""
+    from tests._sharded_optimizer_runs import compare_sharded_with_one_process
+
+    monkeypatch.setenv("HRLPLAN_SYNC_NODE_SIZE", "2")
+    monkeypatch.setenv("HRLPLAN_GRAD_BUCKET_MB", "0.05")
+    model = _model(GPT2)
+    whole = PipelineTemplate(model, [get_modules(model)])
+    plan = build_plan([whole] * 4, {whole: 1}, world_size=4, global_batch_size=8, model="gpt2-tiny")
+    losses, reference, summary = compare_sharded_with_one_process(plan, GPT2, tmp_path, steps=3)
+    assert summary["sharded"] == [True] * 4
+    assert losses == pytest.approx(reference, abs=1e-5)
+    assert sum(summary["moments"]) == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_one_replica_steps_every_parameter_in_place_as_adamw(tmp_path):
+    """A set of one member shards nothing: the sharded optimizer steps the stage's own parameters,
+    exactly as the trainer's AdamW does, and keeps no master copy."""
+    import torch
+    import torch.distributed as dist
+
+    from hrlplan.runtime.hetero import HeteroPipelineEngine
+    from hrlplan.runtime.timing import StepRecorder
+    from hrlplan.runtime.trainer import make_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cfg = compose(GPT2)
+        model = _model(GPT2)
+        template = PipelineTemplate(model, [get_modules(model)])
+        plan = build_plan([template], {template: 2}, world_size=1, global_batch_size=4,
+                          model="gpt2-tiny")
+        engines = [HeteroPipelineEngine(plan, cfg["train"], torch.device("cpu"), _model(GPT2),
+                                        StepRecorder(torch.device("cpu"))) for _ in range(2)]
+        sharded = engines[0].make_optimizer(cfg["train"])
+        plain = make_optimizer(engines[1].parts[0], cfg["train"])
+        assert engines[1].make_optimizer is not None and not sharded.sharded
+        inputs = torch.randint(0, 100, (4, 16))
+        for engine, opt in zip(engines, (sharded, plain)):
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                engine.forward_backward(inputs, inputs)
+                engine.sync_and_clip(1.0)
+                opt.step()
+        for (name, a), b in zip(engines[0].parts[0].named_parameters(), engines[1].parts[0].parameters()):
+            assert torch.equal(a, b), name
+    finally:
+        dist.destroy_process_group()

@@ -187,7 +187,7 @@ class _Reduce:
                 size = -(-buf.numel() // members)
                 padded = torch.cat([buf, buf.new_zeros(size * members - buf.numel())])
                 self.part = buf.new_empty(size)
-                self.works = [dist.reduce_scatter_tensor(self.part, padded, group=groups.flat, async_op=True)]
+                self.works = [dist.reduce_scatter_single(self.part, padded, group=groups.flat, async_op=True)]
             elif groups.flat is not None:
                 self.works = [dist.all_reduce(buf, group=groups.flat, async_op=True)]
             self.issued = self.PHASES

@@ -12,9 +12,10 @@ the ranks that reduce a bucket together (a rank set of hetero_sync.py) each step
   square root of the sum of every member's slice squares over the world, each value once (a tp
   stage's replicated tensors from tp rank 0's set alone), and clipping scales the slices.
 - Gather. After the step each member's updated slice goes to every member of its set by
-  all_gather_into_tensor, which gloo (torch 2.13) and NCCL both run on equal parts (gloo refuses
-  all_gather of unequal parts; reduce_scatter_tensor and all_gather_into_tensor move the same bytes
-  as one all-reduce together, against an all-reduce plus a gather). The slices travel in the
+  all_gather_single (torch 2.13's name for all_gather_into_tensor), which gloo and NCCL both run
+  on equal parts; gloo refuses all_gather of unequal parts, hence the padding. A reduce-scatter and
+  an all-gather move the same bytes as the one all-reduce they replace, where an all-reduce then a
+  slice and a gather would move half as much again. The slices travel in the
   reduce's dtype: bfloat16 training keeps bfloat16-valued weights beside fp32 masters (as Megatron's
   bf16 parameters), float32 training gathers float32 and stays exact. All gathers are issued, then
   each is waited for and unpacked in turn; the next forward needs every weight.
@@ -38,7 +39,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from hrlplan.runtime.hetero_sync import Bucket, GradientReducer, Item, _local, _shard_dim
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
-HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+HYPER = ("lr", "betas", "eps", "weight_decay")   # what the LR schedule or a loaded checkpoint may change
 
 
 def decays(param: torch.Tensor) -> bool:
@@ -99,12 +100,6 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
     reduce on; `hyper`: lr, betas, weight_decay; `impl`: AdamW's implementation flags."""
 
     def __init__(self, params: List[nn.Parameter], reducer: GradientReducer, hyper: Dict, impl: Dict[str, bool]):
-        decay = [p for p in params if decays(p)]
-        plain = [p for p in params if not decays(p)]
-        super().__init__([{"params": decay, "weight_decay": hyper["weight_decay"]},
-                          {"params": plain, "weight_decay": 0.0}],
-                         dict(lr=hyper["lr"], betas=hyper["betas"], eps=1e-8, weight_decay=0.0,
-                              amsgrad=False, maximize=False))
         self.reducer = reducer
         self.sharded: List[ShardedBucket] = []
         stepped_whole = set()
@@ -124,6 +119,11 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
                           + [p for p in self.in_place if decays(p) == decayed])
         self.inner = torch.optim.AdamW([{"params": g} for g in groups], lr=hyper["lr"],
                                        betas=hyper["betas"], **impl)
+        # the stage's parameters in the replicated AdamW's groups, with its group keys (a checkpoint
+        # of either optimizer then names the same groups and settings)
+        super().__init__([{"params": [p for p in params if decays(p)], "weight_decay": hyper["weight_decay"]},
+                          {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
+                         dict(self.inner.defaults))
         for group in self.inner.param_groups:   # moments now: their keys name the state before any step
             for p in group["params"]:
                 self.inner.state[p] = _fresh_state(p, impl)
@@ -188,8 +188,8 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
             for seg in sb.segments:
                 mine[seg.lo - sb.lo:seg.hi - sb.lo].copy_(seg.param)
             whole = mine.new_empty(size * members)
-            work = dist.all_gather_into_tensor(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole,
-                                               async_op=True)
+            work = dist.all_gather_single(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole,
+                                          async_op=True)
             pending.append((sb, whole, work))
         for sb, whole, work in pending:
             work.wait()
@@ -208,12 +208,17 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
             self.state = kept
 
     def load_state_dict(self, state_dict) -> None:
-        """A whole state (either optimizer's): this member keeps its slices and the in-place parameters'."""
+        """A whole state (either optimizer's): this member keeps its slices and the in-place parameters',
+        and takes its masters from the stage's weights, loaded before (checkpoint.py's order)."""
         super().load_state_dict(state_dict)
         full, self.state = self.state, self._view
         step = next((v["step"] for v in full.values() if "step" in v), None)
         with torch.no_grad():
             for sb in self.sharded:
+                # the masters from the weights the checkpoint loaded first (checkpoint.py: model, then optimizer)
+                master = self.reducer.pack_values(sb.bucket, lambda item: item.param)
+                for seg in sb.segments:
+                    seg.param.copy_(master[seg.lo:seg.hi])
                 for key in STATE_KEYS:
                     flat = self.reducer.pack_values(sb.bucket, lambda item: full[item.param][key])
                     for seg in sb.segments:
@@ -242,7 +247,7 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
                     mine[seg.lo - sb.lo:seg.hi - sb.lo].copy_(self.inner.state[seg.param][key])
                     step = self.inner.state[seg.param]["step"]
                 whole = mine.new_empty(size * members)
-                dist.all_gather_into_tensor(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole)
+                dist.all_gather_single(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole)
                 for item in sb.bucket.items:
                     out.setdefault(item.param, {})[key] = _like_param(item.param)
                 self.reducer.unpack(sb.bucket, whole, lambda item: out[item.param][key])
