@@ -18,6 +18,12 @@ job and the jobs of a sweep over other settings (lr, steps, the planner) measure
 planner.calibrate=refresh measures afresh and replaces the entry. Sweep points that start together
 measure once too: the first to miss a key holds a lock on it while it measures, the others wait and
 read its entry (load_calibration / store_calibration).
+
+A calibration entry keeps the probe's link figures it was fitted against (probe_links.json: the
+bandwidth and latency matrices; its bandwidth_efficiency is a fraction of that probe's bandwidth), and a
+run that reuses the calibration plans with them rather than with its own probe's: two runs on an
+unchanged machine plan from the same figures, so they plan the same layout (a ping-pong timed on a
+busy host came out 100x slow and flipped a near tie). planner.calibrate=refresh measures both again.
 """
 from __future__ import annotations
 
@@ -216,15 +222,56 @@ def load_calibration(config: Config, key: str,
     return cal
 
 
-def store_calibration(config: Config, key: str, calibration: Dict[str, Any], replace: bool = False) -> Optional[str]:
-    """Store key's entry and release its lock. None when it is stored, else why it could not be (a
-    read-only or full cache): the run goes on, and the next one measures again."""
+def store_calibration(config: Config, key: str, calibration: Dict[str, Any], replace: bool = False,
+                      links: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """Store key's entry (links: probe_links(spec) of the probe it was fitted against) and release
+    its lock. None when it is stored, else why it could not be (a read-only or full cache): the run
+    goes on, and the next one measures again."""
+    def write(tmp: Path) -> None:
+        (tmp / "calibration.json").write_text(json.dumps(calibration, default=str))
+        if links is not None:
+            (tmp / LINKS_FILE).write_text(json.dumps(links))
+
     try:
-        return _store_entry(calibration_dir(config), key,
-                            lambda tmp: (tmp / "calibration.json").write_text(json.dumps(calibration, default=str)),
-                            replace)
+        return _store_entry(calibration_dir(config), key, write, replace)
     finally:
         _unlock_calibration(config, key)
+
+
+# ---------------------------------------------------------------- the probe's links, kept with a calibration
+LINKS_FILE = "probe_links.json"
+LINK_FIELDS = ("bandwidth", "latency", "intra_node_bw", "inter_node_bw")
+
+
+def probe_links(spec) -> Dict[str, Any]:
+    """The link figures a probe measured (bytes/s and seconds): what a calibration is fitted against."""
+    return {name: getattr(spec, name) for name in LINK_FIELDS}
+
+
+def load_calibration_links(config: Config, key: str) -> Optional[Dict[str, Any]]:
+    """The links stored with key's calibration, or None (an entry written without them, unreadable)."""
+    try:
+        links = json.loads((calibration_dir(config) / key / LINKS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return links if isinstance(links, dict) and all(name in links for name in LINK_FIELDS) else None
+
+
+def adopt_links(spec, links: Dict[str, Any]) -> bool:
+    """Give spec the stored links when they describe its ranks and nodes (a square matrix of its world
+    size, one intra-node figure per node); False, spec left as probed, when they do not."""
+    world = spec.world_size
+
+    def square(matrix: Any) -> bool:
+        return isinstance(matrix, list) and len(matrix) == world and all(
+            isinstance(row, list) and len(row) == world for row in matrix)
+
+    if not (square(links["bandwidth"]) and square(links["latency"])
+            and len(links["intra_node_bw"] or []) == spec.nnodes):
+        return False
+    for name in LINK_FIELDS:
+        setattr(spec, name, links[name])
+    return True
 
 
 def release_calibration(config: Config, key: str, drop: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -154,9 +155,7 @@ def calibrated(config: Config, spec):
     cached = plan_cache.load_calibration(config, key) if rank == 0 and not refresh else None
     if broadcast(cached is not None):
         if rank == 0:   # only rank 0 plans; the others hold no spec, as without calibration
-            spec.calibration = cached
-            print(f"[hrlplan] planning from the cached calibration {plan_cache.calibration_dir(config) / key} "
-                  "(planner.calibrate=refresh measures again, false plans from peak figures)", flush=True)
+            print(reuse_calibration(config, key, spec, cached), flush=True)
         return spec
     if rank == 0:
         print(f"[hrlplan] calibrating: timing blocks, pipeline hops and collectives on the {spec.world_size} "
@@ -173,8 +172,30 @@ def calibrated(config: Config, spec):
                   f"{BUDGET_KEY} to let it finish, or planner.calibrate=false to skip it", flush=True)
         return spec
     if rank == 0:
-        _keep_calibration(config, key, measured.calibration, time.time() - t0, refresh)
+        _keep_calibration(config, key, measured.calibration, time.time() - t0, refresh, plan_cache.probe_links(spec))
     return measured
+
+
+def reuse_calibration(config: Config, key: str, spec, cached: Dict[str, Any]) -> str:
+    """Rank 0: spec takes the cached calibration and the links probed with it (this run's own probe
+    of them is noise against the cached bandwidth_efficiency: see plan_cache); the console line."""
+    spec.calibration = cached
+    links = plan_cache.load_calibration_links(config, key)
+    probed = _median_bandwidth(spec) if spec.world_size > 1 else None
+    if probed is None:
+        how = ""
+    elif links is not None and plan_cache.adopt_links(spec, links):
+        how = (f" and the links probed with it (this run's probe: bandwidth {probed / _median_bandwidth(spec):.2g}x "
+               "theirs, not used)")
+    else:   # an entry stored without them
+        how = " with this run's probed links"
+    return (f"[hrlplan] planning from the cached calibration {plan_cache.calibration_dir(config) / key}{how} "
+            "(planner.calibrate=refresh measures again, false plans from peak figures)")
+
+
+def _median_bandwidth(spec) -> float:
+    ranks = range(spec.world_size)
+    return statistics.median(spec.bw(a, b) for a in ranks for b in ranks if a != b)
 
 
 def check_calibration_settings(config: Config) -> float:
@@ -185,9 +206,10 @@ def check_calibration_settings(config: Config) -> float:
     return budget_seconds(config.planner)
 
 
-def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], took_s: float, refresh: bool) -> None:
-    """Rank 0: cache a steady calibration and say where (or why it could not); an unsteady one is
-    used for this plan only, and the console says why."""
+def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], took_s: float, refresh: bool,
+                      links: Optional[Dict[str, Any]] = None) -> None:
+    """Rank 0: cache a steady calibration with the probe's links it was fitted against and say where
+    (or why it could not); an unsteady one is used for this plan only, and the console says why."""
     where = plan_cache.calibration_dir(config) / key
     if not is_steady(calibration):
         plan_cache.release_calibration(config, key, drop=refresh)
@@ -196,7 +218,7 @@ def _keep_calibration(config: Config, key: str, calibration: Dict[str, Any], too
               + (" (and the entry refresh was to replace is removed)" if refresh else "")
               + ": the next run measures again (planner.calibrate=false plans from peak figures)", flush=True)
         return
-    why = plan_cache.store_calibration(config, key, calibration, replace=refresh)
+    why = plan_cache.store_calibration(config, key, calibration, replace=refresh, links=links)
     print(f"[hrlplan] calibrated in {took_s:.1f} s; " + (f"cached in {where}" if why is None else
           f"could not cache it in {where} ({why}); the next run measures again "
           f"(${plan_cache.CALIBRATION_CACHE_ENV} names a writable cache)"), flush=True)
