@@ -284,3 +284,20 @@ def test_the_exchange_line_is_fitted_per_rank_and_pooled_with_the_hops_message_b
     assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s"] == pytest.approx(4e-5)
     assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(3e-9)   # its own rank's line
     assert fits["cpu"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(1e-9)
+
+
+def test_capped_ranks_loops_are_their_quotas_not_contention_and_their_shares_are_the_jobs_demand():
+    from hrlplan.runtime.calibrate.compute import CONTENTION_SLACK
+    from hrlplan.runtime.calibrate.record import _fit_contention
+
+    def loops(together, cores):
+        return [{"contention": {"alone_s": 1.0 if r == 0 else None, "together_s": t, "cpu_cores": cores}}
+                for r, t in enumerate(together)]
+    cal = {}
+    _fit_contention(cal, _capped_spec(["cpu", "cpu@0.33", "cpu@0.33"]), loops([1.1, 2.4, 2.5], 2))
+    assert cal["contention_factor"]["compute"] == pytest.approx(1.1)   # the uncapped rank's own slowdown
+    # 1 + 1/3 + 1/3 of a core's demand on 2 cores: no more than the slack
+    _fit_contention(cal, _capped_spec(["cpu", "cpu@0.33", "cpu@0.33"]), loops([1.6, 2.4, 2.5], 2))
+    assert cal["contention_factor"]["compute"] == pytest.approx(CONTENTION_SLACK)
+    _fit_contention(cal, _capped_spec(["cpu"] * 3), loops([1.1, 2.4, 2.5], 2))   # uncapped: every rank, as before
+    assert cal["contention_factor"]["compute"] == pytest.approx(min(2.4, 1.5 * CONTENTION_SLACK))

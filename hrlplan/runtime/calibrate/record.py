@@ -189,13 +189,25 @@ def _fit_hops(gathered: List[Dict[str, Any]]) -> Tuple[List[float], Dict[str, Li
 
 
 def _fit_contention(cal: Dict[str, Any], spec, gathered: List[Dict[str, Any]]) -> None:
-    """contention_factor: one block on every rank at once vs on rank 0 alone."""
+    """contention_factor: one block on every rank at once vs on rank 0 alone. Ranks under a CPU
+    quota (cluster.cpu_shares) are left out of the 'together' figure where any rank is not: their
+    loop runs at their share, which is the quota's slowdown (cost/quota_cpu.py bounds them by their
+    CPU work over it), not what sharing the cores costs; and they use at most their share of a core,
+    so the job's demand on the cores is the sum of its ranks' shares. Measured at shares
+    [1, 1/3, 1/3] on 2 cores: the uncapped rank's loop 1.06-1.29x its time alone, the capped ranks'
+    2.1-2.5x, whose median set the factor at its ceiling, 1.725; every overhead the record scales
+    by it (the optimizer, the step's overhead) then costed fast-only, one uncapped rank training
+    alone, 2-3 ms above its step."""
     alone = (gathered[0].get("contention") or {}).get("alone_s")
-    together = [r["contention"]["together_s"] for r in gathered if r.get("contention")]
+    shares = [cpu_quota_share(spec.devices[r].name) if r < len(spec.devices) else None for r in range(len(gathered))]
+    free = [r for r, share in enumerate(shares) if share is None]
+    counted = [r for r in (free if shares[0] is None and len(free) < len(gathered) else range(len(gathered)))
+               if gathered[r].get("contention")]
+    together = [gathered[r]["contention"]["together_s"] for r in counted]
     if not (alone and together and len(gathered) > 1):
         return
     compute = med(together) / alone
-    rounds = [r["contention"] for r in gathered if (r.get("contention") or {}).get("together_rounds_s")]
+    rounds = [gathered[r]["contention"] for r in counted if gathered[r]["contention"].get("together_rounds_s")]
     n = min(len(r["together_rounds_s"]) for r in rounds) if rounds else 0
     if n and len(gathered[0]["contention"].get("alone_rounds_s") or []) >= n:
         # the ratio within each round (ranks' median), then the median over rounds
@@ -203,11 +215,11 @@ def _fit_contention(cal: Dict[str, Any], spec, gathered: List[Dict[str, Any]]) -
         compute = med(t / a for t, a in zip(tog, gathered[0]["contention"]["alone_rounds_s"]))
     cores = gathered[0]["contention"].get("cpu_cores")
     if cores:
-        # The job's own ranks share the cores: at most ranks/cores slower (x CONTENTION_SLACK for
-        # memory bandwidth). More than that is other jobs' load, which comes and goes: not the plan's.
+        # The job's own ranks share the cores: at most their demand/cores slower (x CONTENTION_SLACK
+        # for memory bandwidth). More than that is other jobs' load, which comes and goes: not the plan's.
         node = spec.devices[0].node
-        local = sum(1 for d in spec.devices if d.node == node)
-        compute = min(compute, max(1.0, local / cores) * CONTENTION_SLACK)
+        demand = sum(min(cpu_quota_share(d.name) or 1.0, 1.0) for d in spec.devices if d.node == node)
+        compute = min(compute, max(1.0, demand / cores) * CONTENTION_SLACK)
     # "paired" stays 1 (kept for readers of older calibrations): the pair micro-benchmarks run
     # on every pair at once, with every rank busy, so their figures need no scaling
     cal["contention_factor"] = {"compute": max(1.0, compute), "paired": 1.0}
