@@ -123,3 +123,40 @@ def test_one_replica_steps_every_parameter_in_place_as_adamw(tmp_path):
             assert torch.equal(a, b), name
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the simulator
+def test_the_simulator_divides_optimizer_time_and_state_by_the_set_and_charges_the_gather():
+    """Four one-rank replicas of every layer on one node: every unit over a set of four. Sharded, each
+    rank steps a quarter (time beyond the per-call cost, moments) and keeps fp32 masters of it; the
+    reduce is a reduce-scatter (half the all-reduce) and the all-gather after the step is exposed."""
+    from hrlplan.cost.model import CostOptions
+    from hrlplan.cost.plans import predict_any_plan
+    from hrlplan.cost.replica_optimizer import unit_params
+    from hrlplan.cost.replica_sync_cost import sync_buckets
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.model_meta import introspect, resolve_arch
+    from tests.test_cross_replica_sync import two_node_cluster
+
+    meta = introspect(resolve_arch("gpt2-tiny"), seq_len=64)
+    cluster = two_node_cluster(per_node=4)
+    model = _model(["arch=gpt2-tiny"])   # its six layers, as meta
+    whole = PipelineTemplate(model, [get_modules(model)])
+    plan = build_plan([whole] * 4, {whole: 1}, world_size=4, global_batch_size=8, model="gpt2-tiny")
+    got = {}
+    for mode in ("replicated", "sharded"):
+        plan.meta["replica_optimizer"] = mode
+        got[mode] = predict_any_plan(plan, meta, cluster, CostOptions())
+    rep, sh = got["replicated"]["breakdown"], got["sharded"]["breakdown"]
+    fixed = Simulator(meta, cluster, CostOptions()).devices.overheads.optimizer_fixed(1, 1)
+    assert sh["optimizer_s"] - fixed == pytest.approx((rep["optimizer_s"] - fixed) / 4)
+    assert sh["replica_optimizer"] == "sharded" and rep["optimizer_gather_exposed_s"] == 0.0
+    assert sh["optimizer_gather_exposed_s"] > 0.0
+    assert sh["cross_replica_reduce_s"] == pytest.approx(rep["cross_replica_reduce_s"] / 2)
+    params = sum(unit_params(meta).values())
+    for before, after in zip(got["replicated"]["memory_bytes_per_rank"], got["sharded"]["memory_bytes_per_rank"]):
+        assert before - after == pytest.approx(8 * params - (8 + 4) * params / 4, rel=1e-6, abs=8)
+    sim = Simulator(meta, cluster, CostOptions())
+    gathers = [b.gather_s for b in sync_buckets(plan, meta, sim, list(range(4)), sharded=True)]
+    reduces = [b.seconds for b in sync_buckets(plan, meta, sim, list(range(4)))]
+    assert gathers == pytest.approx([s / 2 for s in reduces])

@@ -7,6 +7,10 @@ slowest pipeline, runs hetero_sync.py's cross-replica gradient reduce (its bucke
 rank: cost/replica_sync_cost.py), the gradient-norm and loss all-reduces over the world and the
 optimizer. The reduce overlaps each rank's last backward as runtime/hetero_sync.py runs it: a bucket
 starts once its units are final on every member and the buckets ahead of it have started.
+Under the sharded optimizer (cost/replica_sync.replica_optimizer, runtime/hetero_zero.py) each rank
+steps its slices alone (cost/replica_optimizer.py: its time and state by what it steps), a flat
+set's reduce is a reduce-scatter, and the slices' all-gathers run after the step, exposed: each
+starts once its members have stepped, in bucket order on a rank.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost import quota_cpu
 from hrlplan.cost.model import CostOptions, Layout
+from hrlplan.cost.replica_optimizer import RankParams, rank_params, state_saving_bytes, stepped_fraction
+from hrlplan.cost.replica_sync import SHARDED, replica_optimizer
 from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, sync_buckets
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
@@ -202,9 +208,13 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                    for r, lay in zip(alone, layouts) if r.feasible)
         if span > 0:
             contention = max(1.0, sim.devices.overheads.contention * min(busy / (span * plan.world_size), 1.0))
-    buckets = sync_buckets(plan, meta, sim, devices)
+    sharded = replica_optimizer(plan) == SHARDED
+    buckets = sync_buckets(plan, meta, sim, devices, sharded=sharded)
     reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim, buckets)
     results, timings = _replica_results(sim, layouts, contention, timing=reduce_s > 0)
+    owned = rank_params(plan, meta, sharded)
+    if sharded:
+        results, timings = _sharded_state(sim, plan, layouts, results, timings, owned, contention, reduce_s > 0)
     memory: Dict[int, float] = {}
     for r in results:
         memory.update(r.memory_bytes)
@@ -230,19 +240,91 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
         finish_s = max(bucket_finish(buckets, bucket_launches(plan, meta, buckets, end, window), end).values())
     world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
     step = (finish_s + world_collectives + optimizer + ov.step) * scale
+    own_steps = [r.step_time_s for r in results]
+    gather_s = 0.0
+    if sharded:
+        stepping = _sharded_optimizer_s(sim, plan, layouts, owned, contention)
+        optimizer = max(stepping.values())
+        stepped = {r: finish_s + world_collectives + t for r, t in stepping.items()}
+        gathers = [b._replace(seconds=b.gather_s) for b in buckets if b.gather_s > 0]
+        done = max(bucket_finish(gathers, {(k, r): stepped[r] for k, b in enumerate(gathers) for r in b.ranks},
+                                 stepped).values())
+        gather_s = done - max(stepped.values())
+        step = (done + ov.step) * scale
+        # a replica's own step bounds the plan with the optimizer it steps here
+        own_steps = [r.step_time_s - r.breakdown.get("optimizer_s", 0.0)
+                     + scale * max(stepping[k] for st in pipe.stages for k in st.ranks)
+                     for r, pipe in zip(results, plan.as_pipelines())]
     # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's), nor under
     # a capped rank's CPU work, its cross-replica all-reduces included, over its share (cost/quota_cpu.py)
     quota = quota_cpu.replica_bounds(cluster, results, [(b.ranks, b.nbytes) for b in buckets], devices)
-    step = max([step] + [r.step_time_s for r in results] + [b * scale for b in quota])
+    step = max([step] + own_steps + [b * scale for b in quota])
     worst = max(results, key=lambda r: r.breakdown["pipeline_end_s"])
     breakdown = dict(worst.breakdown, step_time_s=step, cross_replica_reduce_s=reduce_s * scale,
                      cross_replica_reduce_exposed_s=max(finish_s - pipe_end, 0.0) * scale,
                      cross_replica_collectives=reduce_n, step_collectives_s=world_collectives * scale,
-                     optimizer_s=optimizer * scale,
+                     optimizer_s=optimizer * scale, replica_optimizer=replica_optimizer(plan),
+                     optimizer_gather_exposed_s=gather_s * scale,
                      quota_cpu_work=[e for r in results for e in r.breakdown.get("quota_cpu_work", ())])
     breakdown.pop("memory_bytes_per_device", None)
     return {"feasible": True, "reason": "", "step_time_s": step, "bubble_fraction": worst.bubble_fraction,
             "breakdown": breakdown, "stages": [s for r in results for s in r.stages], "memory_bytes_per_rank": mem}
+
+
+# Per simulator: the same simulator with memory unchecked, for replicas over memory with a whole
+# optimizer state that the sharded one may fit (kept alive with it: its replica cache holds them).
+_UNCHECKED: "weakref.WeakKeyDictionary[Any, Simulator]" = weakref.WeakKeyDictionary()
+
+
+def _sharded_state(sim: Simulator, plan, layouts: List[Layout], results, timings, owned: Dict[int, RankParams],
+                   contention: Optional[float], timing: bool):
+    """The replicas' results with the sharded optimizer's state: each device's peak less what its
+    rank keeps less (cost/replica_optimizer.py), checked against its memory again. A replica over
+    memory with the whole state is simulated with memory unchecked first (its time), counted as a call."""
+    devices = rank_devices(plan)
+    out, times = list(results), list(timings)
+    for p, (pipe, lay, r) in enumerate(zip(plan.as_pipelines(), layouts, results)):
+        if not r.feasible and not r.reason.startswith("out of memory"):
+            continue
+        if not r.feasible:
+            unchecked = _UNCHECKED.get(sim)
+            if unchecked is None:
+                unchecked = _UNCHECKED[sim] = Simulator(sim.meta, sim.cluster,
+                                                        dataclasses.replace(sim.opts, memory_margin=float("inf")))
+            sim.evaluations += 1
+            (r,), (times[p],) = _replica_results(unchecked, [lay], contention, timing)
+        saving = {devices[k]: state_saving_bytes(owned[k]) for st in pipe.stages for k in st.ranks}
+        need = {d: v - saving.get(d, 0.0) for d, v in r.memory_bytes.items()}
+        over = [(v / sim.devices.memory_limit(d, sim.opts.memory_margin), d) for d, v in need.items()
+                if v > sim.devices.memory_limit(d, sim.opts.memory_margin)]
+        r = dataclasses.replace(r, memory_bytes=need)
+        if over:
+            d = max(over)[1]
+            dev = sim.cluster.devices[d]
+            r = dataclasses.replace(r, feasible=False, step_time_s=float("inf"), reason=(
+                f"out of memory on device {d} ({dev.name}, {dev.hostname} local {dev.local_rank}) with the sharded "
+                f"optimizer: needs {need[d] / 2**30:.2f} GiB > {sim.opts.memory_margin:g} x "
+                f"{dev.memory_bytes / 2**30:.2f} GiB"))
+        out[p] = r
+    return out, times
+
+
+def _sharded_optimizer_s(sim: Simulator, plan, layouts: List[Layout], owned: Dict[int, RankParams],
+                         contention: Optional[float]) -> Dict[int, float]:
+    """Per plan rank, its optimizer step under the sharded optimizer (unscaled): its stage's step
+    for the share of its parameters it steps, plus the per-call cost once."""
+    out: Dict[int, float] = {}
+    devices = rank_devices(plan)
+    for pipe, lay in zip(plan.as_pipelines(), layouts):
+        n = len(pipe.stages)
+        fixed = sim.devices.overheads.optimizer_fixed(1, lay.tp)
+        for k, st in enumerate(pipe.stages):
+            c = sim.costs.stage(st.layers[0], st.layers[1], k == 0, k == n - 1, [devices[r] for r in st.ranks], st.tp,
+                                1, pipe.microbatch_size, n, contention=contention, recompute=st.recompute,
+                                microbatches=pipe.num_microbatches)
+            for r in st.ranks:
+                out[r] = fixed + c.optimizer * stepped_fraction(owned[r])
+    return out
 
 
 def worst_memory_reason(sim: Simulator, results) -> Optional[str]:

@@ -22,18 +22,22 @@ def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
 
 
 class SyncBucket(NamedTuple):
-    """One all-reduce of runtime/hetero_sync.py: its rank set, units (backward order), bytes per member
-    and seconds (in-node first where cost/replica_sync.node_hierarchy says so)."""
+    """One bucket of runtime/hetero_sync.py: its rank set, units (backward order), bytes per member,
+    the seconds of its reduce (an all-reduce, in-node first where cost/replica_sync.node_hierarchy says
+    so; under the sharded optimizer a flat set's reduce-scatter) and of the sharded optimizer's
+    all-gather of the updated slices after the step (0: replicated, or a set of one)."""
     ranks: RankSet
     units: Tuple[str, ...]
     nbytes: float
     seconds: float
+    gather_s: float = 0.0
 
 
 def sync_buckets(plan, meta, sim: Simulator, devices: List[int],
-                 cap_bytes: float = BUCKET_MB * 2 ** 20) -> List[SyncBucket]:
+                 cap_bytes: float = BUCKET_MB * 2 ** 20, sharded: bool = False) -> List[SyncBucket]:
     """The cross-replica buckets the runtime cuts for `plan` (devices: plan rank -> cluster device),
-    in its global start order: every unit over its rank set, whole units per bucket up to the cap."""
+    in its global start order: every unit over its rank set, whole units per bucket up to the cap.
+    sharded: the sharded optimizer's reduce and gather (cost/replica_sync.replica_optimizer)."""
     pipes = plan.as_pipelines()
     embed = ["embed"]   # the embedding parameters as one unit (the runtime's are adjacent, last in order)
     order = unit_order(plan.n_layer, embed)
@@ -56,9 +60,15 @@ def sync_buckets(plan, meta, sim: Simulator, devices: List[int],
             continue
         for cut in cut_buckets(items, cap_bytes, value_bytes):
             nbytes = sum(i.numel for i in cut) * value_bytes
+            seconds, gather = bucket_seconds(sim, devices, node_of, ranks, nbytes), 0.0
+            if sharded:
+                # a ring reduce-scatter or all-gather is half a ring all-reduce of the same bytes (its
+                # first or second half); the gathers run over the whole set, flat, in the reduce's dtype
+                gather = _ring_allreduce_s(sim, [devices[r] for r in ranks], nbytes) / 2.0
+                if node_hierarchy(ranks, node_of) is None:
+                    seconds = seconds / 2.0
             keyed.append((bucket_key(position, set_index, ranks, cut[0].unit),
-                          SyncBucket(ranks, tuple(i.unit for i in cut), nbytes,
-                                     bucket_seconds(sim, devices, node_of, ranks, nbytes))))
+                          SyncBucket(ranks, tuple(i.unit for i in cut), nbytes, seconds, gather)))
     return [b for _, b in sorted(keyed, key=lambda kb: kb[0])]
 
 
