@@ -101,6 +101,10 @@ def test_a_capped_replicas_cross_replica_reduce_joins_its_bound():
     bounds = quota_cpu.replica_bounds(cluster, results, buckets, [0, 1, 2])
     assert bounds == pytest.approx([(3e-3 + 2e-4 + 2e-3 + 1e-4 + 1e-4) / 0.33, (2e-3 + 2e-4 + 2e-3) / 0.33])
     assert quota_cpu.replica_bounds(cluster, results[:1], buckets[1:], [0, 1, 2]) == []
+    # packing the gradients into the buckets and back: per byte of each bucket the rank takes part in
+    packed = _cluster(NAMES, {"allreduce": ALLREDUCE, "gradient_bucket_cpu_s_per_byte": 1e-9})
+    more = quota_cpu.replica_bounds(packed, results, buckets, [0, 1, 2])
+    assert [m - b for m, b in zip(more, bounds)] == pytest.approx([(1e6 + 1e5) * 1e-9 / 0.33, 1e6 * 1e-9 / 0.33])
 
 
 def _call_site_applied() -> bool:
@@ -278,12 +282,14 @@ def test_the_exchange_line_is_fitted_per_rank_and_pooled_with_the_hops_message_b
 
     def rank(per_byte):
         return {"pipeline_hop": {"1f1b": {"cpu_beyond_actions_per_microbatch_s": 1e-3, "message_bytes": 32768}},
+                "gradient_bucket_cpu": {"bytes": 2e5, "tensors": 12, "cpu_s": per_byte * 1e5},
                 "p2p_exchange_cpu": [{"bytes": b, "cpu_s": 4e-5 + b * per_byte} for b in (32768.0, 131072.0, 393216.0)]}
     fits = fit_quota_cpu(_capped_spec(["cpu", "cpu@0.33", "cpu@0.33"]), [rank(1e-9), rank(3e-9), {}])
     assert fits["cpu@0.33"]["pipeline_hop_bytes"] == 32768
     assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s"] == pytest.approx(4e-5)
     assert fits["cpu@0.33"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(3e-9)   # its own rank's line
     assert fits["cpu"]["p2p_exchange"]["cpu_s_per_byte"] == pytest.approx(1e-9)
+    assert fits["cpu@0.33"]["gradient_bucket_cpu_s_per_byte"] == pytest.approx(1.5e-9)
 
 
 def test_capped_ranks_loops_are_their_quotas_not_contention_and_their_shares_are_the_jobs_demand():

@@ -17,7 +17,9 @@ The work, all of it in process CPU time (every thread: gloo's too, as the quota 
   figure gave 0.9;
 - the step's collectives the position takes part in (its start barrier, the loss, the gradient norms,
   a tied embedding's gradient, data-parallel gradient sync): quota_cpu_s' allreduce CPU per call and
-  per byte, by group size (calibration's all-reduces, in CPU time on each rank);
+  per byte, by group size (calibration's all-reduces, in CPU time on each rank); a replica's
+  cross-replica buckets also their gradients' packing and unpacking (gradient_bucket_cpu_s_per_byte,
+  one block's gradients packed and unpacked in calibration);
 - its optimizer (without its contention factor; times quota_cpu_s' optimizer_scale, the reference
   step's clipping + AdamW in CPU time over their wall-time figures' prediction) and the per-step
   overhead in CPU time (quota_cpu_s' step_overhead: the one-process reference step's CPU beyond its
@@ -31,7 +33,7 @@ last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
 
 calibration["quota_cpu_s"] (written only where a device runs under a quota):
     {device name: {"pipeline_per_microbatch": s, "pipeline_hop_bytes": bytes,
-                   "p2p_exchange": {"cpu_s": s, "cpu_s_per_byte": s},
+                   "p2p_exchange": {"cpu_s": s, "cpu_s_per_byte": s}, "gradient_bucket_cpu_s_per_byte": s,
                    "allreduce": [{"ranks": k, "cpu_s": s, "cpu_s_per_byte": s}],
                    "step_overhead": s, "optimizer_scale": f}}
 Absent (uncalibrated, or a record from before): the bound counts compute, optimizer and overhead
@@ -167,7 +169,8 @@ def replica_bounds(cluster, results: Sequence[Any], buckets: Sequence[Tuple[Sequ
                    rank_devices: Sequence[int]) -> List[float]:
     """A heterogeneous plan's capped ranks: each one's replica position's CPU work (the simulator's
     breakdown["quota_cpu_work"], per device) plus the cross-replica all-reduces it takes part in
-    (buckets: (plan ranks, bytes) per all-reduce the runtime runs, cost/replica_sync_cost.sync_buckets),
+    (buckets: (plan ranks, bytes) per all-reduce the runtime runs, cost/replica_sync_cost.sync_buckets)
+    and the packing of their gradients into the buckets and back (gradient_bucket_cpu_s_per_byte),
     over its share."""
     work: Dict[int, Tuple[float, float]] = {}
     for r in results:
@@ -182,7 +185,8 @@ def replica_bounds(cluster, results: Sequence[Any], buckets: Sequence[Tuple[Sequ
             d = rank_devices[r]
             if d in work:
                 fig = figures(cluster.calibration, cluster.devices[d].name)
-                extra[d] = extra.get(d, 0.0) + allreduce_cpu_s(fig, len(ranks), nbytes)
+                extra[d] = extra.get(d, 0.0) + allreduce_cpu_s(fig, len(ranks), nbytes) \
+                    + nbytes * float(fig.get("gradient_bucket_cpu_s_per_byte", 0.0))
     return [(w + extra.get(d, 0.0)) / share for d, (w, share) in work.items()]
 
 

@@ -65,7 +65,8 @@ def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, A
     """quota_cpu_s (cost/quota_cpu.py) per device name, where a device runs under a CPU quota ({}
     otherwise): the process CPU time of the real two-stage pipeline beyond its forwards and backwards
     per micro-batch (and the bytes of its messages), of one send + receive exchange (a line over the
-    message bytes), and of one all-reduce per group size (a line over the payloads), each the median
+    message bytes), of packing gradients into a cross-replica bucket and back (per byte, at this
+    model's tensor sizes), and of one all-reduce per group size (a line over the payloads), each the median
     over that name's ranks. A name none of whose ranks measured one (a rank left out of the pairs)
     takes the median over the ranks that did: it is CPU time, what the work costs, not how fast the
     rank gets it done."""
@@ -83,6 +84,9 @@ def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, A
         out: Dict[str, Any] = {}
         if pipeline:
             out["pipeline_per_microbatch"] = med(pipeline)
+        bucket = [per_rank[r]["bucket"] for r in ranks if per_rank[r]["bucket"] is not None]
+        if bucket:
+            out["gradient_bucket_cpu_s_per_byte"] = med(bucket)
         if hop_bytes and exchange:
             out["pipeline_hop_bytes"] = med(hop_bytes)
             out["p2p_exchange"] = {key: med(e[key] for e in exchange) for key in ("cpu_s", "cpu_s_per_byte")}
@@ -101,7 +105,8 @@ def fit_quota_cpu(spec, gathered: List[Dict[str, Any]]) -> Dict[str, Dict[str, A
 def _quota_cpu_of_rank(measured: Dict[str, Any]) -> Dict[str, Any]:
     """One rank's quota CPU figures: the pipeline hops' CPU beyond their forwards and backwards per
     micro-batch (median over schedules) and their message bytes, the send + receive exchange's line
-    (cpu_s at no bytes, cpu_s_per_byte; anchored at the smallest message), its all-reduce lines."""
+    (cpu_s at no bytes, cpu_s_per_byte; anchored at the smallest message), the gradient bucket's
+    pack and unpack per byte, its all-reduce lines."""
     hops = [h for h in (measured.get("pipeline_hop") or {}).values()
             if h and h.get("cpu_beyond_actions_per_microbatch_s") is not None]
     points = [(p["bytes"], p["cpu_s"]) for p in measured.get("p2p_exchange_cpu") or ()]
@@ -110,7 +115,9 @@ def _quota_cpu_of_rank(measured: Dict[str, Any]) -> Dict[str, Any]:
         cpu, per_byte = anchored_line(sorted(points))
         exchange = {"cpu_s": cpu, "cpu_s_per_byte": per_byte}
     hop_bytes = [h["message_bytes"] for h in hops if h.get("message_bytes")]
-    return {"pipeline": med(h["cpu_beyond_actions_per_microbatch_s"] for h in hops) if hops else None,
+    bucket = measured.get("gradient_bucket_cpu") or {}
+    return {"bucket": bucket["cpu_s"] / bucket["bytes"] if bucket.get("bytes") else None,
+            "pipeline": med(h["cpu_beyond_actions_per_microbatch_s"] for h in hops) if hops else None,
             "hop_bytes": med(hop_bytes) if hop_bytes else None, "exchange": exchange,
             "allreduce": fit_allreduce_cpu(measured.get("allreduce") or {})}
 

@@ -21,8 +21,8 @@ from hrlplan.runtime.calibrate.collectives import (DP_SCALING_BLOCKS, allreduce_
 from hrlplan.runtime.calibrate.comm import (HOP_SCHEDULES, measure_exchange_cpu, measure_p2p, measure_pipeline_hop,
                                             measure_tensor_parallel, pool_exchange_passes, pool_hop_passes)
 from hrlplan.runtime.calibrate.compute import (busy_until_barrier, measure_block, measure_compile, measure_contention,
-                                               measure_optimizer, measure_pipeline_ops, measure_step,
-                                               measure_tp_optimizer, measure_zb_split)
+                                               measure_gradient_bucket_cpu, measure_optimizer, measure_pipeline_ops,
+                                               measure_step, measure_tp_optimizer, measure_zb_split)
 from hrlplan.cost.quota_cpu import QUOTA_CPU_KEY
 from hrlplan.runtime.calibrate.record import (assess, calibration_samples, fit_calibration, fit_reference_step,
                                               fit_reference_step_cpu, measurements, predict_reference_step,
@@ -259,6 +259,7 @@ def _measure_everything(arch: Dict[str, Any], train: TrainConfig, device: torch.
         ops = measure_pipeline_ops(arch, seq, device, singles[0], alone_one["fwd_s"], alone_one["bwd_s"])
     dist.barrier()
     optim = measure_optimizer(arch, train, device)
+    bucket_cpu = measure_gradient_bucket_cpu(arch, seq, device)
     if world > 1:
         progress.start(STAGE_PAIRS)
     # The all-reduces and the pipeline hops are measured in passes at different moments and pooled:
@@ -273,7 +274,8 @@ def _measure_everything(arch: Dict[str, Any], train: TrainConfig, device: torch.
     p2p = measure_p2p(msg, device)
     contention = measure_contention(arch, seq, max(1, g // 4), device)
     allreduce_passes.append(measure_allreduce(device, partitions, repeats=REPEATS))
-    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim, **paired,
+    local = {"block": samples, "zb_split": zb_split, "pipeline_ops": ops, "optimizer": optim,
+             "gradient_bucket_cpu": bucket_cpu, **paired,
              "contention": contention, "allreduce": pool_allreduce_passes(allreduce_passes)}
     return local, p2p, msg
 
