@@ -51,8 +51,10 @@ def _worker(config, plan_yaml: str) -> Optional[Dict[str, Any]]:
 
 
 def train_sharded(plan: Plan, config, run_dir) -> Dict[str, Any]:
-    """Rank 0's summary of `plan` trained with the sharded optimizer, plus each rank's `sharded` flag
-    and `moments` (AdamW moment values it holds)."""
+    """Rank 0's summary of `plan` trained with the sharded optimizer (plan.meta replica_optimizer=
+    sharded), plus each rank's `sharded` flag and `moments` (AdamW moment values it holds)."""
+    plan = Plan.from_yaml(plan.to_yaml())
+    plan.meta["replica_optimizer"] = "sharded"
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(as_config(config))

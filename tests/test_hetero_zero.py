@@ -107,6 +107,7 @@ def test_one_replica_steps_every_parameter_in_place_as_adamw(tmp_path):
         template = PipelineTemplate(model, [get_modules(model)])
         plan = build_plan([template], {template: 2}, world_size=1, global_batch_size=4,
                           model="gpt2-tiny")
+        plan.meta["replica_optimizer"] = "sharded"
         engines = [HeteroPipelineEngine(plan, cfg["train"], torch.device("cpu"), _model(GPT2),
                                         StepRecorder(torch.device("cpu"))) for _ in range(2)]
         sharded = engines[0].make_optimizer(cfg["train"])

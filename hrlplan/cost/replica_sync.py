@@ -34,8 +34,10 @@ BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
 SHARDED, REPLICATED = "sharded", "replicated"
 REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
 # Sharded: the same bytes on the wire where a set reduces flat (reduce-scatter + all-gather = one
-# all-reduce), the optimizer's time and state over n; it costs an exposed all-gather after the step.
-DEFAULT_REPLICA_OPTIMIZER = SHARDED
+# all-reduce), the optimizer's time and state over n; but its all-gather after the step is exposed,
+# so it is sometimes slower: a plan's choice (the planner predicts both). Replicated by default: a
+# plan's step is then never under its slowest replica's own, the bound search/hetero_exact prunes by.
+DEFAULT_REPLICA_OPTIMIZER = REPLICATED
 
 
 def replica_optimizer(plan) -> str:

@@ -21,8 +21,9 @@ pipeline's share of the global batch, so the update equals one process on the gl
 bucketed, in the training dtype where safe, and started during the last micro-batch's backward
 (hetero_sync.py says exactly how). GPT-2 replicas may hold a block at different tp degrees.
 The optimizer: sharded over each bucket's ranks (hetero_zero.py: each steps its slice, then the
-slices are all-gathered) where the plan says so (cost/replica_sync.replica_optimizer, the default)
-and the trainer asks the engine for it (make_optimizer); else each rank steps its whole stage.
+slices are all-gathered) where the plan says so (plan.meta replica_optimizer: sharded; cost/
+replica_sync.replica_optimizer) and the trainer asks the engine for it (make_optimizer); else each
+rank steps its whole stage.
 
 Packed documents (data.packing=document|balanced): a replica's rows hold its share of the step's
 documents (data/packed_stream.py lays them out over the replicas), every rank of the pipeline reads
