@@ -8,6 +8,7 @@ import pytest
 from hrlplan.config import TrainConfig, section
 from hrlplan.cluster import spec_from_preset
 from hrlplan.cost.plans import predict_any_plan
+from hrlplan.cost.replica_sync import REPLICATED
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.plan import Plan, validate
@@ -16,7 +17,7 @@ from hrlplan.search.common import cost_options
 from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.cost.model import Layout
 from hrlplan.search.common import Scored
-from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
+from hrlplan.search.hetero import BOTH_OPTIMIZERS, HeteroSpace, Replica, Shape, hetero_plan, place, wants_hetero
 from hrlplan.search.hetero_anchor import AnchorTemplates, anchor_rows, idle_nodes
 from hrlplan.search.hetero_exact import TemplateTable, TP_ANY, enumerate_options, row_grid
 from hrlplan.search.hetero_search import search_hetero
@@ -43,7 +44,8 @@ def fast_slow(fast_nodes=1, slow_nodes=1, per_node=2, fast_memory=8, fast_per_no
 
 def brute_force(meta, cluster, cfg, train, steps):
     """Every selection of the sub-space: per type none or (shape, count, rows on the grid) with the
-    exact template for (type, shape, rows); rows summing to B. Returns (best step, [(max T, step)])."""
+    exact template for (type, shape, rows); rows summing to B; the replicated optimizer, as the
+    search assesses plans. Returns (best step, [(max T, step)])."""
     train = section(TrainConfig, train)
     sim = Simulator(meta, cluster, cost_options(cfg, train))
     space = HeteroSpace(cluster, max(cluster.node_sizes()))
@@ -67,7 +69,7 @@ def brute_force(meta, cluster, cfg, train, steps):
             continue
         replicas = [Replica(t, place(table.exact(key)[1], space.shape_devices(t, shape, i)))
                     for t, shape, k, rows, key in chosen for i in range(k)]
-        _, predicted = hetero_plan(meta, cluster, replicas, train.schedule, {}, sim=sim)
+        _, predicted = hetero_plan(meta, cluster, replicas, train.schedule, {}, sim=sim, optimizers=(REPLICATED,))
         if predicted["feasible"]:
             best = min(best, predicted["step_time_s"])
             pairs.append((max(table.exact(key)[0] for *_, key in chosen), predicted["step_time_s"]))
@@ -212,7 +214,7 @@ def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
     fast, slow = table.exact((2, "fast", Shape(1, 1), 3, TP_ANY))[1], table.exact((2, "slow", Shape(2, 1), 2, 1))[1]
     replicas = [Replica("fast", place(fast, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)] + \
         [Replica("slow", place(slow, space.shape_devices("slow", Shape(2, 1), 0)))]
-    _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim)
+    _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=(REPLICATED,))
     out = {"replicas": replicas}
     b = predicted["breakdown"]
     assert b["cross_replica_reduce_s"] > 0
@@ -356,7 +358,7 @@ def test_anchored_sub_space_matches_brute_force():
             replicas = mine + [Replica(t, place(table.exact((2, t, shape, r, TP_ANY))[1],
                                                 idle.shape_devices(t, shape, i)))
                                for t, shape, k, r in chosen for i in range(k)]
-            _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim)
+            _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=(REPLICATED,))
             if predicted["feasible"]:
                 anchored = min(anchored, predicted["step_time_s"])
     assert anchored < float("inf")
@@ -463,3 +465,24 @@ def test_a_spent_simulation_budget_is_no_proof():
     assert not exact_proved({"proven_optimal": True, "split_simulations": 4}, {"max_simulations": 4})
     assert exact_proved({"proven_optimal": True, "split_simulations": 3}, {"max_simulations": 4})
     assert not exact_proved({"proven_optimal": False, "out_of_time": True}, {"max_simulations": 4})
+
+
+def test_both_replica_optimizers_keep_the_faster_and_say_which():
+    """hetero_plan with BOTH_OPTIMIZERS predicts the plan with every replica stepping its whole model and
+    with the step sharded across replicas (cost/replica_sync.py), keeps the faster and writes its mode
+    into plan.meta (what the runtime runs)."""
+    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
+    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
+    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, train))
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
+    table.bind({2: space})
+    fast = table.exact((2, "fast", Shape(1, 1), 4, TP_ANY))[1]
+    replicas = [Replica("fast", place(fast, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)]
+    steps = {m: hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=(m,))[1]["step_time_s"]
+             for m in BOTH_OPTIMIZERS}
+    plan, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=BOTH_OPTIMIZERS)
+    assert predicted["step_time_s"] == min(steps.values())
+    assert plan.meta["replica_optimizer"] == min(steps, key=steps.get)
+    assert Plan.from_yaml(plan.to_yaml()).meta["replica_optimizer"] == plan.meta["replica_optimizer"]

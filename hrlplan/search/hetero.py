@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import predict_any_plan
+from hrlplan.cost.replica_sync import REPLICATED, SHARDED
 from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.search.common import Scored, Tracker
@@ -272,10 +273,17 @@ def place(layout: Layout, devices: Sequence[int]) -> Layout:
     return dataclasses.replace(layout, groups=tuple(tuple(move[d] for d in g) for g in layout.groups))
 
 
+BOTH_OPTIMIZERS = (REPLICATED, SHARDED)
+
+
 def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_meta: Dict[str, Any],
-                sim=None) -> Tuple[Plan, Dict[str, Any]]:
+                sim=None, optimizers: Optional[Sequence[str]] = None) -> Tuple[Plan, Dict[str, Any]]:
     """The validated Plan (pipelines, launch, unused ranks, prediction) of a set of replicas and the
-    simulator's prediction for it (predict_any_plan: every replica at dp 1, the cross-replica reduce)."""
+    simulator's prediction for it (predict_any_plan: every replica at dp 1, the cross-replica reduce).
+    `optimizers`: the faster of these (plan.meta's replica_optimizer: every replica steps its whole
+    model, or the replicas shard the step -- cost/replica_sync.py; the sharded one's all-gather after
+    the step is exposed, so either may win; BOTH_OPTIMIZERS tries the two); None: the cost model's
+    default, no key in the plan."""
     used = sorted(d for r in replicas for d in r.devices)
     live = cluster.source in ("probe", "file")
     launch, rank_of = launch_of_devices(cluster, range(cluster.world_size) if live else used)
@@ -288,13 +296,21 @@ def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_m
                   for k, span in enumerate(lay.spans)]
         pipelines.append({"stages": stages, "num_microbatches": lay.num_microbatches, "batch_size": r.rows})
     unused = sorted(rank_of[d] for d in rank_of if d not in set(used))
-    meta_out = {"launch": launch, "planner": _plain(planner_meta), "cluster": cluster.name,
-                "device_types_per_pipeline": [r.device_type for r in replicas]}
-    plan = Plan.from_dict({"model": meta.name, "n_layer": meta.n_layer, "world_size": len(rank_of),
-                           "global_batch_size": sum(r.rows for r in replicas), "schedule": schedule,
-                           "pipelines": pipelines, "unused_ranks": unused, "meta": meta_out},
-                          source="heterogeneous planner")
-    predicted = predict_any_plan(plan, meta, cluster, sim=sim)
+    best = None
+    for mode in (optimizers[:1 if len(replicas) == 1 else None] if optimizers else [None]):
+        meta_out = {"launch": launch, "planner": _plain(planner_meta), "cluster": cluster.name,
+                    "device_types_per_pipeline": [r.device_type for r in replicas]}
+        if mode is not None:
+            meta_out["replica_optimizer"] = mode
+        plan = Plan.from_dict({"model": meta.name, "n_layer": meta.n_layer, "world_size": len(rank_of),
+                               "global_batch_size": sum(r.rows for r in replicas), "schedule": schedule,
+                               "pipelines": pipelines, "unused_ranks": unused, "meta": meta_out},
+                              source="heterogeneous planner")
+        predicted = predict_any_plan(plan, meta, cluster, sim=sim)
+        key = (not predicted["feasible"], predicted["step_time_s"])
+        if best is None or key < best[0]:
+            best = (key, plan, predicted)
+    _, plan, predicted = best
     plan.meta["predicted"] = _plain({"step_time_s": predicted["step_time_s"],
                                      "bubble_fraction": predicted["bubble_fraction"],
                                      "memory_bytes_per_rank": predicted["memory_bytes_per_rank"],

@@ -31,6 +31,7 @@ from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero_single import exact_proved
+from hrlplan.cost.replica_sync import REPLICATED
 from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
                                   search_exact_until)
 
@@ -443,7 +444,10 @@ class ShareSearch:
                 assessed.add(selection)
                 self.rounds += 1
                 replicas = replicas_of([options[i] for i in chosen], placement or self.spaces, self.table)
-                plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim)
+                # the replicated optimizer: a plan's step is then never under its slowest replica's
+                # own, the program's bound (make_plan may re-predict the chosen plan sharded)
+                plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim,
+                                              optimizers=(REPLICATED,))
                 if predicted["feasible"] and predicted["step_time_s"] < self.best_s:
                     self.best_s, self.best = predicted["step_time_s"], (plan, predicted, replicas)
                     program.h.changeColBounds(program.z, 0.0, self.best_s)
