@@ -129,37 +129,49 @@ def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[st
 
 
 def _calibrate(args, calibration, passes: List[List[Dict]]):
-    """From the calibration rows (median over the passes): the fixed-length row's per-stage forward
-    and backward (the first row: one document filling it), and per stage the least-squares
-    time = fixed + per_square * S + per_document * n + per_useful * U as RowShares of that row: of the
-    forward and backward together, and of each apart ({"F": [...], "B": [...]})."""
+    """From the calibration rows (median over the passes), per stage and kind (forward, backward, and
+    the two together) the least-squares line time = fixed + per_square * S + per_document * n +
+    per_useful * U (the per-document term left out where it comes out negative: it then only absorbs
+    noise); its value at the one-document row is the fixed-length micro-batch (`full`), and its
+    RowShares are the terms' shares of that value, so the prediction of a row is the fitted line's.
+    (Normalising by the timed one-document row instead put that row's own timing noise, a few ms,
+    into every row's fixed work: the steps came out 2-6% off.) Returns full ({F, B}: per stage), the
+    RowShares of F + B per stage, the fits, and the RowShares per kind ({"F": [...], "B": [...]})."""
     import numpy as np
 
     from hrlplan.cost.lengths import RowShares
 
-    med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes) for k in range(args.pp)]
+    # a pass timed between a round's steps leaves a row out (None) where the round is shorter than the rows
+    med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes if c[i] is not None) for k in range(args.pp)]
             for kind in ("F", "B")} for i in range(len(calibration))]
-    full = med[0]
     x = np.array([[1.0, sq, n, u] for n, u, sq, *_ in calibration], dtype=float)
+    at_one = np.array([1.0, float(args.budget) ** 2, 1.0, float(args.budget)])
 
     def fitted(times):
         coef, *_ = np.linalg.lstsq(x, times, rcond=None)
-        # the shares of the timed one-document row (normalising by the fitted line's value there instead
-        # was tried: the steps came out 3-7% long against 0-3.5% short this way)
-        one = float(times[0])
-        shares = RowShares(attention=max(float(coef[1]), 0.0) * args.budget ** 2 / one,
-                           per_document=max(float(coef[2]), 0.0) / one, useful=max(float(coef[3]), 0.0) * args.budget / one)
-        return shares, {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
-                        "per_useful_token_s": float(coef[3]), "rows_s": times.tolist(),
-                        "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))}
+        if coef[2] < 0:
+            kept = [0, 1, 3]
+            part, *_ = np.linalg.lstsq(x[:, kept], times, rcond=None)
+            coef = np.zeros(4)
+            coef[kept] = part
+        one = float(coef @ at_one)
+        shares = RowShares(attention=float(coef[1]) * args.budget ** 2 / one, per_document=float(coef[2]) / one,
+                           useful=float(coef[3]) * args.budget / one)
+        return one, shares, {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
+                             "per_useful_token_s": float(coef[3]), "one_document_row_s": one,
+                             "one_document_row_timed_s": float(times[0]), "rows_s": times.tolist(),
+                             "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))}
 
+    full: Dict[str, List[float]] = {"F": [], "B": []}
     shares, fits, per_kind = [], [], {"F": [], "B": []}
     for k in range(args.pp):
-        together, fit = fitted(np.array([m["F"][k] + m["B"][k] for m in med]))
+        for kind in ("F", "B"):
+            one, kind_shares, _ = fitted(np.array([m[kind][k] for m in med]))
+            full[kind].append(one)
+            per_kind[kind].append(kind_shares)
+        _, together, fit = fitted(np.array([m["F"][k] + m["B"][k] for m in med]))
         shares.append(together)
         fits.append(fit)
-        for kind in ("F", "B"):
-            per_kind[kind].append(fitted(np.array([m[kind][k] for m in med]))[0])
     return full, shares, fits, per_kind
 
 
@@ -219,9 +231,10 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                 per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
                           for j in range(args.micro_batches * args.dp)]
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
-    # the rows timed between the steps (the passes before the rounds only feed the dispatch)
-    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
-                                                     [r["calibration"] for r in timing["rounds"]])
+    # every pass of the calibration rows: those before the rounds (which fed the dispatch) and those
+    # timed between each round's steps
+    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"], timing["before"]
+                                                     + [r["calibration"] for r in timing["rounds"]])
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
     predicted, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
@@ -294,7 +307,8 @@ def measure(args) -> Dict:
     spans = M.spans_of(args)
     stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
     calibration = M.calibration_rows(args, corpus.eot_id, documents)
-    before = [M.time_calibration(stages, calibration) for _ in range(3)]
+    # 6 passes (about 10 s each): a pass's rows vary by a few percent; the fit of their medians far less
+    before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(6)]
     full, shares, _, _ = _calibrate(args, calibration, before)
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
     timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
