@@ -16,11 +16,15 @@ runtime/hetero_sync.py runs it, cost/plans.py costs it (one fact in one place).
   The inter-node link then carries 1/rails of what a flat ring over every member would send
   through it.
 - The optimizer across replicas (replica_optimizer, plan.meta's `replica_optimizer`): "sharded"
-  (ZeRO-1, as Megatron's distributed optimizer): member i of a rank set of n owns slice i of every
-  bucket's flat (shard_slice), steps only that slice (master weights and AdamW moments for it
-  alone) and all-gathers the updated slices; a flat set reduce-scatters its buckets instead of
-  all-reducing them, an in-node-first set all-reduces as above and keeps its slice. "replicated":
-  every member steps the whole unit. A set of one member steps its units in place either way.
+  (ZeRO-1, as Megatron's distributed optimizer): each member owns a slice of every bucket's flat
+  (member_slice), steps only that slice (master weights and AdamW moments for it alone) and the
+  updated slices go to every member. A flat set reduce-scatters its buckets (slice i of n) and
+  all-gathers the slices after the step. An in-node-first set shards over its rails, as HSDP does
+  within a node: it runs the in-node all-reduce and the rails' all-reduces, and then, instead of
+  each rail's broadcast in its node, rail member i steps rail part i (the same on every node: the
+  same sums and state) and broadcasts the updated part in its node after the step; members on no
+  rail step nothing. The link across nodes carries what it carried, the step runs on 1/rails.
+  "replicated": every member steps the whole unit. A set of one member steps its units in place.
 """
 from __future__ import annotations
 
@@ -48,6 +52,21 @@ def replica_optimizer(plan) -> str:
         raise UserError(f"plan meta.replica_optimizer={value!r} is not one of {', '.join(REPLICA_OPTIMIZERS)}: "
                         "fix the plan file's meta.replica_optimizer or delete the key")
     return value
+
+
+def member_slice(numel: int, ranks: RankSet, rank: int, hier: Optional["Hierarchy"]) -> Tuple[int, int]:
+    """The slice of a bucket of `numel` values `rank` steps under the sharded optimizer (module
+    docstring): its shard_slice in a flat set, its rail's part in an in-node-first one (none off the rails)."""
+    if hier is None:
+        return shard_slice(numel, len(ranks), ranks.index(rank))
+    rail = next((i for i, members in enumerate(hier.rails) if rank in members), None)
+    return (0, 0) if rail is None else rail_slices(numel, len(hier.rails))[rail]
+
+
+def primary_owner(rank: int, hier: Optional["Hierarchy"]) -> bool:
+    """Whether `rank`'s slice counts once for the set (the gradient norm, a gathered checkpoint): in an
+    in-node-first set each rail part is stepped on every node, and the first node's counts."""
+    return hier is None or rank in hier.nodes[0]
 
 
 def shard_slice(numel: int, members: int, index: int) -> Tuple[int, int]:

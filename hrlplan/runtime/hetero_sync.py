@@ -33,9 +33,10 @@ What it does, exactly:
   on groups of its own, and never ahead of an earlier bucket's same phase, so every group sees
   its collectives in the bucket order.
 - Sharded optimizer (cost/replica_sync.replica_optimizer, hetero_zero.py): a set of two or more
-  members reduce-scatters each bucket instead (flat), or all-reduces it in node first and keeps
-  member i's slice (shard_slice); finish() leaves each member its slice of the summed bucket
-  (shard_grads) and frees the parameters' own gradients, which nothing reads after that.
+  members reduce-scatters each bucket instead (flat), or runs the in-node-first phases but the last
+  (each rail member keeps its rail's part: the broadcast in node comes after the step); finish()
+  leaves each member its slice of the summed bucket (shard_grads, cost/replica_sync.member_slice)
+  and frees the parameters' own gradients, which nothing reads after that.
 - GPT-2 under tp is stored in nn.Linear form with q/k/v rows regrouped per tp degree
   (tensor_parallel.py); where its holders mix tp degrees, each holder maps its whole-shape
   contribution to the Hugging Face Conv1D layout before the sum and back after it.
@@ -52,7 +53,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from hrlplan.cost.replica_sync import (BUCKET_MB, Hierarchy, Holder, RankSet, bucket_key, cut_buckets,  # noqa: F401
-                                       node_hierarchy, rail_slices, shard_slice, unit_rank_sets)
+                                       member_slice, node_hierarchy, rail_slices, unit_rank_sets)
 from hrlplan.plan import PipelinePlan
 from hrlplan.runtime.tensor_parallel import qkv_row_order
 
@@ -180,7 +181,8 @@ class _Reduce:
         self.bucket, self.buf, self.groups = bucket, buf, groups
         self.works: List[object] = []
         self.part: Optional[torch.Tensor] = None
-        self.issued = 0   # phases issued, of PHASES
+        self.issued = 0   # phases issued, of `phases`
+        self.phases = self.PHASES - 1 if scatter and groups.hier is not None else self.PHASES
         if groups.hier is None:
             if groups.flat is not None and scatter:
                 members = len(bucket.ranks)
@@ -242,8 +244,8 @@ class GradientReducer:
         return self.sharded and len(bucket.ranks) > 1
 
     def slice_of(self, bucket: Bucket) -> Tuple[int, int]:
-        """This member's slice of the bucket's flat values (cost/replica_sync.shard_slice)."""
-        return shard_slice(sum(i.numel for i in bucket.items), len(bucket.ranks), bucket.ranks.index(self.rank))
+        """This member's slice of the bucket's flat values (cost/replica_sync.member_slice)."""
+        return member_slice(sum(i.numel for i in bucket.items), bucket.ranks, self.rank, self.groups[bucket.ranks].hier)
 
     def canonical(self, unit: str) -> Holder:
         """The holder whose copy counts in the global gradient norm (first pipeline, first stage)."""
@@ -316,13 +318,13 @@ class GradientReducer:
         in the bucket order on every member. block: drive them all to their last phase."""
         ahead = _Reduce.PHASES
         for red in self.launched:
-            while red.issued < min(ahead, _Reduce.PHASES):
+            while red.issued < min(ahead, red.phases):
                 if not red.complete():
                     if not block:
                         break
                     red.wait()
                 red.issue_next()
-            ahead = red.issued
+            ahead = _Reduce.PHASES if red.issued >= red.phases else red.issued
 
     def _whole_contribution(self, grad, weight: float) -> torch.Tensor:
         """This rank's share of a whole-shape sum over every tp rank of every holder: its shard in

@@ -1,9 +1,10 @@
 """The sharded optimizer across heterogeneous replicas (ZeRO-1, as Megatron's distributed optimizer):
 the ranks that reduce a bucket together (a rank set of hetero_sync.py) each step one slice of it.
 
-- Slices. Member i of a set of n owns slice i of every bucket's flat values (cost/replica_sync.
-  shard_slice: the bucket padded to a multiple of n, so reduce_scatter_tensor and
-  all_gather_into_tensor take equal parts). Its master weights for that slice are fp32 Parameters,
+- Slices. Member i of a flat set of n owns slice i of every bucket's flat values (cost/replica_sync.
+  member_slice: the bucket padded to a multiple of n, so reduce_scatter_single and
+  all_gather_single take equal parts); in an in-node-first set rail member i owns rail part i, on
+  every node alike (HSDP's sharding within a node). Its master weights for that slice are fp32 Parameters,
   one per run of items of one weight-decay class (a segment), and a real torch.optim.AdamW steps
   them: AdamW's moments exist for the slice alone. Buckets of a set of one member, and the
   parameters in them, are stepped in place by the same AdamW.
@@ -11,11 +12,13 @@ the ranks that reduce a bucket together (a rank set of hetero_sync.py) each step
   bucket (reduce-scatter, or the in-node-first all-reduce then the slice); the gradient norm is the
   square root of the sum of every member's slice squares over the world, each value once (a tp
   stage's replicated tensors from tp rank 0's set alone), and clipping scales the slices.
-- Gather. After the step each member's updated slice goes to every member of its set by
+- Gather. After the step each member's updated slice goes to every member of a flat set by
   all_gather_single (torch 2.13's name for all_gather_into_tensor), which gloo and NCCL both run
   on equal parts; gloo refuses all_gather of unequal parts, hence the padding. A reduce-scatter and
   an all-gather move the same bytes as the one all-reduce they replace, where an all-reduce then a
-  slice and a gather would move half as much again. The slices travel in the
+  slice and a gather would move half as much again. In an in-node-first set each rail member
+  broadcasts its updated part in its node (the reduce's last phase, moved after the step): nothing
+  more crosses nodes than the replicated optimizer's reduce sends. The slices travel in the
   reduce's dtype: bfloat16 training keeps bfloat16-valued weights beside fp32 masters (as Megatron's
   bf16 parameters), float32 training gathers float32 and stays exact. All gathers are issued, then
   each is waited for and unpacked in turn; the next forward needs every weight.
@@ -36,6 +39,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
+from hrlplan.cost.replica_sync import primary_owner, rail_slices
 from hrlplan.runtime.hetero_sync import Bucket, GradientReducer, Item, _local, _shard_dim
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -153,6 +157,8 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
         (a replicated tensor of a tp stage counts in tp rank 0's set only; a whole unit's values once)."""
         total = torch.zeros(1)
         for sb in self.sharded:
+            if not primary_owner(self.reducer.rank, self.reducer.groups[sb.bucket.ranks].hier):
+                continue
             grad = self.reducer.shard_grads[sb.index]
             for piece in sb.pieces:
                 item = piece.item
@@ -176,25 +182,40 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
         return None
 
     def _gather_weights(self) -> None:
-        """Every member's updated slice to every member (all_gather_into_tensor, in the reduce's dtype),
-        all issued, then unpacked bucket by bucket into the stage's parameters."""
+        """Every member's updated slice to every member (module docstring: all_gather_single in a flat
+        set, each rail's broadcast in node in an in-node-first one), in the reduce's dtype, all
+        issued, then unpacked bucket by bucket into the stage's parameters (the owner's too: its
+        masters keep fp32, its weights the gathered values, as everyone's)."""
         pending = []
         for sb in self.sharded:
+            groups = self.reducer.groups[sb.bucket.ranks]
             members = len(sb.bucket.ranks)
             numel = sum(i.numel for i in sb.bucket.items)
-            size = -(-numel // members)
-            mine = torch.zeros(size, dtype=self.reducer.dtype, device=sb.segments[0].param.device
-                               if sb.segments else _local(sb.bucket.items[0].param).device)
-            for seg in sb.segments:
-                mine[seg.lo - sb.lo:seg.hi - sb.lo].copy_(seg.param)
-            whole = mine.new_empty(size * members)
-            work = dist.all_gather_single(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole,
-                                          async_op=True)
-            pending.append((sb, whole, work))
-        for sb, whole, work in pending:
-            work.wait()
+            device = _local(sb.bucket.items[0].param).device
+            if groups.hier is None:
+                size = -(-numel // members)
+                mine = torch.zeros(size, dtype=self.reducer.dtype, device=device)
+                self._fill(sb, mine, sb.lo)
+                whole = mine.new_empty(size * members)
+                works = [dist.all_gather_single(whole, mine, group=groups.whole, async_op=True)]
+            else:
+                whole = torch.zeros(numel, dtype=self.reducer.dtype, device=device)
+                self._fill(sb, whole, 0)
+                parts = rail_slices(numel, len(groups.hier.rails))
+                works = [dist.broadcast(whole.narrow(0, a, b - a), src=groups.node[i], group=groups.node_spread,
+                                        async_op=True)
+                         for i, (a, b) in enumerate(parts) if b > a and groups.node_spread is not None]
+            pending.append((sb, whole, works))
+        for sb, whole, works in pending:
+            for work in works:
+                work.wait()
             self.reducer.unpack(sb.bucket, whole, lambda item: item.param.data)
-            # the owner's masters keep fp32; its own weights take the gathered (training-dtype) values
+
+    @staticmethod
+    def _fill(sb: ShardedBucket, out: torch.Tensor, origin: int) -> None:
+        """This member's masters into `out`, whose first value is the bucket's value `origin`."""
+        for seg in sb.segments:
+            out[seg.lo - origin:seg.hi - origin].copy_(seg.param)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):
@@ -237,17 +258,18 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
         for p in self.in_place:
             out[p] = dict(self.inner.state[p])
         for sb in self.sharded:
-            members = len(sb.bucket.ranks)
+            groups = self.reducer.groups[sb.bucket.ranks]
             numel = sum(i.numel for i in sb.bucket.items)
-            size = -(-numel // members)
+            counts = primary_owner(self.reducer.rank, groups.hier)
             step = None
             for key in STATE_KEYS:
-                mine = torch.zeros(size, dtype=torch.float32, device=_local(sb.bucket.items[0].param).device)
+                # each value from its one counting owner, summed over the set: exact (a checkpoint is rare)
+                whole = torch.zeros(numel, dtype=torch.float32, device=_local(sb.bucket.items[0].param).device)
                 for seg in sb.segments:
-                    mine[seg.lo - sb.lo:seg.hi - sb.lo].copy_(self.inner.state[seg.param][key])
+                    if counts:
+                        whole[seg.lo:seg.hi].copy_(self.inner.state[seg.param][key])
                     step = self.inner.state[seg.param]["step"]
-                whole = mine.new_empty(size * members)
-                dist.all_gather_single(whole, mine, group=self.reducer.groups[sb.bucket.ranks].whole)
+                dist.all_reduce(whole, group=groups.whole)
                 for item in sb.bucket.items:
                     out.setdefault(item.param, {})[key] = _like_param(item.param)
                 self.reducer.unpack(sb.bucket, whole, lambda item: out[item.param][key])
