@@ -318,12 +318,15 @@ def measure_layout(name: str, plan, config, meta, calibrated, shares: List[Optio
     figures (mean and median step, prediction, load, each rank's actions), None when it failed (one
     layout's failure must not hide the others' figures)."""
     from hrlplan.cost.plans import options_for_train, predict_any_plan
+    from hrlplan.launch.local import Interrupted
     from hrlplan.runtime.timing import mean_step_time, median_step_time
 
     prediction = predict_any_plan(plan, meta, calibrated, options_for_train(config["train"]))
     predicted = prediction["step_time_s"]
     try:
         summary = train_capped(plan, config, shares, run_dir / name.replace("/", "_"))
+    except Interrupted:   # the bench was stopped (SIGTERM, Ctrl-C): not one layout's failure
+        raise
     except Exception as e:
         print(f"[hetero-pick]   {name:20s} FAILED: {str(e)[:200]}", flush=True)
         return None
