@@ -162,3 +162,31 @@ def test_the_simulator_divides_optimizer_time_and_state_by_the_set_and_charges_t
     gathers = [b.gather_s for b in sync_buckets(plan, meta, sim, list(range(4)), sharded=True)]
     reduces = [b.seconds for b in sync_buckets(plan, meta, sim, list(range(4)))]
     assert gathers == pytest.approx([s / 2 for s in reduces])
+
+
+def test_the_simulator_shards_an_in_node_first_set_over_its_rails():
+    """The same four replicas on two nodes of two: the set reduces in node first on two rails; each
+    rank steps half (its rail's part, alike on both nodes), the reduce loses its broadcasts in node
+    and the step gains them after the optimizer."""
+    from hrlplan.cost.model import CostOptions
+    from hrlplan.cost.plans import predict_any_plan
+    from hrlplan.cost.replica_sync_cost import sync_buckets
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.model_meta import introspect, resolve_arch
+    from tests.test_cross_replica_sync import two_node_cluster
+
+    meta = introspect(resolve_arch("gpt2-tiny"), seq_len=64)
+    cluster = two_node_cluster(per_node=2)
+    model = _model(["arch=gpt2-tiny"])
+    whole = PipelineTemplate(model, [get_modules(model)])
+    plan = build_plan([whole] * 4, {whole: 1}, world_size=4, global_batch_size=8, model="gpt2-tiny")
+    got = {}
+    for mode in ("replicated", "sharded"):
+        plan.meta["replica_optimizer"] = mode
+        got[mode] = predict_any_plan(plan, meta, cluster, CostOptions())["breakdown"]
+    fixed = Simulator(meta, cluster, CostOptions()).devices.overheads.optimizer_fixed(1, 1)
+    assert got["sharded"]["optimizer_s"] - fixed == pytest.approx((got["replicated"]["optimizer_s"] - fixed) / 2)
+    sim = Simulator(meta, cluster, CostOptions())
+    sharded = sync_buckets(plan, meta, sim, list(range(4)), sharded=True)
+    for b, r in zip(sharded, sync_buckets(plan, meta, sim, list(range(4)))):
+        assert b.seconds + b.gather_s == pytest.approx(r.seconds) and 0 < b.gather_s < b.seconds

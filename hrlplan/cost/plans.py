@@ -212,7 +212,7 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
     buckets = sync_buckets(plan, meta, sim, devices, sharded=sharded)
     reduce_s, reduce_n = cross_replica_reduce_s(plan, meta, sim, buckets)
     results, timings = _replica_results(sim, layouts, contention, timing=reduce_s > 0)
-    owned = rank_params(plan, meta, sharded)
+    owned = rank_params(plan, meta, sharded, {r: cluster.devices[d].node for r, d in enumerate(devices)})
     if sharded:
         results, timings = _sharded_state(sim, plan, layouts, results, timings, owned, contention, reduce_s > 0)
     memory: Dict[int, float] = {}

@@ -3,9 +3,10 @@ the parameters it steps and the state it keeps. cost/plans.py prices a plan with
 
 Per rank and unit (cost/replica_sync: a unit over its rank set of n members), the rank holds
 `held` parameters of it (the unit over its stage's tp). Replicated, it steps and keeps AdamW's two
-fp32 moments for all of them. Sharded over n >= 2, it steps 1/n of the set's flat values -- a
-same-tp set's values are the unit over tp, a whole (mixed-tp) set's the whole unit -- and keeps the
-moments and an fp32 master for those alone; a set of one steps its units in place. The optimizer's
+fp32 moments for all of them. Sharded over n >= 2, it steps its slice of the set's flat values --
+a same-tp set's values are the unit over tp, a whole (mixed-tp) set's the whole unit --, 1/n of
+them in a flat set, 1/rails in an in-node-first one (none off the rails), and keeps the moments
+and an fp32 master for those alone; a set of one steps its units in place. The optimizer's
 time per rank scales with the parameters it steps (the step is one pass over them, memory-bound on
 GPUs, per parameter on CPUs); its per-call cost stays.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, NamedTuple
 
-from hrlplan.cost.replica_sync import unit_holders, unit_order, unit_rank_sets
+from hrlplan.cost.replica_sync import node_hierarchy, unit_holders, unit_order, unit_rank_sets
 
 MOMENT_BYTES = 8   # AdamW's two fp32 moments (memory.state_split's "optimizer")
 MASTER_BYTES = 4   # the sharded optimizer's fp32 master of each value it steps
@@ -32,8 +33,9 @@ def unit_params(meta) -> Dict[str, float]:
     return out
 
 
-def rank_params(plan, meta, sharded: bool) -> Dict[int, RankParams]:
-    """Per plan rank holding a stage: what it holds, steps and keeps masters of (module docstring)."""
+def rank_params(plan, meta, sharded: bool, node_of=None) -> Dict[int, RankParams]:
+    """Per plan rank holding a stage: what it holds, steps and keeps masters of (module docstring).
+    node_of: plan rank -> its node (None: one node)."""
     pipes = plan.as_pipelines()
     embed = ["embed"]
     order = unit_order(plan.n_layer, embed)
@@ -50,7 +52,10 @@ def rank_params(plan, meta, sharded: bool) -> Dict[int, RankParams]:
                 mine = sizes.get(unit, 0.0) / tp_of[r]
                 held[r] = held.get(r, 0.0) + mine
                 if sharded and len(ranks) > 1:
-                    share = (sizes.get(unit, 0.0) if whole else mine) / len(ranks)
+                    hier = node_hierarchy(ranks, node_of) if node_of is not None else None
+                    on_rail = hier is None or any(r in rail for rail in hier.rails)
+                    split = len(ranks) if hier is None else len(hier.rails)
+                    share = (sizes.get(unit, 0.0) if whole else mine) / split if on_rail else 0.0
                     stepped[r] = stepped.get(r, 0.0) + share
                     mastered[r] = mastered.get(r, 0.0) + share
                 else:

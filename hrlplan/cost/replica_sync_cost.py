@@ -60,13 +60,8 @@ def sync_buckets(plan, meta, sim: Simulator, devices: List[int],
             continue
         for cut in cut_buckets(items, cap_bytes, value_bytes):
             nbytes = sum(i.numel for i in cut) * value_bytes
-            seconds, gather = bucket_seconds(sim, devices, node_of, ranks, nbytes), 0.0
-            if sharded:
-                # a ring reduce-scatter or all-gather is half a ring all-reduce of the same bytes (its
-                # first or second half); the gathers run over the whole set, flat, in the reduce's dtype
-                gather = _ring_allreduce_s(sim, [devices[r] for r in ranks], nbytes) / 2.0
-                if node_hierarchy(ranks, node_of) is None:
-                    seconds = seconds / 2.0
+            timing = bucket_seconds(sim, devices, node_of, ranks, nbytes, sharded)
+            seconds, gather = timing if sharded else (timing, 0.0)
             keyed.append((bucket_key(position, set_index, ranks, cut[0].unit),
                           SyncBucket(ranks, tuple(i.unit for i in cut), nbytes, seconds, gather)))
     return [b for _, b in sorted(keyed, key=lambda kb: kb[0])]
@@ -77,17 +72,21 @@ class _UnitItem(NamedTuple):
     numel: float
 
 
-def bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: float) -> float:
+def bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: float, sharded: bool = False):
     """A bucket's all-reduce: one ring over its ranks, or in-node first (node all-reduce, the rails'
-    all-reduces of 1/rails each across nodes, each rail's part broadcast in its node)."""
+    all-reduces of 1/rails each across nodes, each rail's part broadcast in its node). sharded: (the
+    reduce, the gather after the step) as the sharded optimizer splits them (cost/replica_sync.py):
+    a ring's reduce-scatter and all-gather, each half its all-reduce (its first or second half), or
+    the in-node-first phases with the broadcasts in node moved after the step."""
     hier = node_hierarchy(ranks, node_of)
     if hier is None:
-        return _ring_allreduce_s(sim, [devices[r] for r in ranks], nbytes)
+        ring = _ring_allreduce_s(sim, [devices[r] for r in ranks], nbytes)
+        return (ring / 2.0, ring / 2.0) if sharded else ring
     part = nbytes / len(hier.rails)
     in_node = max(_ring_allreduce_s(sim, [devices[r] for r in node], nbytes) for node in hier.nodes)
     across = max(_ring_allreduce_s(sim, [devices[r] for r in rail], part) for rail in hier.rails)
     spread = max(len(hier.rails) * _broadcast_s(sim, [devices[r] for r in node], part) for node in hier.nodes)
-    return in_node + across + spread
+    return (in_node + across, spread) if sharded else in_node + across + spread
 
 
 def _ring_allreduce_s(sim: Simulator, ring: List[int], nbytes: float) -> float:
