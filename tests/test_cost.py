@@ -329,9 +329,10 @@ def test_each_stage_is_costed_at_its_own_tp():
         assert shown["fwd_s"] == pytest.approx(c.fwd)
         assert shown["bwd_s"] == pytest.approx(c.bwd)
         assert shown["static_bytes"] == pytest.approx(c.static_memory)
-    # the tp=1 stage does twice the per-rank work of the tp=2 one and holds twice the weights (it
-    # keeps one micro-batch in flight where the first keeps two)
-    assert pred["stages"][1]["fwd_s"] > 1.8 * pred["stages"][0]["fwd_s"]
+    # the tp=1 stage does twice the per-rank work of the tp=2 one but its norms and residual adds, which
+    # the tp=2 stage (no sequence parallelism) runs whole too (kernels.ELEMENTWISE_H_REPLICATED), and holds
+    # twice the weights (it keeps one micro-batch in flight where the first keeps two)
+    assert pred["stages"][1]["fwd_s"] > 1.6 * pred["stages"][0]["fwd_s"]
     assert pred["memory_bytes_per_rank"][2] > 1.5 * pred["memory_bytes_per_rank"][0]
 
 

@@ -104,7 +104,9 @@ def test_a_preset_peak_override_slows_the_prediction():
                  num_microbatches=4, schedule="1f1b")
     full = Simulator(meta, preset("a100x8-1n"), CostOptions(bytes_per_value=2)).evaluate(lay, detail=True)
     capped = Simulator(meta, preset("a100x8-1n", tflops=234), CostOptions(bytes_per_value=2)).evaluate(lay, detail=True)
-    assert capped.breakdown["compute_s"] > 1.2 * full.breakdown["compute_s"]
+    # the FLOP-bound part by 312/234; the memory-bound norms and adds (whole on each rank of a tp 8
+    # stage without sequence parallelism) not at all
+    assert capped.breakdown["compute_s"] > 1.1 * full.breakdown["compute_s"]
     assert capped.step_time_s > full.step_time_s
 
 

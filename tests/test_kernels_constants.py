@@ -159,6 +159,24 @@ def test_sequence_parallel_shards_megatrons_norms_and_residuals():
     assert whole - sharded == pytest.approx(h_term * (1 - 1 / 8), rel=1e-9)
 
 
+def test_torch_norms_and_residual_adds_stay_whole_without_sequence_parallelism():
+    """runtime=torch: without sequence parallelism a tp rank runs the norms and residual adds
+    (ELEMENTWISE_H_REPLICATED, a count of the eager Llama block) whole and only the rest of the measured
+    110h over tp; with it all of it over tp. Megatron's 12h is all norms and adds: whole, or over tp."""
+    from types import SimpleNamespace
+
+    assert kernels.elementwise_h_per_rank("torch", 1, False) == kernels.ELEMENTWISE_H["torch"]
+    assert kernels.elementwise_h_per_rank("torch", 8, False) == pytest.approx(42.0 + (110.0 - 42.0) / 8)
+    assert kernels.elementwise_h_per_rank("torch", 8, True) == pytest.approx(110.0 / 8)
+    assert kernels.elementwise_h_per_rank("megatron", 8, False) == 12.0
+    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    meta = SimpleNamespace(hidden_size=4096, num_heads=32, seq_len=2048)
+    args = (k, meta, 12 * 4096 ** 2, 2048.0, 4, 2, 4.0 * 2048 * 4096, True, "torch")
+    whole, sharded = kernels.block_times(*args)[0], kernels.block_times(*args, sequence_parallel=True)[0]
+    replicated = k.elementwise(2048 * 2 * kernels.ELEMENTWISE_H_REPLICATED["torch"] * 4096)
+    assert whole - sharded == pytest.approx(replicated * (1 - 1 / 4), rel=1e-9)
+
+
 def test_megatrons_loss_moves_its_cross_entropy_passes():
     """Megatron's unfused vocab-parallel cross-entropy: 38 bytes per logit forward, 14 backward."""
     from types import SimpleNamespace

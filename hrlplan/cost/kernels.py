@@ -43,11 +43,14 @@ ATTENTION_FRACTION = 0.45
 #   activations, dropout: many more, smaller kernels), what the measured whole blocks took beyond their
 #   GEMMs and attention, median of six (bench/fit_kernel_constants.py).
 # Under sequence parallelism a tp rank norms and adds only its tokens/tp (Korthikanti et al. 2022, sec.
-# 4.2.2): the h term is divided by tp. Without it, megatron's norms and residual adds run whole on every
-# tp rank; torch's measured figure (taken at tp 1, most of it inside the attention and MLP) is divided
-# over the tp ranks all the same (ELEMENTWISE_H_OVER_TP), which prices such a stage's norms low.
+# 4.2.2): the whole h term is divided by tp. Without it, the part outside the tp-sharded attention and
+# MLP -- the two norms and two residual adds, ELEMENTWISE_H_REPLICATED -- runs whole on every tp rank and
+# only the rest divides by tp. megatron: all of its 12h is norms and bias-dropout-adds. torch: a count of
+# Hugging Face's eager Llama block outside its attention and MLP: each LlamaRMSNorm moves 18h (cast to
+# fp32 1 + 2, pow 2 + 2, mean 2, scale 2 + 2, cast back 2 + 1, times the weight 1 + 1, in 16-bit values),
+# each residual add 3h (two reads, one write): 2 x 18 + 2 x 3 = 42h of the measured 110h.
 ELEMENTWISE_H = {"megatron": 12.0, "torch": 110.0}
-ELEMENTWISE_H_OVER_TP = {"megatron": False, "torch": True}
+ELEMENTWISE_H_REPLICATED = {"megatron": 12.0, "torch": 42.0}
 ELEMENTWISE_W = 2.0
 # SMs a Transformer Engine userbuffers communication kernel takes beside an overlapped GEMM (its
 # default num_sm for the "pipeline" and "bulk" methods, transformer_engine/pytorch/module/base.py)
@@ -227,9 +230,19 @@ def block_times(k: GpuKernels, meta, matmul_params: float, tokens: float, tp: in
         core_bwd = 2.0 * core
     else:
         core, core_bwd = unfused_attention_core(k, meta, tokens, tp, bpv)
-    per_h = ELEMENTWISE_H[runtime] / (tp if sequence_parallel or ELEMENTWISE_H_OVER_TP[runtime] else 1)
+    per_h = elementwise_h_per_rank(runtime, tp, sequence_parallel)
     moved = k.elementwise(tokens * bpv * (per_h * h + ELEMENTWISE_W * w / tp))
     return fwd + core + moved, bwd + core_bwd + 2.0 * moved, core
+
+
+def elementwise_h_per_rank(runtime: str, tp: int, sequence_parallel: bool) -> float:
+    """A tp rank's share of a block's ELEMENTWISE_H values per token (in h): all of it over tp under
+    sequence parallelism; without it the norms and residual adds (ELEMENTWISE_H_REPLICATED) whole and
+    the rest, inside the sharded attention and MLP, over tp."""
+    total, replicated = ELEMENTWISE_H[runtime], ELEMENTWISE_H_REPLICATED[runtime]
+    if sequence_parallel or tp <= 1:
+        return total / max(tp, 1)
+    return replicated + (total - replicated) / tp
 
 
 def tp_overlap_gemms(k: GpuKernels, shapes, tp: int, bpv: int) -> Tuple[float, float]:
