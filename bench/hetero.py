@@ -37,7 +37,7 @@ from hrlplan.cluster import spec_from_preset  # noqa: E402
 from hrlplan.config import TrainConfig, section  # noqa: E402
 from hrlplan.cost.simulator import Simulator  # noqa: E402
 from hrlplan.errors import UserError  # noqa: E402
-from hrlplan.search import make_plan  # noqa: E402
+from hrlplan.search import layout_of, make_plan  # noqa: E402
 from hrlplan.search.common import cost_options  # noqa: E402
 from hrlplan.search.config import ExactPlannerConfig  # noqa: E402
 from hrlplan.search.hetero_single import single_template_search  # noqa: E402
@@ -105,9 +105,12 @@ def one_type_configs(cfg: dict):
         yield t, dict(cfg, name=f"{cfg['name']}-{t}", node_groups=[g for g in cfg["node_groups"] if g["device"] == t])
 
 
-def idle_devices(plan, cluster) -> int:
-    used = len(plan.meta["launch"]["rank_to_device"]) - len(plan.unused_ranks)
-    return cluster.world_size - used
+def idle_ceiling(cluster, groups) -> float:
+    """What the devices a single template leaves idle could add at most: every device's peak FLOP/s
+    over the peak of those it uses (a compute-bound step spread perfectly; sync, memory and bubble
+    only lower it). Below 1.15 the idle-median target cannot be met on that instance."""
+    used = {d for g in groups for d in g}
+    return sum(d.peak_flops for d in cluster.devices) / sum(cluster.devices[d].peak_flops for d in used)
 
 
 def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: float, check_single: bool) -> dict:
@@ -137,10 +140,10 @@ def run(arch: str, cluster_cfg: dict, gbs: int, budget_s: float, baseline_s: flo
     if single is None:
         row.update(single_s=math.inf, single_idle=cluster.world_size)
     else:
-        groups = single["layout"]["groups"] if plan.heterogeneous else None
+        groups = single["layout"]["groups"] if plan.heterogeneous else layout_of(plan).groups
         row.update(single_s=single["step_time_s"], single_layout=single["summary"],
-                   single_idle=(cluster.world_size - sum(len(g) for g in groups)) if groups else
-                   idle_devices(plan, cluster))
+                   single_idle=cluster.world_size - sum(len(g) for g in groups),
+                   idle_ceiling=idle_ceiling(cluster, groups))
     row.update(planned_s=plan.meta["predicted"]["step_time_s"], planned_kind="replicas" if plan.heterogeneous else
                "single template", planned_layout=plan.layout()[:300], proof=hetero["proven"],
                template_searches=hetero["template_searches"], rounds=hetero["rounds"], hetero_time_s=hetero["time_s"],
@@ -250,6 +253,7 @@ def headline(rows) -> dict:
     ok = [r for r in rows if math.isfinite(r.get("planned_s", math.inf))]
     vs_single = [ratio(r["planned_s"], r["single_s"]) for r in ok if math.isfinite(r.get("single_s", math.inf))]
     idle = [ratio(r["planned_s"], r["single_s"]) for r in ok if r.get("single_idle", 0) > 0]
+    ceilings = [r["idle_ceiling"] for r in ok if r.get("single_idle", 0) > 0 and "idle_ceiling" in r]
     vs_one = [ratio(r["planned_s"], r["one_type_s"]) for r in ok if math.isfinite(r.get("one_type_s", math.inf))]
     vs_base = [min(ratio(r["planned_s"], r.get(f"{b}_s", math.inf)) for b in ("random", "sa", "sh")) for r in ok]
     return {"instances": len(rows), "planned": len(ok), "replica_plans_chosen": sum(r.get("planned_kind") == "replicas"
@@ -257,6 +261,7 @@ def headline(rows) -> dict:
             "min_speedup_vs_single": min(vs_single, default=None),
             "median_speedup_vs_single_where_single_idles": statistics.median(idle) if idle else None,
             "instances_where_single_idles": len(idle),
+            "idle_instances_with_ceiling_under_1.15": sum(c < 1.15 for c in ceilings),
             "median_speedup_vs_one_type": statistics.median(vs_one) if vs_one else None,
             "median_speedup_vs_best_baseline": statistics.median([x for x in vs_base if math.isfinite(x)]
                                                                  or [math.nan]),
