@@ -102,6 +102,10 @@ def test_a_calibration_stored_without_links_plans_with_the_probe(tmp_path, monke
     assert plan_cache.load_calibration_links(config, key) is None
     assert "with this run's probed links" in reuse_calibration(config, key, spec, CALIBRATION)
     assert spec.bandwidth[0][1] == 2e9
-    # links that do not describe this cluster's ranks (a hand-edited entry) are not taken either
-    assert not plan_cache.adopt_links(spec, plan_cache.probe_links(_probed(1e9, 1e-4)) | {"bandwidth": [[0.0]]})
+    # links measured between other hosts (another allocation of the nodes), or that do not describe this
+    # cluster's ranks (a hand-edited entry), are not taken either
+    other = plan_cache.probe_links(_probed(1e9, 1e-4))
+    assert not plan_cache.adopt_links(spec, other | {"hosts": ["node7", "node7"]})
+    assert not plan_cache.adopt_links(spec, other | {"bandwidth": [[0.0]]})
     assert spec.bandwidth[0][1] == 2e9
+    assert plan_cache.adopt_links(spec, other) and spec.bandwidth[0][1] == 1e9

@@ -20,10 +20,12 @@ measure once too: the first to miss a key holds a lock on it while it measures, 
 read its entry (load_calibration / store_calibration).
 
 A calibration entry keeps the probe's link figures it was fitted against (probe_links.json: the
-bandwidth and latency matrices; its bandwidth_efficiency is a fraction of that probe's bandwidth), and a
-run that reuses the calibration plans with them rather than with its own probe's: two runs on an
-unchanged machine plan from the same figures, so they plan the same layout (a ping-pong timed on a
-busy host came out 100x slow and flipped a near tie). planner.calibrate=refresh measures both again.
+bandwidth and latency matrices and the hosts; its bandwidth_efficiency is a fraction of that probe's
+bandwidth), and a run on the same hosts that reuses the calibration plans with them rather than with
+its own probe's: two runs on an unchanged machine plan from the same figures, so they plan the same
+layout (a ping-pong timed on a busy host came out 100x slow and flipped a near tie). On other hosts (a
+new allocation of a cluster's nodes) the run's own probe stands. planner.calibrate=refresh measures
+both again.
 """
 from __future__ import annotations
 
@@ -244,8 +246,9 @@ LINK_FIELDS = ("bandwidth", "latency", "intra_node_bw", "inter_node_bw")
 
 
 def probe_links(spec) -> Dict[str, Any]:
-    """The link figures a probe measured (bytes/s and seconds): what a calibration is fitted against."""
-    return {name: getattr(spec, name) for name in LINK_FIELDS}
+    """The link figures a probe measured (bytes/s and seconds): what a calibration is fitted against;
+    with each rank's host, which they were measured between."""
+    return {**{name: getattr(spec, name) for name in LINK_FIELDS}, "hosts": [d.hostname for d in spec.devices]}
 
 
 def load_calibration_links(config: Config, key: str) -> Optional[Dict[str, Any]]:
@@ -258,9 +261,13 @@ def load_calibration_links(config: Config, key: str) -> Optional[Dict[str, Any]]
 
 
 def adopt_links(spec, links: Dict[str, Any]) -> bool:
-    """Give spec the stored links when they describe its ranks and nodes (a square matrix of its world
-    size, one intra-node figure per node); False, spec left as probed, when they do not."""
+    """Give spec the stored links when they were measured between the same hosts, rank for rank (the
+    same machine; another allocation of a cluster's nodes has links of its own) and describe its ranks
+    and nodes (a square matrix of its world size, one intra-node figure per node); False, spec left as
+    probed, when not."""
     world = spec.world_size
+    if links.get("hosts") != [d.hostname for d in spec.devices]:
+        return False
 
     def square(matrix: Any) -> bool:
         return isinstance(matrix, list) and len(matrix) == world and all(

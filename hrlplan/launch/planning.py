@@ -187,7 +187,7 @@ def reuse_calibration(config: Config, key: str, spec, cached: Dict[str, Any]) ->
     elif links is not None and plan_cache.adopt_links(spec, links):
         how = (f" and the links probed with it (this run's probe: bandwidth {probed / _median_bandwidth(spec):.2g}x "
                "theirs, not used)")
-    else:   # an entry stored without them
+    else:   # an entry stored without them, or measured on other hosts (another allocation of the nodes)
         how = " with this run's probed links"
     return (f"[hrlplan] planning from the cached calibration {plan_cache.calibration_dir(config) / key}{how} "
             "(planner.calibrate=refresh measures again, false plans from peak figures)")
