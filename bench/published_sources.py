@@ -126,9 +126,13 @@ MEGATRON_H100 = Source(
     citation=("NVIDIA/Megatron-LM README.md 'Performance Benchmarking', images/model_table.png (commit f2e5db402c, "
               "2024-07-15): layout tp/pp/dp, GPUs, batch and measured per-GPU teraFLOP/s"),
     preset="h100x8-16n", seq=4096, vocab=131072, flops=flops_model, dp_mode="fsdp",
-    # Megatron-Core with Transformer Engine: fused (flash) attention, each pipeline message freed.
-    keys=("planner.cost.runtime=megatron", "planner.cost.fused_attention=true", "planner.cost.tp_comm_overlap=true"),
-    assumed=("micro-batch 1, no recomputation, sequence parallel on tp > 1 (--tp-comm-overlap needs it), "
+    # Megatron-Core with Transformer Engine: fused (flash) attention, each pipeline message freed. The
+    # table's model sizes count the output layer apart from the embedding (--untie-embeddings-and-output-
+    # weights): 12 l h^2 + 2 V h is 1.74, 7.11, 16.1, 31.5, 69.8, 118.4, 177.2, 313.5, 461.4 B -- the
+    # table's 1.7B-462B -- where a tied one (12 l h^2 + V h) is 1.48, 6.58, 15.3, 30.5, 68.7, ... B.
+    keys=("planner.cost.runtime=megatron", "planner.cost.fused_attention=true", "planner.cost.tp_comm_overlap=true",
+          "arch.tie_word_embeddings=false"),
+    assumed=("the output layer untied from the embedding (the table's model sizes count both); micro-batch 1, no recomputation, sequence parallel on tp > 1 (--tp-comm-overlap needs it), "
              "1F1B without interleaving, bf16 (the README's MFU is of the bf16 peak); the table says none of these. "
              "--overlap-param-gather needs the distributed optimizer: priced as FSDP kept gathered through the step, "
              "its all-gather under the first forward and reduce-scatter under the last backward "

@@ -29,7 +29,8 @@ ONE_ROW = {
                                "arch.n_embd=2048", "arch.n_head=16", "arch.n_positions=4096", "arch.vocab_size=131072",
                                "data.seq_len=4096", "train.global_batch_size=192", "train.dp_mode=fsdp",
                                "planner.dp_overlap=true", "planner.cost.runtime=megatron",
-                               "planner.cost.fused_attention=true", "planner.cost.tp_comm_overlap=true"]),
+                               "planner.cost.fused_attention=true", "planner.cost.tp_comm_overlap=true",
+                               "arch.tie_word_embeddings=false"]),
 }
 
 
