@@ -13,8 +13,8 @@ and free communication (replayed_bubble), and the registry's analytic bubble. Re
 medians with their min-max over the runs, and the median of measured - replayed.
 
 On a shared CPU the actions' lengths follow the machine's load; --pad-ms N adds N ms of sleep to
-every forward, input-gradient and weight pass (tests/_padded_schedules.py, as
-tests/test_schedule_training.py does with 30 ms), which the load does not stretch: what remains
+every forward, input-gradient and weight pass (tests/_padded_schedules.py), which the load does
+not stretch (tests/test_schedule_training.py checks the order itself, untimed): what remains
 between measured and replayed is the order and gloo's per-message delay.
 """
 from __future__ import annotations
