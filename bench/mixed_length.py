@@ -141,10 +141,12 @@ def _calibrate(args, calibration, passes: List[List[Dict]]):
 
     from hrlplan.cost.lengths import RowShares
 
-    # a pass timed between a round's steps leaves a row out (None) where the round is shorter than the rows
+    # a pass timed between a round's steps leaves rows out (None) where the round has fewer steps than the
+    # calibration; a row no pass timed is left out of the fit
+    timed = [i for i in range(len(calibration)) if any(c[i] is not None for c in passes)]
     med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes if c[i] is not None) for k in range(args.pp)]
-            for kind in ("F", "B")} for i in range(len(calibration))]
-    x = np.array([[1.0, sq, n, u] for n, u, sq, *_ in calibration], dtype=float)
+            for kind in ("F", "B")} for i in timed]
+    x = np.array([[1.0, sq, n, u] for n, u, sq, *_ in (calibration[i] for i in timed)], dtype=float)
     at_one = np.array([1.0, float(args.budget) ** 2, 1.0, float(args.budget)])
 
     def fitted(times):
@@ -231,10 +233,10 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                 per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
                           for j in range(args.micro_batches * args.dp)]
                 spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
-    # every pass of the calibration rows: those before the rounds (which fed the dispatch) and those
-    # timed between each round's steps
-    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"], timing["before"]
-                                                     + [r["calibration"] for r in timing["rounds"]])
+    # the calibration passes timed between the rounds' steps, in their conditions (those timed in a burst
+    # before the rounds, which fed the dispatch, came out 1-5% faster than the steps on a busy host)
+    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
+                                                     [p for r in timing["rounds"] for p in r["calibration"]])
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
     predicted, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
@@ -315,9 +317,9 @@ def measure(args) -> Dict:
     timing["before"], timing["calibration_rows"] = before, calibration
     report = _analyse(args, prepared, timing, meta, spans)
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
-    # the raw calibration passes (one per round, timed between its steps; those before the rounds, which
+    # the raw calibration passes (timed between the rounds' steps, the last of a round partial; those before the rounds, which
     # fed the dispatch) and their rows, to re-fit offline
-    report["calibration_passes"] = [r["calibration"] for r in timing["rounds"]]
+    report["calibration_passes"] = [p for r in timing["rounds"] for p in r["calibration"]]
     report["calibration_passes_before"] = timing["before"]
     report["calibration_rows"] = [[n, u, sq] for n, u, sq, _ in calibration]
     if args.train_rounds:

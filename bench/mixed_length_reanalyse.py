@@ -1,0 +1,68 @@
+"""The simulator's prediction of a saved `bench/mixed_length.py --measure` report, re-fitted from its raw
+calibration passes (for reports measured before a change of the fit):
+
+    python bench/mixed_length_reanalyse.py REPORT.json [--passes between|before|all]
+
+between (default): the passes timed between the rounds' steps, as the bench now fits; before: the
+passes timed before the rounds (which fed the dispatch); all: both. Prints per packing the predicted
+mean step against the measured one (median of rounds, min-max; "in" where inside) and the predicted
+balanced / document.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mixed_length as ML  # noqa: E402
+import mixed_length_measure as M  # noqa: E402
+
+
+def reanalyse(path: str, which: str = "between") -> dict:
+    from hrlplan.compose import compose
+    from hrlplan.config import as_config
+    from hrlplan.model_meta import introspect
+
+    report = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**report["settings"])
+    calibration = [(n, u, sq, None) for n, u, sq in report["calibration_rows"]]
+    passes = {"between": report["calibration_passes"], "before": report["calibration_passes_before"],
+              "all": report["calibration_passes_before"] + report["calibration_passes"]}[which]
+    full, shares, _, per_kind = ML._calibrate(args, calibration, passes)
+    meta = introspect(as_config(compose(M.overrides(args))).arch, args.budget)
+    predicted, _, _ = ML._simulated(args, meta, report["spans"], full, shares, per_kind, report["square_sums"],
+                                    report["documents_per_micro_batch"], report["useful_tokens_per_micro_batch"])
+    out = {"passes": which, "packings": {}}
+    for p in M.PACKINGS:
+        measured = report["packings"][p]["mean_step_s_per_round"]
+        mean = statistics.fmean(predicted[p])
+        out["packings"][p] = {"predicted_mean_step_s": mean, "measured": measured,
+                              "predicted_over_measured": mean / measured["median"],
+                              "within": measured["min"] <= mean <= measured["max"]}
+    out["predicted_balanced_over_document"] = sum(predicted["document"]) / sum(predicted["balanced"])
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report")
+    parser.add_argument("--passes", choices=("between", "before", "all"), default="between")
+    args = parser.parse_args(argv)
+    out = reanalyse(args.report, args.passes)
+    parts = []
+    for p, x in out["packings"].items():
+        m = x["measured"]
+        parts.append(f"{p} {x['predicted_mean_step_s']:.3f} s vs {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
+                     f"{x['predicted_over_measured']:.3f}x{' in' if x['within'] else ''}")
+    print(f"{Path(args.report).name} ({args.passes} passes): " + "; ".join(parts)
+          + f"; predicted balanced / document {out['predicted_balanced_over_document']:.3f}x")
+    return out
+
+
+if __name__ == "__main__":
+    main()
