@@ -218,6 +218,11 @@ class HeteroPipelineEngine:
             params, self.reducer, {"lr": float(t.lr), "betas": (float(t.beta1), float(t.beta2)),
                                    "weight_decay": float(t.weight_decay)},
             devices.optimizer_impl(self.device, dtensor=False))
+        wait = self.sharded_optimizer.wait_for
+        for module in self.parts[self.gid].modules():   # each weight's gather waited for at its first use
+            own = list(module.parameters(recurse=False))
+            if any(id(p) in self.sharded_optimizer.bucket_of for p in own):
+                module.register_forward_pre_hook(lambda _m, _args, own=own: wait(own))
         return self.sharded_optimizer
 
     def checkpoint_writes(self, name: str) -> bool:

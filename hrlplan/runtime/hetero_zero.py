@@ -20,8 +20,12 @@ the ranks that reduce a bucket together (a rank set of hetero_sync.py) each step
   broadcasts its updated part in its node (the reduce's last phase, moved after the step): nothing
   more crosses nodes than the replicated optimizer's reduce sends. The slices travel in the
   reduce's dtype: bfloat16 training keeps bfloat16-valued weights beside fp32 masters (as Megatron's
-  bf16 parameters), float32 training gathers float32 and stays exact. All gathers are issued, then
-  each is waited for and unpacked in turn; the next forward needs every weight.
+  bf16 parameters), float32 training gathers float32 and stays exact.
+- Overlap. The gathers are issued after the step in the forward's order (the reverse of the
+  buckets') and waited for as late as the next forward allows: a forward pre-hook on every module
+  with parameters of its own (HeteroPipelineEngine.make_optimizer) waits for and unpacks the
+  bucket of each of them still in flight (Megatron's overlapped parameter gather, FSDP2's
+  prefetch). Whatever reads the weights otherwise waits for all (wait_all: a checkpoint, the step).
 - Checkpoints. The optimizer's param_groups are the stage's own parameters, grouped as the replicated
   AdamW's (trainer.make_optimizer: decay on matrices), and state_dict() gathers each parameter's whole
   state (step, exp_avg, exp_avg_sq) from the slices; load_state_dict() takes the same and keeps this
@@ -131,6 +135,8 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
         for group in self.inner.param_groups:   # moments now: their keys name the state before any step
             for p in group["params"]:
                 self.inner.state[p] = _fresh_state(p, impl)
+        self.pending: Dict[int, tuple] = {}   # bucket index -> its gather in flight (sb, flat, works)
+        self.bucket_of = {id(item.param): sb.index for sb in self.sharded for item in sb.bucket.items}
         self._view = self._state_view(params, impl)
         self.state = self._view
         self._sync_hyper()
@@ -172,22 +178,41 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.wait_all()
         self._sync_hyper()
         if any(s.param.grad is None for sb in self.sharded for s in sb.segments):
             self.take_gradients()
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.reducer.shard_grads = {}
-        self._gather_weights()
+        self._issue_gathers()
         return None
 
-    def _gather_weights(self) -> None:
+    def wait_for(self, params) -> None:
+        """The gathers of these parameters' buckets done and unpacked (a forward pre-hook's)."""
+        for p in params:
+            k = self.bucket_of.get(id(p))
+            if k is not None and k in self.pending:
+                self._complete(k)
+
+    def wait_all(self) -> None:
+        for k in list(self.pending):
+            self._complete(k)
+
+    @torch.no_grad()
+    def _complete(self, k: int) -> None:
+        """Unpack into the stage's parameters (the owner's too: its masters keep fp32, its weights
+        take the gathered values, as everyone's)."""
+        sb, whole, works = self.pending.pop(k)
+        for work in works:
+            work.wait()
+        self.reducer.unpack(sb.bucket, whole, lambda item: item.param.data)
+
+    def _issue_gathers(self) -> None:
         """Every member's updated slice to every member (module docstring: all_gather_single in a flat
-        set, each rail's broadcast in node in an in-node-first one), in the reduce's dtype, all
-        issued, then unpacked bucket by bucket into the stage's parameters (the owner's too: its
-        masters keep fp32, its weights the gathered values, as everyone's)."""
-        pending = []
-        for sb in self.sharded:
+        set, each rail's broadcast in node in an in-node-first one), in the reduce's dtype, issued in
+        the forward's order, not waited for."""
+        for sb in reversed(self.sharded):
             groups = self.reducer.groups[sb.bucket.ranks]
             members = len(sb.bucket.ranks)
             numel = sum(i.numel for i in sb.bucket.items)
@@ -205,11 +230,7 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
                 works = [dist.broadcast(whole.narrow(0, a, b - a), src=groups.node[i], group=groups.node_spread,
                                         async_op=True)
                          for i, (a, b) in enumerate(parts) if b > a and groups.node_spread is not None]
-            pending.append((sb, whole, works))
-        for sb, whole, works in pending:
-            for work in works:
-                work.wait()
-            self.reducer.unpack(sb.bucket, whole, lambda item: item.param.data)
+            self.pending[sb.index] = (sb, whole, works)
 
     @staticmethod
     def _fill(sb: ShardedBucket, out: torch.Tensor, origin: int) -> None:
@@ -219,7 +240,9 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):
-        """Each parameter's whole AdamW state, gathered from the members' slices (collective)."""
+        """Each parameter's whole AdamW state, gathered from the members' slices (collective). The
+        weights' gathers first: a checkpoint reads the model's tensors (written after this)."""
+        self.wait_all()
         full = self._gather_state()
         kept = self.state
         self.state = full
@@ -231,6 +254,7 @@ class ShardedReplicaOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """A whole state (either optimizer's): this member keeps its slices and the in-place parameters',
         and takes its masters from the stage's weights, loaded before (checkpoint.py's order)."""
+        self.wait_all()
         super().load_state_dict(state_dict)
         full, self.state = self.state, self._view
         step = next((v["step"] for v in full.values() if "step" in v), None)
