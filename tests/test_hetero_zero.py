@@ -190,3 +190,28 @@ def test_the_simulator_shards_an_in_node_first_set_over_its_rails():
     sharded = sync_buckets(plan, meta, sim, list(range(4)), sharded=True)
     for b, r in zip(sharded, sync_buckets(plan, meta, sim, list(range(4)))):
         assert b.seconds + b.gather_s == pytest.approx(r.seconds) and 0 < b.gather_s < b.seconds
+
+
+def test_the_weight_gathers_hide_behind_the_next_forward_up_to_each_buckets_first_use():
+    """Gathers in forward order from the step's end: with no forward to hide behind the whole chain
+    shows; behind a long one only the first two buckets' (the embedding's and block 0's, used at
+    once: an embedding lookup counts no FLOPs)."""
+    from hrlplan.cost.model import CostOptions
+    from hrlplan.cost.replica_sync_cost import exposed_gathers, sync_buckets
+    from hrlplan.cost.simulator import Simulator
+    from hrlplan.model_meta import introspect, resolve_arch
+    from tests.test_cross_replica_sync import two_node_cluster
+
+    meta = introspect(resolve_arch("gpt2-tiny"), seq_len=64)
+    model = _model(["arch=gpt2-tiny"])
+    whole = PipelineTemplate(model, [get_modules(model)])
+    plan = build_plan([whole] * 4, {whole: 1}, world_size=4, global_batch_size=8, model="gpt2-tiny")
+    sim = Simulator(meta, two_node_cluster(per_node=4), CostOptions())
+    buckets = sync_buckets(plan, meta, sim, list(range(4)), cap_bytes=1, sharded=True)   # a unit a bucket
+    gathers = [b._replace(seconds=b.gather_s) for b in reversed(buckets)]
+    assert gathers[0].units == ("embed",) and gathers[1].units == ("block0",) and len(gathers) > 3
+    issued = dict.fromkeys(range(4), 0.0)
+    assert exposed_gathers(plan, meta, gathers, issued, 0.0, dict.fromkeys(range(4), (0.0, 0.0))) == \
+        pytest.approx(sum(g.seconds for g in gathers))
+    assert exposed_gathers(plan, meta, gathers, issued, 0.0, dict.fromkeys(range(4), (0.0, 1e9))) == \
+        pytest.approx(gathers[0].seconds + gathers[1].seconds)

@@ -9,8 +9,9 @@ optimizer. The reduce overlaps each rank's last backward as runtime/hetero_sync.
 starts once its units are final on every member and the buckets ahead of it have started.
 Under the sharded optimizer (cost/replica_sync.replica_optimizer, runtime/hetero_zero.py) each rank
 steps its slices alone (cost/replica_optimizer.py: its time and state by what it steps), a flat
-set's reduce is a reduce-scatter, and the slices' all-gathers run after the step, exposed: each
-starts once its members have stepped, in bucket order on a rank.
+set's reduce is a reduce-scatter, and the slices' gathers run after the step in the forward's
+order, each once its members have stepped, and hold up the next step by what they have left when
+the rank's first forward reaches their units (replica_sync_cost.exposed_gathers).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from hrlplan.cost import quota_cpu
 from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.replica_optimizer import RankParams, rank_params, state_saving_bytes, stepped_fraction
 from hrlplan.cost.replica_sync import SHARDED, replica_optimizer
-from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, sync_buckets
+from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, exposed_gathers, sync_buckets
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.schedules import resolve_schedule
@@ -246,11 +247,10 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
         stepping = _sharded_optimizer_s(sim, plan, layouts, owned, contention)
         optimizer = max(stepping.values())
         stepped = {r: finish_s + world_collectives + t for r, t in stepping.items()}
-        gathers = [b._replace(seconds=b.gather_s) for b in buckets if b.gather_s > 0]
-        done = max(bucket_finish(gathers, {(k, r): stepped[r] for k, b in enumerate(gathers) for r in b.ranks},
-                                 stepped).values())
-        gather_s = done - max(stepped.values())
-        step = (done + ov.step) * scale
+        next_step = max(stepped.values()) + ov.step
+        gathers = [b._replace(seconds=b.gather_s) for b in reversed(buckets) if b.gather_s > 0]
+        gather_s = exposed_gathers(plan, meta, gathers, stepped, next_step, _first_forward(plan, results, scale))
+        step = (next_step + gather_s) * scale
         # a replica's own step bounds the plan with the optimizer it steps here
         own_steps = [r.step_time_s - r.breakdown.get("optimizer_s", 0.0)
                      + scale * max(stepping[k] for st in pipe.stages for k in st.ranks)
@@ -307,6 +307,18 @@ def _sharded_state(sim: Simulator, plan, layouts: List[Layout], results, timings
                 f"{dev.memory_bytes / 2**30:.2f} GiB"))
         out[p] = r
     return out, times
+
+
+def _first_forward(plan, results, scale: float) -> Dict[int, Tuple[float, float]]:
+    """Per plan rank (unscaled): when its first forward of a step starts after the step's start (the
+    forwards and sends of the stages before it) and how long it lasts."""
+    out: Dict[int, Tuple[float, float]] = {}
+    for pipe, r in zip(plan.as_pipelines(), results):
+        start = 0.0
+        for st, detail in zip(pipe.stages, sorted(r.stages, key=lambda d: d["stage"])):
+            out.update({k: (start, detail["fwd_s"] / scale) for k in st.ranks})
+            start += (detail["fwd_s"] + detail["send_s"]) / scale
+    return out
 
 
 def _sharded_optimizer_s(sim: Simulator, plan, layouts: List[Layout], owned: Dict[int, RankParams],

@@ -153,13 +153,60 @@ def bucket_launches(plan, meta, buckets: List[SyncBucket], end: Dict[int, float]
     return launch
 
 
-def bucket_finish(buckets: List[SyncBucket], launch: Dict[Tuple[int, int], float],
-                  end: Dict[int, float]) -> Dict[int, float]:
-    """Per rank, when its pipeline and its buckets are done: a bucket's all-reduce starts once every
+def bucket_times(buckets: List[SyncBucket], launch: Dict[Tuple[int, int], float]) -> Dict[Tuple[int, int], float]:
+    """(bucket index, rank) -> when the bucket's collective is done on the rank: it starts once every
     member has started it and finished its earlier buckets (a rank's run in sequence)."""
     cursor: Dict[int, float] = {}
+    done: Dict[Tuple[int, int], float] = {}
     for k, b in enumerate(buckets):
         start = max(max(launch[(k, r)], cursor.get(r, -float("inf"))) for r in b.ranks)
         for r in b.ranks:
-            cursor[r] = start + b.seconds
-    return {r: max(e, cursor.get(r, e)) for r, e in end.items()}
+            cursor[r] = done[(k, r)] = start + b.seconds
+    return done
+
+
+def bucket_finish(buckets: List[SyncBucket], launch: Dict[Tuple[int, int], float],
+                  end: Dict[int, float]) -> Dict[int, float]:
+    """Per rank, when its pipeline and its buckets are done (bucket_times)."""
+    last: Dict[int, float] = {}
+    for (_, r), t in bucket_times(buckets, launch).items():
+        last[r] = max(last.get(r, -float("inf")), t)
+    return {r: max(e, last.get(r, e)) for r, e in end.items()}
+
+
+def unit_start_fraction(meta, layers: Tuple[int, int], first: bool, last: bool) -> Dict[str, float]:
+    """Per unit a stage holds: the share of its forward done when the unit's weights are first used:
+    the embedding at the start (a tied head's copy on a later stage with the head), the blocks in
+    order, the final norm and head at the end."""
+    blocks = [float(meta.block_flops_fwd_per_token[i]) for i in range(*layers)]
+    total = (float(meta.head_flops_fwd_per_token) if last else 0.0) + sum(blocks) or 1.0
+    out: Dict[str, float] = {"embed": 0.0} if first else {}
+    done = 0.0
+    for i, w in zip(range(*layers), blocks):
+        out[f"block{i}"] = done / total
+        done += w
+    if last:
+        out["final"] = done / total
+        out.setdefault("embed", done / total)
+    return out
+
+
+def exposed_gathers(plan, meta, gathers: List[SyncBucket], issued: Dict[int, float], next_step: float,
+                    first_forward: Dict[int, Tuple[float, float]]) -> float:
+    """How long the sharded optimizer's weight gathers (`gathers`, in the order the runtime issues them:
+    the forward's) hold up the next step: each starts once its members have stepped (`issued`), in
+    sequence on a rank, and is waited for when the rank's first forward of the next step (starting
+    first_forward[r][0] after `next_step`, lasting first_forward[r][1]) first uses one of its units."""
+    fraction: Dict[int, Dict[str, float]] = {}
+    for pipe in plan.as_pipelines():
+        n = len(pipe.stages)
+        for s, st in enumerate(pipe.stages):
+            frac = unit_start_fraction(meta, tuple(st.layers), s == 0, s == n - 1)
+            fraction.update({r: frac for r in st.ranks})
+    done = bucket_times(gathers, {(k, r): issued[r] for k, b in enumerate(gathers) for r in b.ranks})
+    late = 0.0
+    for (k, r), t in done.items():
+        start, forward = first_forward[r]
+        need = next_step + start + forward * min(fraction[r].get(u, 0.0) for u in gathers[k].units)
+        late = max(late, t - need)
+    return late
