@@ -23,7 +23,8 @@ from hrlplan.config import TrainConfig, section
 from hrlplan.cost.memory import MEMORY_KEYS, zero_bubble_transient
 from hrlplan.cost import quota_cpu
 from hrlplan.cost.model import CostOptions, Layout
-from hrlplan.cost.replica_optimizer import RankParams, rank_params, state_saving_bytes, stepped_fraction
+from hrlplan.cost.replica_optimizer import (RankParams, rank_params, state_bytes, state_saving_bytes,
+                                            stepped_fraction)
 from hrlplan.cost.replica_sync import SHARDED, replica_optimizer
 from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, exposed_gathers, sync_buckets
 from hrlplan.cost.simulator import Simulator
@@ -405,6 +406,10 @@ def plan_memory(plan, meta, cluster, opts=None) -> List[Dict[str, float]]:
                         out[r][key] = max(out[r][key], float(value))
                     else:
                         out[r][key] += float(value)
+    if plan.heterogeneous and replica_optimizer(plan) == SHARDED:   # each rank's slices' moments and masters
+        owned = rank_params(plan, meta, True, {r: cluster.devices[d].node for r, d in enumerate(devices)})
+        for r, params in owned.items():
+            out[r]["optimizer"] = state_bytes(params)
     for r, row in enumerate(out):
         row["total"] = float(totals[r])
         before, after = held.get(devices[r], (0.0, 0.0))
