@@ -21,6 +21,10 @@ Variants:
   distributed optimizer's reduce-scatter moves 4-byte gradients (its all-gather stays 2-byte).
 - nic_spread: NCCL's rings cross nodes on every NIC of the communicator's GPUs: a data-parallel
   group with k members per node has k x a NIC's bandwidth between nodes.
+- inter_node_efficiency: links between nodes at --inter-node-efficiency of their nominal bandwidth
+  (default 0.9) where the model takes 0.8 for every uncalibrated link (DeviceModel.bw_eff, no source).
+  No source gives the figure yet: a sensitivity, to be measured (nccl-tests' reduce-scatter and
+  all-gather bus bandwidth over the cluster's NICs), not a mechanism.
 """
 from __future__ import annotations
 
@@ -106,8 +110,24 @@ def nic_spread(undo: List) -> None:
     _patch(cost_model.StageCostModel, "group_links", group_links, undo)
 
 
+INTER_NODE_EFFICIENCY = [0.9]   # --inter-node-efficiency
+
+
+def inter_node_efficiency(undo: List) -> None:
+    from hrlplan.cost import device_model
+
+    def bw(self, a: int, b: int) -> float:
+        key = (a, b)
+        if key not in self._bw_cache:
+            devices = self.cluster.devices
+            across = devices[a].node != devices[b].node
+            self._bw_cache[key] = self.cluster.bw(a, b) * (INTER_NODE_EFFICIENCY[0] if across else self.bw_eff)
+        return self._bw_cache[key]
+    _patch(device_model.DeviceModel, "bw", bw, undo)
+
+
 VARIANTS: Dict[str, Callable[[List], None]] = {"te_streams": te_streams, "fp32_reduce_scatter": fp32_reduce_scatter,
-                                               "nic_spread": nic_spread}
+                                               "nic_spread": nic_spread, "inter_node_efficiency": inter_node_efficiency}
 
 
 def records(source, workdir: Path) -> List:
@@ -146,7 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--source", default="megatron-h100", choices=sorted(BY_KEY))
     ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
                     help="evaluate this variant (repeatable; each alone, then all named together)")
+    ap.add_argument("--inter-node-efficiency", type=float, default=INTER_NODE_EFFICIENCY[0],
+                    help="the inter_node_efficiency variant's fraction of a link between nodes")
     args = ap.parse_args(argv)
+    INTER_NODE_EFFICIENCY[0] = args.inter_node_efficiency
     source = BY_KEY[args.source]
     names = args.variant or sorted(VARIANTS)
     combos = [()] + [(n,) for n in names] + ([tuple(names)] if len(names) > 1 else [])
