@@ -30,6 +30,10 @@ and backwards, a capped rank spent 25-30% of its CPU per step -- the schedule 0.
 micro-batch, a replica's cross-replica reduce about 1.7 ms -- which the bound did not count: every
 quota-bound layout was predicted 7-25% under its step, and the planner picked a pipeline whose capped
 last stage bounded it at 38 ms over the uncapped worker alone (33 ms).
+With the exchanges per neighbour and message size and the buckets' packing (round 5, load 3-5,
+bench/hetero_pick.py --actions), a capped rank's predicted / measured CPU per step was 0.92-1.02
+on the pipelines (0.97-1.04 with dp3) and 0.80-0.93 on the replicas, whose cross-replica sync and
+gloo threads still cost 1-2 ms a step more than counted.
 
 calibration["quota_cpu_s"] (written only where a device runs under a quota):
     {device name: {"pipeline_per_microbatch": s, "pipeline_hop_bytes": bytes,
