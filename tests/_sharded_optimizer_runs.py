@@ -28,7 +28,8 @@ def install_sharded_optimizer(trainer: PipelineTrainer) -> bool:
     if any(o is None for o in made.values()):
         return False
     trainer.optimizers = made
-    trainer.lr = LRSchedule({f"stage{i}": o for i, o in made.items()}, lr_lambda(trainer.train, int(trainer.train.steps)))
+    trainer.lr = LRSchedule({f"stage{i}": o for i, o in made.items()},
+                            lr_lambda(trainer.train, int(trainer.train.steps)))
     return True
 
 
@@ -62,7 +63,9 @@ def train_sharded(plan: Plan, config, run_dir) -> Dict[str, Any]:
     return launch_workers(_worker, (config, plan.to_yaml()), plan.world_size, name="hrlplan-zero")[0]
 
 
-def compare_sharded_with_one_process(plan: Plan, overrides, run_dir, steps: int = 4) -> Tuple[List[float], List[float], Dict]:
+def compare_sharded_with_one_process(plan: Plan, overrides, run_dir,
+                                     steps: int = 4) -> Tuple[List[float], List[float], Dict]:
+    """(losses of `plan` sharded, losses of one process, rank 0's summary) on the same config."""
     config = compose([*overrides, f"train.steps={steps}", "train.checkpoint_interval=0", "logger.mode=disabled"])
     summary = train_sharded(plan, config, run_dir)
     reference = [h["loss"] for h in train_single_process(config, steps)]
