@@ -1,5 +1,5 @@
-"""Runs of heterogeneous plans with the sharded optimizer across replicas (runtime/hetero_zero.py):
-the trainer's own adapter, given the engine's optimizer where it does not ask for it itself."""
+"""Runs of heterogeneous plans with the sharded optimizer across replicas (runtime/hetero_zero.py),
+through the trainer, which asks the engine for it (engine.make_optimizer)."""
 from __future__ import annotations
 
 import copy
@@ -16,21 +16,7 @@ from hrlplan.runtime.distributed import init_distributed, shutdown
 from hrlplan.runtime.hetero_zero import ShardedReplicaOptimizer
 from hrlplan.runtime.host import prepare_worker
 from hrlplan.runtime.reference import train_single_process
-from hrlplan.runtime.trainer import LRSchedule, PipelineTrainer, lr_lambda
-
-
-def install_sharded_optimizer(trainer: PipelineTrainer) -> bool:
-    """The engine's sharded optimizer in place of the trainer's AdamW (what the trainer does itself
-    once it asks engine.make_optimizer); False where the plan does not shard it."""
-    if any(isinstance(o, ShardedReplicaOptimizer) for o in trainer.optimizers.values()):
-        return True
-    made = {i: trainer.engine.make_optimizer(trainer.train) for i in trainer.parts}
-    if any(o is None for o in made.values()):
-        return False
-    trainer.optimizers = made
-    trainer.lr = LRSchedule({f"stage{i}": o for i, o in made.items()},
-                            lr_lambda(trainer.train, int(trainer.train.steps)))
-    return True
+from hrlplan.runtime.trainer import PipelineTrainer
 
 
 def _worker(config, plan_yaml: str) -> Optional[Dict[str, Any]]:
@@ -38,7 +24,7 @@ def _worker(config, plan_yaml: str) -> Optional[Dict[str, Any]]:
     prepare_worker()
     try:
         trainer = PipelineTrainer(Plan.from_yaml(plan_yaml), config, config.run_dir, device=device)
-        sharded = install_sharded_optimizer(trainer)
+        sharded = any(isinstance(o, ShardedReplicaOptimizer) for o in trainer.optimizers.values())
         moments = sum(v.numel() for o in trainer.optimizers.values() for s in o.state.values()
                       for k, v in s.items() if k != "step")
         summary = trainer.fit()

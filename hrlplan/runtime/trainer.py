@@ -162,8 +162,13 @@ class PipelineTrainer(TrainAdapter):
         refusal = getattr(self.engine, "resume_refusal", "")
         if refusal and find_resume(str(self.train.resume), self.checkpoint_root)[0] is not None:
             raise UserError(f"train.resume={self.train.resume}: {refusal}; start fresh with train.resume=none")
+        # heterogeneous replicas whose plan shards the optimizer across them (runtime/hetero_zero.py);
+        # such a rank holds one stage, so one optimizer object is never stepped twice
+        make_sharded = getattr(self.engine, "make_optimizer", None)
+        sharded = make_sharded(self.train) if make_sharded is not None else None
         owned: set = set()
-        self.optimizers = {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()}
+        self.optimizers = ({i: sharded for i in self.parts} if sharded is not None else
+                           {i: make_optimizer(p, self.train, owned) for i, p in self.parts.items()})
         self.lr = LRSchedule({f"stage{i}": o for i, o in self.optimizers.items()},
                              lr_lambda(self.train, int(self.train.steps)))
         self.phase_times: List[Dict[str, float]] = []
