@@ -1,7 +1,7 @@
 """How much gain the dispatch leaves on the table (issue 37): per step, `balanced` within its budget
 against a long multi-start search and against lower bounds no dispatch can beat (pure simulation).
 
-    python bench/mixed_length_ceiling.py [--seeds 0 1 2] [--steps 16] [--long 8] [--restarts 24]
+    python bench/mixed_length_ceiling.py [--seeds 0 1 2] [--steps 16] [--long 4] [--restarts 16]
 
 Setup as bench/mixed_length.py's simulation of the measured configuration (data/code1024, 2048-token
 rows, 6 micro-batches, pp 2, 1F1B over equal stages, attention ratio 3.5: a one-document row's
