@@ -58,6 +58,8 @@ CASES = {
                                           "stages[1].ranks", "is beyond world_size"),
     "idle rank beyond world size": (lambda d: d.update(unused_ranks=[99]), "unused_ranks", "rank 99 is beyond"),
     "string device group": (lambda d: d.update(device_groups="0,1"), "device_groups", "lists of integer ranks"),
+    "unknown replica optimizer": (lambda d: d["meta"].update(replica_optimizer="zero3"), "meta.replica_optimizer",
+                                  "'zero3' is not one of sharded, replicated"),
 }
 
 

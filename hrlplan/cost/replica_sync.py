@@ -31,12 +31,11 @@ from __future__ import annotations
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from hrlplan.errors import UserError
+from hrlplan.plan.checks import REPLICA_OPTIMIZERS, REPLICATED, SHARDED
 
 Holder = Tuple[int, int]   # (pipeline, stage)
 RankSet = Tuple[int, ...]
 BUCKET_MB = 25.0   # torch DDP's default bucket_cap_mb
-SHARDED, REPLICATED = "sharded", "replicated"
-REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
 # Sharded: the same bytes on the wire where a set reduces flat (reduce-scatter + all-gather = one
 # all-reduce), the optimizer's time and state over n; but its all-gather after the step is exposed,
 # so it is sometimes slower: a plan's choice (the planner predicts both). Replicated by default: a

@@ -23,6 +23,10 @@ MULTI_STAGE_SCHEDULES = schedules.multi_stage_names()
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Heterogeneous pipelines (and stages of unequal tp) run on hrlplan's own executor, which offers these.
 HETERO_SCHEDULES = schedules.heterogeneous_names()
+# How the replicas on hrlplan's own executor step their optimizer (meta.replica_optimizer): each its
+# whole model, or sharded across the replicas (ZeRO-1; cost/replica_sync.py, runtime/hetero_zero.py).
+SHARDED, REPLICATED = "sharded", "replicated"
+REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
 
 
 class PlanError(UserError, ValueError):
@@ -151,6 +155,10 @@ def validate(plan: Plan, source: str = "plan.yaml") -> None:
     if plan.world_size < 1:
         raise err("world_size", f"must be >= 1, got {plan.world_size}")
     _check_rank_range(plan, err)
+    optimizer = (plan.meta or {}).get("replica_optimizer")
+    if optimizer is not None and optimizer not in REPLICA_OPTIMIZERS:
+        raise err("meta.replica_optimizer", f"{optimizer!r} is not one of {', '.join(REPLICA_OPTIMIZERS)}; fix it or "
+                  "delete the key (replicas then step their whole model)")
     if plan.pipelines:
         _validate_heterogeneous(plan, err)
         _check_launch(plan, err)
