@@ -22,9 +22,8 @@ Variants:
 - nic_spread: NCCL's rings cross nodes on every NIC of the communicator's GPUs: a data-parallel
   group with k members per node has k x a NIC's bandwidth between nodes.
 - inter_node_efficiency: links between nodes at --inter-node-efficiency of their nominal bandwidth
-  (default 0.9) where the model takes 0.8 for every uncalibrated link (DeviceModel.bw_eff, no source).
-  No source gives the figure yet: a sensitivity, to be measured (nccl-tests' reduce-scatter and
-  all-gather bus bandwidth over the cluster's NICs), not a mechanism.
+  (default 0.9) where the model takes NCCL's sourced figure (device_model.NIC_EFFICIENCY: 0.94 for
+  NDR, 0.96 for HDR), links in a node at theirs (NVLINK_EFFICIENCY). A sensitivity, not a mechanism.
 """
 from __future__ import annotations
 
@@ -121,7 +120,8 @@ def inter_node_efficiency(undo: List) -> None:
         if key not in self._bw_cache:
             devices = self.cluster.devices
             across = devices[a].node != devices[b].node
-            self._bw_cache[key] = self.cluster.bw(a, b) * (INTER_NODE_EFFICIENCY[0] if across else self.bw_eff)
+            inside = device_model.link_efficiency(self.cluster, a, b) if self.sourced_links else self.bw_eff
+            self._bw_cache[key] = self.cluster.bw(a, b) * (INTER_NODE_EFFICIENCY[0] if across else inside)
         return self._bw_cache[key]
     _patch(device_model.DeviceModel, "bw", bw, undo)
 

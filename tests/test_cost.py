@@ -356,3 +356,32 @@ def test_a_preset_saved_to_a_spec_file_is_costed_as_the_preset(tmp_path):
     lay = pipeline([(0, 4), (4, 8)], m=4)
     assert Simulator(toy_meta(), again).evaluate(lay).step_time_s == pytest.approx(
         Simulator(toy_meta(), cluster).evaluate(lay).step_time_s)
+
+
+def _preset(name):
+    from pathlib import Path
+
+    import yaml
+
+    from hrlplan.cluster import spec_from_preset
+
+    return spec_from_preset(yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "cluster"
+                                            / f"{name}.yaml").read_text()))
+
+
+def test_preset_links_run_at_nccls_sourced_efficiency_and_a_calibration_overrides_it():
+    """NVLink by GPU generation, InfiniBand by the NIC's line rate (device_model.NVLINK_EFFICIENCY,
+    NIC_EFFICIENCY: the NCCL team's stated bus bandwidths); links neither table knows keep 0.8."""
+    from hrlplan.cost.device_model import UNSOURCED_LINK_EFFICIENCY, DeviceModel
+
+    def ratios(cluster, pairs):
+        dev = DeviceModel(cluster)
+        return [dev.bw(a, b) / cluster.bw(a, b) for a, b in pairs]
+
+    a100, h100, mix = _preset("a100x8-4n"), _preset("h100x8-4n"), _preset("a100-v100-mix")
+    assert ratios(a100, [(0, 1), (0, 8)]) == pytest.approx([230 / 300, 24 / 25])
+    assert ratios(h100, [(0, 1), (0, 8)]) == pytest.approx([370 / 450, 47 / 50])
+    assert ratios(mix, [(31, 30), (0, 31)]) == pytest.approx([20 / 25, 12 / 12.5])   # V100's NVLink, 100 Gb/s
+    assert ratios(toy_cluster(), [(0, 1)]) == pytest.approx([UNSOURCED_LINK_EFFICIENCY])   # a GPU no table has
+    a100.calibration = {"bandwidth_efficiency": 0.5}
+    assert ratios(a100, [(0, 1), (0, 8)]) == pytest.approx([0.5, 0.5])

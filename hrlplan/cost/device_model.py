@@ -213,6 +213,35 @@ def unknown_peak_ratio(device) -> bool:
     return device.kind == "cuda" and _datasheet(device.name, "bf16") is None
 
 
+# NCCL's achieved bus bandwidth over a preset link's nominal per-direction rate, as the NCCL team at
+# NVIDIA states it for large messages (docs/cost-model.md "Link efficiencies" quotes each source).
+# NVLink, by the device's name (first row whose tokens the name has): A100 230 of 300 GB/s (12
+# NVLink3 links at ~20 of 25 GB/s effective, less a GPU bottleneck); A800 160 of 200; Hopper (NVLink4)
+# 370 of 450 in a ring -- NVLink SHARP's all-reduce is not modelled; V100 (NVLink2, 25 GB/s links too)
+# the per-link 20 of 25, no V100 figure being found.
+NVLINK_EFFICIENCY = (("A800", 160 / 200), ("A100", 230 / 300), ("H100", 370 / 450), ("H800", 370 / 450),
+                     ("H200", 370 / 450), ("H20", 370 / 450), ("V100", 20 / 25))
+# InfiniBand with GPUDirect RDMA, by the per-GPU NIC's line rate (bytes/s): 100 Gb/s 12 GB/s, HDR 200
+# Gb/s 24 GB/s, NDR 400 Gb/s 46-48 GB/s (the middle taken).
+NIC_EFFICIENCY = ((12.5e9, 12 / 12.5), (25e9, 24 / 25), (50e9, 47 / 50))
+# Every other uncalibrated link (PCIe, a CPU's network, a GPU or NIC the tables lack, a probed matrix): no source.
+UNSOURCED_LINK_EFFICIENCY = 0.8
+
+
+def link_efficiency(cluster, a: int, b: int) -> float:
+    """The fraction of a preset's nominal bandwidth between ranks a and b that NCCL achieves."""
+    da, db = cluster.devices[a], cluster.devices[b]
+    if da.kind != "cuda" or db.kind != "cuda":
+        return UNSOURCED_LINK_EFFICIENCY
+    if da.node == db.node:
+        found = [next((e for key, e in NVLINK_EFFICIENCY if kernels.name_has_key(d.name, key)), None)
+                 for d in (da, db)]
+        return UNSOURCED_LINK_EFFICIENCY if None in found else min(found)
+    rate = cluster.inter_node_bw
+    return next((e for nominal, e in NIC_EFFICIENCY if abs(rate - nominal) <= 0.01 * nominal),
+                UNSOURCED_LINK_EFFICIENCY)
+
+
 class DeviceModel:
     """Throughput, links and memory of a cluster's devices, with calibration applied."""
 
@@ -236,7 +265,11 @@ class DeviceModel:
                                                 256.0 if d.kind == "cuda" else 8.0))
             self.workspace.append(_per_device(cal.get("workspace_bytes"), d.name,
                                               1.0 * GiB if d.kind == "cuda" else 0.1 * GiB))
-        self.bw_eff = float(cal.get("bandwidth_efficiency", 0.8))
+        # a calibrated efficiency is the user's own links'; else a preset's nominal links get NCCL's
+        # sourced figures (link_efficiency) and anything measured keeps the unsourced default
+        calibrated_eff = cal.get("bandwidth_efficiency")
+        self.bw_eff = UNSOURCED_LINK_EFFICIENCY if calibrated_eff is None else float(calibrated_eff)
+        self.sourced_links = calibrated_eff is None and not measured and cluster.bandwidth is None
         self.time_scale = float(cal.get("step_time_scale", 1.0))
         self.overheads = Overheads.from_calibration(cal)
         self._bw_cache: Dict[Tuple[int, int], float] = {}
@@ -251,7 +284,8 @@ class DeviceModel:
     def bw(self, a: int, b: int) -> float:
         key = (a, b)
         if key not in self._bw_cache:
-            self._bw_cache[key] = self.cluster.bw(a, b) * self.bw_eff
+            eff = link_efficiency(self.cluster, a, b) if self.sourced_links else self.bw_eff
+            self._bw_cache[key] = self.cluster.bw(a, b) * eff
         return self._bw_cache[key]
 
     def ring_bw_lat(self, ranks: Sequence[int]) -> Tuple[float, float]:

@@ -125,11 +125,15 @@ def flash_attention_fraction(name: str, seq_len: float) -> Optional[float]:
 def _table_entry(name: str) -> Optional[Tuple[str, float, int]]:
     """The GPU_FACTS row whose key is a whole token of the name ('NVIDIA A100-SXM4-80GB' -> A100): an
     A10G or an L40 is not taken for an A10 or an L4."""
-    tokens = set(re.split(r"[\s\-_/]+", name.upper()))
     for key, bw, sms in GPU_FACTS:
-        if set(key.split()) <= tokens:
+        if name_has_key(name, key):
             return key, bw, sms
     return None
+
+
+def name_has_key(name: str, key: str) -> bool:
+    """Whether every whole token of a table key ('H100 96GB') is a token of the device name."""
+    return set(key.upper().split()) <= set(re.split(r"[\s\-_/]+", name.upper()))
 
 
 def in_kernel_table(name: str) -> bool:
