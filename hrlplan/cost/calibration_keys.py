@@ -74,10 +74,13 @@ CALIBRATION_KEYS = {
                   "(hrlplan.runtime.calibrate.record.assess); an unsteady record plans one job and is never cached. "
                   "{steady: false, over_budget: why} alone: calibration stopped at planner.calibrate_budget_s and the "
                   "plan used peak figures",
-    "quota_cpu_s": "{device name: {pipeline_per_microbatch: s, allreduce: [{ranks, cpu_s, cpu_s_per_byte}], "
+    "quota_cpu_s": "{device name: {pipeline_per_microbatch: s, pipeline_hop_bytes: B, p2p_exchange: {cpu_s, "
+                   "cpu_s_per_byte}, gradient_bucket_cpu_s_per_byte: s, allreduce: [{ranks, cpu_s, cpu_s_per_byte}], "
                    "step_overhead: s, optimizer_scale: f}} (CPU workers under a quota, cluster.cpu_shares; written "
                    "only where one is): process CPU time per micro-batch and stage of torch's pipeline schedule "
-                   "beyond the forwards and backwards (sends, receives, their waits), per all-reduce over `ranks` "
+                   "beyond the forwards and backwards (sends, receives, their waits; its messages of "
+                   "pipeline_hop_bytes), per send + receive exchange (a line over the message bytes), per byte "
+                   "of gradients packed into a cross-replica bucket and back, per all-reduce over `ranks` "
                    "ranks, the reference step's overhead, and its clipping + optimizer over the optimizer figures' "
                    "prediction, each measured in CPU time on that device's ranks; a capped worker's step is bounded "
                    "by its CPU work over its share (cost/quota_cpu.py)",
@@ -86,5 +89,7 @@ CALIBRATION_KEYS = {
                          "alone (multiplies compute, op_overhead_s, plain optimizer, step_overhead_s, which are "
                          "measured alone); paired: vs the two ranks of a pair (multiplies what the two-rank "
                          "micro-benchmarks measure: p2p, FSDP collectives/hooks/sharded optimizer, tp, all-reduces); "
-                         "`hrlplan calibrate` runs those with every rank busy and sets paired to 1",
+                         "`hrlplan calibrate` runs those with every rank busy and sets paired to 1; ranks under a CPU "
+                         "quota are left out where any rank is not, and the job's demand is the sum of its ranks' "
+                         "shares",
 }

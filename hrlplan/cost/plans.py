@@ -200,8 +200,8 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                       num_microbatches=p.num_microbatches, schedule=plan.schedule,
                       stage_tp=tuple(s.tp for s in p.stages), recompute=tuple(s.recompute for s in p.stages))
                for p in plan.as_pipelines()]
-    contention = None
-    if sim.devices.overheads.contention > 1.0:
+    contention = None   # one pipeline: the simulator's shared-cores timeline, as its homogeneous form gets
+    if sim.devices.overheads.contention > 1.0 and len(layouts) > 1:
         # the simulator's mean-field contention (see Simulator.evaluate) over the whole world: replicas
         # share the cores, and a one-stage replica that is always busy slows the others' compute too
         alone = [sim.evaluate(lay, detail=True, contention=1.0) for lay in layouts]
