@@ -30,13 +30,13 @@ from hrlplan.search.common import Scored
 from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
-from hrlplan.search.hetero_single import exact_proved
+from hrlplan.search.hetero_single import DEFAULT_HETERO_TIME_S, exact_proved
 from hrlplan.cost.replica_sync import REPLICATED
 from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
                                   search_exact_until)
 
 DEFAULT_SHARE_STEPS = 16
-DEFAULT_TIME_S = 45.0   # the whole planning time, the single-template search included
+DEFAULT_TIME_S = DEFAULT_HETERO_TIME_S   # the replica search's time from the planning's start
 DEFAULT_MAX_ROUNDS = 300
 DEFAULT_TEMPLATE_SIMS = 400   # as planner.hetero_template_simulations defaults
 TP_ANY = 0

@@ -16,7 +16,10 @@ Two passes of exact's own search (search/exact.py), both deterministic:
 2. refine: where the screen gave up, branch and bound again over the SINGLE_REFINE_CONFIGS
    configurations that scored best, with the other three quarters.
 A screen that finishes is exact's proof; a refined result is the best found, not proven.
-exact's max_search_s (120 s by default) stays as the safety it is in every exact search.
+A wall-clock safety stays: SINGLE_TIME_SHARE of planner.hetero_time_s for both passes (or exact's
+max_search_s where less). It binds only where simulations are very costly (llama-70b on 360 GPUs at
+pp45 and 512 micro-batches: 1600 calls took 130 s at load 1-2); there the search is no longer the
+same at every load, and bench/hetero.py's --check-single shows it.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from hrlplan.search.exact import DEFAULTS, search_exact
 DEFAULT_SINGLE_SIMULATIONS = 1600   # planner.hetero_single_simulations
 SINGLE_REFINE_CONFIGS = 4
 SCREEN_SHARE = 0.25
+SINGLE_TIME_SHARE = 0.75   # of planner.hetero_time_s: the wall-clock safety (single_time_cap)
+DEFAULT_HETERO_TIME_S = 45.0   # planner.hetero_time_s's default (hetero_exact.DEFAULT_TIME_S)
 # per simulator, the tracker of the single-template search run with it (hetero.single_template_of:
 # the replica search anchors on its best where make_plan does not hand it over)
 SINGLE_TEMPLATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -88,21 +93,31 @@ def exact_proved(out: Dict[str, Any], cfg: Dict[str, Any]) -> bool:
     return out["split_simulations"] < int(cfg.get("max_simulations", DEFAULTS.max_simulations))
 
 
+def single_time_cap(cfg: Dict[str, Any]) -> float:
+    """The wall-clock safety of the two passes together: SINGLE_TIME_SHARE of planner.hetero_time_s,
+    or exact's max_search_s where less. Where it binds, the search is no longer the same at every load
+    (bench/hetero.py's --check-single says so); the work bound ends it first on every other instance."""
+    cap = SINGLE_TIME_SHARE * float(cfg.get("hetero_time_s", DEFAULT_HETERO_TIME_S))
+    return min(cap, float(cfg.get("max_search_s", DEFAULTS.max_search_s) or float("inf")))
+
+
 def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """exact's result over the whole cluster in the two work-bounded passes above; search_exact's
     output keys, its tracker the best of both passes."""
     t0 = time.perf_counter()
     total = min(int(cfg.get("hetero_single_simulations", DEFAULT_SINGLE_SIMULATIONS)),
                 int(cfg.get("max_simulations", DEFAULTS.max_simulations)))
+    safety_s = single_time_cap(cfg)
     screen_space, log = _Recording(space), _ResultLog(sim)
-    screen_cfg = dict(cfg, max_simulations=max(1, int(total * SCREEN_SHARE)))
+    screen_cfg = dict(cfg, max_simulations=max(1, int(total * SCREEN_SHARE)), max_search_s=safety_s)
     screen = search_exact(log, screen_space, screen_cfg)
-    if exact_proved(screen, screen_cfg) or screen["tracker"].best is None:
+    left_s = safety_s - (time.perf_counter() - t0)
+    if exact_proved(screen, screen_cfg) or screen["tracker"].best is None or left_s <= 0:
         SINGLE_TEMPLATE[sim] = screen["tracker"]
         return dict(screen, single_template_search="screen")
     configs = best_configs(screen_space, log, SINGLE_REFINE_CONFIGS)
     refine = search_exact(sim, _Recording(space, configs),
-                          dict(cfg, max_simulations=max(1, total - int(total * SCREEN_SHARE))))
+                          dict(cfg, max_simulations=max(1, total - int(total * SCREEN_SHARE)), max_search_s=left_s))
     tracker = Tracker()
     for out in (screen, refine):
         for s in (out["tracker"].best, out["tracker"].runner_up):
