@@ -128,7 +128,8 @@ def test_pipeline_aware_dispatch_keeps_every_piece_and_beats_min_max_on_the_step
     assert ordered.step_time == pytest.approx(step_of(D.bin_times(ordered.assignment, works, costed), costed))
     assert ordered.step_time <= step_of(min_max.times, costed) + 1e-12
     assert ordered.step_time <= step_of(D.bin_times(arrival, works, costed), costed) + 1e-12
-    assert ordered.seconds < 0.5 + 0.1
+    # the budget itself is pinned on a fake clock (test_packing); here only a bound a busy host cannot break
+    assert ordered.seconds < 0.5 + 10.0
 
 
 def test_pipeline_aware_dispatch_orders_the_micro_batches_for_the_step():

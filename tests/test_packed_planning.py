@@ -105,3 +105,23 @@ def test_a_packed_re_rank_that_changes_the_plan_says_so(monkeypatch):
     assert len(top) > 1 and out["packed_rerank"]["chosen_changed"]
     assert out["tracker"].best is top[-1] and out["tracker"].runner_up is top[0]
     assert "re-ranked by the packed step" in out["note"]
+
+
+def test_a_packed_code_run_plans_with_the_corpus_lengths(tmp_path, monkeypatch):
+    """The job hands exact the built corpus's lengths (planner packed_lengths) for a packed data=code
+    run on a homogeneous cluster; a concat run plans without them."""
+    from hrlplan.cost.lengths import LengthDistribution
+
+    settings = []
+    monkeypatch.setattr(planning, "make_plan", lambda meta, spec, cfg, train: settings.append(cfg) or
+                        (_ for _ in ()).throw(SystemExit("stop after the settings")))
+    monkeypatch.setattr(planning.LengthDistribution, "of_corpus",
+                        classmethod(lambda cls, path, budget: LengthDistribution(_lengths(budget), budget)))
+    for packing in ("balanced", "concat"):
+        try:
+            introspect_and_plan(_config(tmp_path, f"data.packing={packing}", "data.seq_len=64"), _spec())
+        except SystemExit:
+            pass
+    balanced, concat = settings
+    assert balanced["packed_lengths"]["packing"] == "balanced" and balanced["packed_lengths"]["budget"] == 64
+    assert "packed_lengths" not in concat

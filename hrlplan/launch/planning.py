@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hrlplan.cluster import ClusterSpec, spec_from_preset
 from hrlplan.config import ClusterConfig, Config, calibration_mode
+from hrlplan.cost.lengths import LengthDistribution
 from hrlplan.cost.memory import packed_meta
 from hrlplan.errors import UserError
 from hrlplan.families import LM_DATA, Family, family_of, family_of_meta
@@ -30,6 +31,7 @@ from hrlplan.runtime.metrics import duration_text
 from hrlplan.runtime.calibrate import (BUDGET_KEY, CalibrationOverBudget, budget_seconds, calibrate_in_job, is_steady,
                                        unsteady_reason, unsteady_threshold)
 from hrlplan.search import make_plan
+from hrlplan.search.hetero import wants_hetero
 from hrlplan.search.plan_text import plan_summary
 
 HRM_CHECKED_ENV = "HRLPLAN_HRM_CHECKED"  # set once the HRM memory warning was considered
@@ -122,8 +124,16 @@ def introspect_and_plan(config: Config, spec, use_cache: bool = False):
         try:
             # a packed-documents run holds one more tensor per block (cost/memory.packed_meta); the saved
             # model_meta.json stays plain: the trainer adds the same term to its own prediction
-            search_meta = packed_meta(meta) if seq_len is not None and plan_cache.packs_documents(config) else meta
-            plan, info = make_plan(search_meta, spec, planner_settings(config, family_of_meta(meta)), config.train)
+            packed = seq_len is not None and plan_cache.packs_documents(config)
+            search_meta = packed_meta(meta) if packed else meta
+            settings = planner_settings(config, family_of_meta(meta))
+            if packed and str(config.data.name) == "code" and not wants_hetero(settings, spec):
+                # exact re-ranks its fastest candidates by the corpus's packed step (the replica-template
+                # searches reuse these settings, and re-ranking each template would be slow)
+                lengths = LengthDistribution.of_corpus(str(config.data.path or "data/code"), int(seq_len))
+                if lengths is not None:
+                    settings["packed_lengths"] = dict(lengths.to_dict(), packing=str(config.data.packing.value))
+            plan, info = make_plan(search_meta, spec, settings, config.train)
         except PlanError as e:
             raise UserError(str(e)) from None
         if key and (is_steady(spec.calibration) or not plan_cache.shared()):
