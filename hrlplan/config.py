@@ -189,12 +189,15 @@ class ExactPlannerConfig(PlannerConfigBase):
     max_evaluations: int = 20_000_000  # (stage, layer span) DP cells; gives up (saying so) beyond
     max_simulations: int = 20_000      # simulator calls of the layer-split branch-and-bound; likewise
     max_search_s: Optional[float] = 120.0   # wall-clock seconds of the branch and bound (null: none); likewise
-    # planner.heterogeneous (search/hetero_exact.py): the whole planning time, the single-template search
-    # included; the batch-share grid (B/steps); integer-program rounds; simulator calls per replica template
+    # planner.heterogeneous (search/hetero_exact.py): the replica search's time from the planning's start;
+    # the batch-share grid (B/steps); integer-program rounds; simulator calls per replica template;
+    # simulator calls of the single-template search (search/hetero_single.py: bounded by work, 3/4 of
+    # hetero_time_s its wall-clock safety)
     hetero_time_s: float = 45.0
     hetero_share_steps: int = 16
     hetero_max_rounds: int = 300
     hetero_template_simulations: int = 400
+    hetero_single_simulations: int = 1600
 
 
 @dataclass

@@ -22,9 +22,11 @@ from hrlplan.errors import UserError
 from hrlplan.plan import Plan, check_fits
 from hrlplan.search.common import Scored, cost_options, describe, why_better
 from hrlplan.search.exact import search_exact
-from hrlplan.search.hetero import hetero_mode, hetero_summary, search_exact_until, wants_hetero, why_not_hetero
+from hrlplan.search.hetero import (BOTH_OPTIMIZERS, hetero_mode, hetero_plan, hetero_summary, wants_hetero,
+                                   why_not_hetero)
 from hrlplan.search.hetero_exact import DEFAULT_TIME_S
 from hrlplan.search.hetero_search import search_hetero
+from hrlplan.search.hetero_single import single_template_search
 from hrlplan.search.hrl_replicas import search_hrl_replicas
 from hrlplan.search.hrl import search_hrl
 from hrlplan.search.random_search import search_random
@@ -190,13 +192,11 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
 
 # ---------------------------------------------------------------- heterogeneous replicas
 def _single_template_exact(sim, space, cfg, cluster, train_cfg, t0) -> Dict[str, Any]:
-    """search_exact; where the replica search follows, within half of planner.hetero_time_s (the
-    replica search keeps the rest)."""
+    """search_exact; where the replica search follows, bounded by work instead (search/hetero_single.py:
+    the same template at any load -- the one bench/hetero.py compares the planned plan with)."""
     if not wants_hetero(cfg, cluster) or why_not_hetero(train_cfg):
         return search_exact(sim, space, cfg)
-    whole = float(cfg.get("hetero_time_s", DEFAULT_TIME_S))
-    return search_exact_until(sim, space, cfg, t0 + whole / 2,
-                              f"planner.hetero_time_s={whole:g} s / 2 for the single template")
+    return single_template_search(sim, space, cfg)
 
 
 def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
@@ -230,6 +230,10 @@ def _hetero_search(meta, cluster, cfg, train_cfg, sim, name, tracker, t0):
                                started=t0, single=tracker.best)
         if not hetero["proven"]:
             hetero = _with_learned_replicas(sim, meta, cluster, cfg, train_cfg, hetero, t0 + whole)
+    if hetero["plan"] is not None and hetero.get("replicas"):
+        # the searches assess plans with the replicated optimizer; the sharded one may be faster
+        hetero["plan"], hetero["predicted"] = hetero_plan(meta, cluster, hetero["replicas"], str(train_cfg.schedule),
+                                                          {}, sim=sim, optimizers=BOTH_OPTIMIZERS)
     single = tracker.best.time if tracker.best is not None else float("inf")
     if hetero["plan"] is not None and hetero["predicted"]["step_time_s"] >= single:
         hetero["lost"] = lost_on(sim, hetero, tracker.best)

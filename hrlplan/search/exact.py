@@ -118,7 +118,11 @@ def search_exact(sim, space, planner_cfg: Dict[str, Any]) -> Dict[str, Any]:
         for spans in tables.candidates():
             offer(c, spans, tables)
         if simulations >= sim_budget:
-            continue   # out of simulations: the remaining configurations get their DP splits only
+            # out of simulations: the remaining configurations get their DP splits only -- no proof
+            # (their branch and bound is skipped whether or not a split beats the incumbent)
+            gave_up = gave_up or (f"max_simulations={sim_budget:,} simulator calls in the layer-split search "
+                                  "(later configurations were scored at their DP splits only)")
+            continue
         for spans in tables.splits_below(threshold):
             if simulations >= sim_budget:
                 gave_up = (f"max_simulations={sim_budget:,} simulator calls in the layer-split search "

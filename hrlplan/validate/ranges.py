@@ -59,7 +59,7 @@ RULES = {
     "planner.lr": POS, "planner.max_evaluations": POS_INT, "planner.refine_evaluations": NONNEG_INT,
     "planner.greedy_configs": NONNEG_INT, "planner.max_simulations": POS_INT, "planner.max_search_s": _optional(POS), "planner.hidden": POS_INT,
     "planner.hetero_time_s": POS, "planner.hetero_share_steps": POS_INT, "planner.hetero_max_rounds": POS_INT,
-    "planner.hetero_template_simulations": POS_INT,
+    "planner.hetero_template_simulations": POS_INT, "planner.hetero_single_simulations": POS_INT,
     "planner.entropy_coef": NONNEG,
     "planner.calibrate": ("one of " + ", ".join(c.CALIBRATE_CHOICES),
                           lambda v: isinstance(v, bool) or str(v).lower() in c.CALIBRATE_CHOICES),
