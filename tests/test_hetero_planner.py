@@ -201,9 +201,9 @@ def test_cross_replica_reduce_overlaps_the_last_backward():
     assert got == {0: pytest.approx(11.0), 1: pytest.approx(10.0), 2: pytest.approx(11.0)}
 
 
-def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
-    # two one-device replicas of the fast node and one of the slow node's two devices: every unit
-    # is held by three ranks, so there is a reduce to overlap
+def _fast_slow_templates():
+    """gpt2-like toy of 6 blocks on one fast and one slow node, a batch of 8 on a share grid of 4:
+    (meta, cluster, simulator, the 2-device space, its template table)."""
     meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
     train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
     cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
@@ -211,6 +211,13 @@ def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
     space = HeteroSpace(cluster, 2)
     table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
     table.bind({2: space})
+    return meta, cluster, sim, space, table
+
+
+def test_overlapped_reduce_never_beats_a_replica_or_exceeds_the_serial_sum():
+    # two one-device replicas of the fast node and one of the slow node's two devices: every unit
+    # is held by three ranks, so there is a reduce to overlap
+    meta, cluster, sim, space, table = _fast_slow_templates()
     fast, slow = table.exact((2, "fast", Shape(1, 1), 3, TP_ANY))[1], table.exact((2, "slow", Shape(2, 1), 2, 1))[1]
     replicas = [Replica("fast", place(fast, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)] + \
         [Replica("slow", place(slow, space.shape_devices("slow", Shape(2, 1), 0)))]
@@ -472,13 +479,7 @@ def test_both_replica_optimizers_keep_the_faster_and_say_which():
     """hetero_plan with BOTH_OPTIMIZERS predicts the plan with every replica stepping its whole model and
     with the step sharded across replicas (cost/replica_sync.py), keeps the faster and writes its mode
     into plan.meta (what the runtime runs)."""
-    meta, cluster = toy_meta(n_layer=6), fast_slow(1, 1)
-    train = section(TrainConfig, dict(TRAIN, global_batch_size=8))
-    cfg = dict(asdict(ExactPlannerConfig()), hetero_share_steps=4)
-    sim = Simulator(meta, cluster, cost_options(cfg, train))
-    space = HeteroSpace(cluster, 2)
-    table = TemplateTable(sim, meta, cluster, cfg, train, deadline=float("inf"))
-    table.bind({2: space})
+    meta, cluster, sim, space, table = _fast_slow_templates()
     fast = table.exact((2, "fast", Shape(1, 1), 4, TP_ANY))[1]
     replicas = [Replica("fast", place(fast, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)]
     steps = {m: hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=(m,))[1]["step_time_s"]
