@@ -85,9 +85,9 @@ def best_configs(space: _Recording, log: _ResultLog, count: int) -> List[Any]:
 
 
 def exact_proved(out: Dict[str, Any], cfg: Dict[str, Any]) -> bool:
-    """search_exact's proof, and not one whose simulation budget was spent: exact skips a
-    configuration's branch and bound once its DP splits alone spend the budget without saying it
-    gave up (a proof claimed with splits below the incumbent never simulated)."""
+    """search_exact's proof, and not one whose simulation budget was spent. search_exact itself now
+    says it gave up when its DP splits alone spend the budget (round 5); this also refuses a result
+    recorded before that, or one that spent the budget exactly on its last split."""
     if not out["proven_optimal"]:
         return False
     return out["split_simulations"] < int(cfg.get("max_simulations", DEFAULTS.max_simulations))
