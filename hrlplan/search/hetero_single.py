@@ -16,10 +16,19 @@ Two passes of exact's own search (search/exact.py), both deterministic:
 2. refine: where the screen gave up, branch and bound again over the SINGLE_REFINE_CONFIGS
    configurations that scored best, with the other three quarters.
 A screen that finishes is exact's proof; a refined result is the best found, not proven.
-A wall-clock safety stays: SINGLE_TIME_SHARE of planner.hetero_time_s for both passes (or exact's
-max_search_s where less). It binds only where simulations are very costly (llama-70b on 360 GPUs at
-pp45 and 512 micro-batches: 1600 calls took 130 s at load 1-2); there the search is no longer the
-same at every load, and bench/hetero.py's --check-single shows it.
+3. proof: where the refine pass did not prove, exact's whole search once more, with exact's own
+   max_simulations, while the single-template search has used under PROOF_TIME_SHARE of
+   planner.hetero_time_s (the replica search gets the rest as before). Every layout the first two
+   passes simulated is remembered (_ResultLog's memo), so it pays only for what they left out. Its
+   result is kept only if it is a proof (exact_proved): then it is exact's optimum, the same at any
+   load; a proof pass cut by the clock is dropped whole -- even a faster layout it found -- so the
+   candidate stays the refined one, the same at any load (round 5 lost four of round 4's proofs on
+   bench/planner.py's mixed clusters to the work bound: gpt2-medium h800-h20-mix needed 417 calls
+   against the screen's 400).
+A wall-clock safety stays: SINGLE_TIME_SHARE of planner.hetero_time_s for the first two passes (or
+exact's max_search_s where less). It binds only where simulations are very costly (llama-70b on 360
+GPUs at pp45 and 512 micro-batches: 1600 calls took 130 s at load 1-2); there the search is no longer
+the same at every load, and bench/hetero.py's --check-single shows it.
 """
 from __future__ import annotations
 
@@ -34,6 +43,9 @@ DEFAULT_SINGLE_SIMULATIONS = 1600   # planner.hetero_single_simulations
 SINGLE_REFINE_CONFIGS = 4
 SCREEN_SHARE = 0.25
 SINGLE_TIME_SHARE = 0.75   # of planner.hetero_time_s: the wall-clock safety (single_time_cap)
+# of planner.hetero_time_s: the proof pass runs while the whole search has used less (45 s: 11.25 s;
+# bench/planner.py's mixed clusters prove in 0.6-7 s), so the replica search keeps at least 3/4
+PROOF_TIME_SHARE = 0.25
 DEFAULT_HETERO_TIME_S = 45.0   # planner.hetero_time_s's default (hetero_exact.DEFAULT_TIME_S)
 # per simulator, the tracker of the single-template search run with it (hetero.single_template_of:
 # the replica search anchors on its best where make_plan does not hand it over)
@@ -60,16 +72,23 @@ class _Recording:
 
 
 class _ResultLog:
-    """A simulator that remembers every (layout, result) it simulated."""
+    """A simulator that remembers every (layout, result) it simulated; `memo` (shared between the
+    passes): a layout simulated before is not simulated again (plain evaluations only)."""
 
-    def __init__(self, sim):
+    def __init__(self, sim, memo=None):
         self._sim, self.results = sim, []
+        self.memo = {} if memo is None else memo
 
     def __getattr__(self, name):
         return getattr(self._sim, name)
 
     def evaluate(self, layout, detail: bool = False, contention=None):
-        result = self._sim.evaluate(layout, detail=detail, contention=contention)
+        plain = not detail and contention is None
+        result = self.memo.get(layout) if plain else None
+        if result is None:
+            result = self._sim.evaluate(layout, detail=detail, contention=contention)
+            if plain:
+                self.memo[layout] = result
         self.results.append((layout, result))
         return result
 
@@ -102,8 +121,8 @@ def single_time_cap(cfg: Dict[str, Any]) -> float:
 
 
 def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """exact's result over the whole cluster in the two work-bounded passes above; search_exact's
-    output keys, its tracker the best of both passes."""
+    """exact's result over the whole cluster in the passes above; search_exact's output keys, its
+    tracker the best of the screen and refine passes, or the proof pass's where it proved."""
     t0 = time.perf_counter()
     total = min(int(cfg.get("hetero_single_simulations", DEFAULT_SINGLE_SIMULATIONS)),
                 int(cfg.get("max_simulations", DEFAULTS.max_simulations)))
@@ -116,18 +135,43 @@ def single_template_search(sim, space, cfg: Dict[str, Any]) -> Dict[str, Any]:
         SINGLE_TEMPLATE[sim] = screen["tracker"]
         return dict(screen, single_template_search="screen")
     configs = best_configs(screen_space, log, SINGLE_REFINE_CONFIGS)
-    refine = search_exact(sim, _Recording(space, configs),
+    refine = search_exact(_ResultLog(sim, log.memo), _Recording(space, configs),
                           dict(cfg, max_simulations=max(1, total - int(total * SCREEN_SHARE)), max_search_s=left_s))
     tracker = Tracker()
     for out in (screen, refine):
         for s in (out["tracker"].best, out["tracker"].runner_up):
             if s is not None:
                 tracker.offer(s)
+    proof = _proof_pass(sim, space, cfg, log.memo, t0)
+    if proof["proved"]:
+        SINGLE_TEMPLATE[sim] = proof["out"]["tracker"]
+        return dict(proof["out"], evaluations=sim.evaluations, time_s=time.perf_counter() - t0,
+                    single_template_search="screen, refine and proof",
+                    dp_cells=screen["dp_cells"] + refine["dp_cells"] + proof["out"]["dp_cells"])
     note = (f"gave up: exact's search bounded by work (planner.hetero_single_simulations={total:,} simulator "
             f"calls: a screen of every configuration, then branch and bound over its {len(configs)} best); "
-            f"the best of what was searched, not proven optimal (screen: {screen['note']})")
+            f"the best of what was searched, not proven optimal (screen: {screen['note']}; {proof['note']})")
     SINGLE_TEMPLATE[sim] = tracker
     return dict(screen, tracker=tracker, evaluations=sim.evaluations, proven_optimal=False, note=note,
                 dp_cells=screen["dp_cells"] + refine["dp_cells"],
                 split_simulations=screen["split_simulations"] + refine["split_simulations"],
                 time_s=time.perf_counter() - t0, single_template_search="screen and refine")
+
+
+def _proof_pass(sim, space, cfg: Dict[str, Any], memo: Dict[Any, Any], t0: float) -> Dict[str, Any]:
+    """exact's whole search with its own budgets, until PROOF_TIME_SHARE of planner.hetero_time_s
+    since t0: {"proved": bool, "out": its result or None, "note": what became of it}. Only a proof
+    counts (the caller drops anything else whole, so the candidate stays the same at any load)."""
+    share_s = PROOF_TIME_SHARE * float(cfg.get("hetero_time_s", DEFAULT_HETERO_TIME_S))
+    left_s = min(t0 + share_s, t0 + single_time_cap(cfg)) - time.perf_counter()
+    if left_s <= 0:
+        return {"proved": False, "out": None,
+                "note": f"no proof pass: the first passes used the {share_s:g} s it may take "
+                        f"({PROOF_TIME_SHARE:g} of planner.hetero_time_s)"}
+    proof_cfg = dict(cfg, max_search_s=left_s)
+    out = search_exact(_ResultLog(sim, memo), space, proof_cfg)
+    if exact_proved(out, proof_cfg):
+        return {"proved": True, "out": out, "note": ""}
+    return {"proved": False, "out": out,
+            "note": f"the proof pass (exact's whole search, {PROOF_TIME_SHARE:g} of planner.hetero_time_s: "
+                    f"{share_s:g} s) did not finish, its layouts dropped: {out['note']}"}
