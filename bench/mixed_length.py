@@ -186,33 +186,68 @@ def _slowest_replica(args, table) -> float:
                              [row[r * m:(r + 1) * m] for row in table["B"]]) for r in range(args.dp))
 
 
-def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens):
-    """Per packing and step, the simulator's step: `predicted` with each stage's forward and backward
-    RowShares from the calibration rows; `one_table` with the two together (as the dispatch costs
-    them); `flops_only` with the planner's FLOP shares alone (what an uncalibrated planner would say)."""
+def _line_rows(args, meta, spans, full, per_kind, sq, n_docs, useful) -> Dict[str, List[List[float]]]:
+    """{F, B}: [stage][row] the calibrated line's work multipliers of rows with these squares, documents
+    and real tokens (times full[kind][stage]: their predicted seconds)."""
     from hrlplan.cost.lengths import micro_batch_multipliers
+
+    return {kind: micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, per_kind[kind])
+            for kind in ("F", "B")}
+
+
+def _row_deviations(args, meta, spans, calibration, passes, full, per_kind) -> Dict[str, List[List[float]]]:
+    """{F, B}: per stage, how far each calibration row timed once (every pass between the rounds' steps)
+    strays from the calibrated line (cost/lengths.relative_deviations): what a step's rows, each timed
+    once, do too -- the spread expected_step draws from."""
+    from hrlplan.cost.lengths import relative_deviations
+
+    work = _line_rows(args, meta, spans, full, per_kind, [c[2] for c in calibration], [c[0] for c in calibration],
+                      [c[1] for c in calibration])
+    out: Dict[str, List[List[float]]] = {"F": [], "B": []}
+    for kind in ("F", "B"):
+        for k in range(args.pp):
+            timed, predicted = [], []
+            for one_pass in passes:
+                for i, row in enumerate(one_pass):
+                    if row is not None:
+                        timed.append(row[kind][k][0])
+                        predicted.append(full[kind][k] * work[kind][k][i])
+            out[kind].append(relative_deviations(timed, predicted))
+    return out
+
+
+def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens, deviations=None, draws=200):
+    """Per packing and step, the simulator's step: `predicted`, the mean step when each row's forward
+    and backward (each stage's RowShares from the calibration rows) stray from the line as the
+    calibration rows timed once do (cost/lengths.expected_step over `deviations`); `line`, the
+    deterministic timeline of the line's rows; `one_table` with forward and backward together (as the
+    dispatch costs them); `flops_only` with the planner's FLOP shares alone (what an uncalibrated
+    planner would say)."""
+    from hrlplan.cost.lengths import expected_step, micro_batch_multipliers
     from hrlplan.cost.timeline import simulate_timeline
 
     zero = [0.0] * args.pp
-
-    def simulated(sq, n_docs, useful, row_shares, backward_shares=None):
-        work = micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, row_shares)
-        back = (micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, backward_shares)
-                if backward_shares is not None else None)
-        return simulate_timeline("1f1b", args.pp, 1, args.micro_batches, full["F"], full["B"], zero, zero, zero, zero,
-                                 micro_batch_work=work, backward_work=back).makespan
-
     m = args.micro_batches
 
-    def slowest(sq, n_docs, useful, row_shares, backward_shares):
-        return max(simulated(sq[r * m:(r + 1) * m], n_docs[r * m:(r + 1) * m], useful[r * m:(r + 1) * m], row_shares,
-                             backward_shares) for r in range(args.dp))
+    def replica_step(work, back):
+        return simulate_timeline("1f1b", args.pp, 1, m, full["F"], full["B"], zero, zero, zero, zero,
+                                 micro_batch_work=work, backward_work=back).makespan
 
-    def over(row_shares, backward_shares=None):
-        return {p: [slowest(*x, row_shares, backward_shares) for x in zip(squares[p], docs[p], tokens[p])]
-                for p in M.PACKINGS}
+    def step_of_work(work, back):   # the slowest replica's (rows replica-major)
+        return max(replica_step([w[r * m:(r + 1) * m] for w in work],
+                                None if back is None else [b[r * m:(r + 1) * m] for b in back]) for r in range(args.dp))
 
-    return over(per_kind["F"], per_kind["B"]), over(shares), over(None)
+    def over(row_shares):
+        return {p: [step_of_work(micro_batch_multipliers(meta, spans, args.budget, *x, row_shares), None)
+                    for x in zip(squares[p], docs[p], tokens[p])] for p in M.PACKINGS}
+
+    by_kind = {p: [_line_rows(args, meta, spans, full, per_kind, *x) for x in zip(squares[p], docs[p], tokens[p])]
+               for p in M.PACKINGS}
+    line = {p: [step_of_work(w["F"], w["B"]) for w in by_kind[p]] for p in M.PACKINGS}
+    predicted = line if deviations is None else {
+        p: [expected_step(step_of_work, w["F"], w["B"], deviations, draws=draws, seed=i) for i, w in enumerate(by_kind[p])]
+        for p in M.PACKINGS}
+    return predicted, line, over(shares), over(None)
 
 
 def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
@@ -239,7 +274,10 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                                                      [p for r in timing["rounds"] for p in r["calibration"]])
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
-    predicted, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens)
+    passes = [p for r in timing["rounds"] for p in r["calibration"]]
+    deviations = _row_deviations(args, meta, spans, timing["calibration_rows"], passes, full, per_kind)
+    predicted, line, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs,
+                                                        tokens, deviations)
     rows_t, rows_sq, rows_docs = [], [], []
     for rnd in timing["rounds"]:
         for p in P:
@@ -257,6 +295,9 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
               "loads": [(r["load_before"], r["load_after"]) for r in timing["rounds"]],
               "full_row_s": full, "row_fit": fit, "calibration": calibration, "row_shares": [vars(x) for x in shares],
               "row_shares_by_kind": {kind: [vars(x) for x in v] for kind, v in per_kind.items()},
+              "row_deviations": {kind: [{"rows": len(v), "mean": statistics.fmean(v), "rms": statistics.fmean(
+                  x * x for x in v) ** 0.5, "median": statistics.median(v)} for v in pools]
+                  for kind, pools in deviations.items()},
               "attention_share": {"full_row": fit["per_square_s"] * args.budget ** 2 / full_row_s,
                                   "document_rows": fit["per_square_s"] * statistics.fmean(
                                       x for sq in squares["document"] for x in sq) / statistics.fmean(rows_t)},
@@ -269,7 +310,9 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
             "predicted_mean_step_s": mean_pred,
             "predicted_mean_step_s_flops_only": statistics.fmean(flops_only[p]),
             "predicted_mean_step_s_one_table": statistics.fmean(one_table[p]),
+            "predicted_mean_step_s_line": statistics.fmean(line[p]),
             "predicted_within_round_spread": min(steps_measured[p]) <= mean_pred <= max(steps_measured[p]),
+            "line_within_round_spread": min(steps_measured[p]) <= statistics.fmean(line[p]) <= max(steps_measured[p]),
             "predicted_over_measured": mean_pred / statistics.median(steps_measured[p]),
             "micro_batch_slowest_over_mean": quantiles(spreads[p]),
             "document_step_over_this_paired": quantiles(paired[p])}
@@ -279,7 +322,8 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
             "measured": quantiles([r[p] / r["document"] for r in per_round]),
             "predicted": sum(predicted["document"]) / sum(predicted[p]),
             "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p]),
-            "predicted_one_table": sum(one_table["document"]) / sum(one_table[p])}
+            "predicted_one_table": sum(one_table["document"]) / sum(one_table[p]),
+            "predicted_line": sum(line["document"]) / sum(line[p])}
     tables = [t for rnd in timing["rounds"] for p in P for t in rnd["tables"][p]]
     report["same_documents"] = {
         "loss_max_abs_difference": max(abs(a["loss"] - b["loss"]) for rnd in timing["rounds"]
@@ -309,8 +353,9 @@ def measure(args) -> Dict:
     spans = M.spans_of(args)
     stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
     calibration = M.calibration_rows(args, corpus.eot_id, documents)
-    # 6 passes (about 10 s each): a pass's rows vary by a few percent; the fit of their medians far less
-    before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(6)]
+    # 3 passes (about 15 s each at 6 held-out steps): they only feed the dispatch (the prediction fits the
+    # passes timed between the rounds' steps); a pass's rows vary by a few percent, the fit of their medians far less
+    before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(3)]
     full, shares, _, _ = _calibrate(args, calibration, before)
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
     timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
@@ -341,8 +386,9 @@ def print_measured(report: Dict) -> None:
         tps, st, sp = r["useful_tokens_per_cpu_s"], r["mean_step_s_per_round"], r["micro_batch_slowest_over_mean"]
         paired = r["document_step_over_this_paired"]
         print(f"{p:9s} useful tokens per CPU-s median {tps['median']:.0f} ({tps['min']:.0f}-{tps['max']:.0f}); "
-              f"mean step {st['median']:.3f} s ({st['min']:.3f}-{st['max']:.3f}), simulator "
-              f"{r['predicted_mean_step_s']:.3f} s (within: {r['predicted_within_round_spread']}; FLOP shares "
+              f"mean step {st['median']:.4f} s ({st['min']:.4f}-{st['max']:.4f}), simulator "
+              f"{r['predicted_mean_step_s']:.4f} s (within: {r['predicted_within_round_spread']}; line "
+              f"{r['predicted_mean_step_s_line']:.4f} s, within {r['line_within_round_spread']}; FLOP shares "
               f"{r['predicted_mean_step_s_flops_only']:.3f} s); slowest/mean micro-batch {sp['median']:.3f} "
               f"(p10 {sp['p10']:.3f}, p90 {sp['p90']:.3f}); document/this per step {paired['median']:.3f} "
               f"({paired['p10']:.3f}-{paired['p90']:.3f})")

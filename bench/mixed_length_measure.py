@@ -136,7 +136,7 @@ def time_micro_batches(stages, inputs, targets, micro_batches: int) -> Dict[str,
 # ones (their mix of documents, lengths and padding) and the fit holds where the steps are. Synthetic
 # rows (16 or 64 equal documents, a row of padding) were tried before: they sit off the steps' line
 # (64 documents of 32 tokens took 3.4x what the steps' own fit gives) and pulled the fit 2-7% off.
-HELD_OUT_STEPS = 3
+HELD_OUT_STEPS = 6
 # a pipeline-aware packing of the held-out steps needs a row's fixed work against its attention; any
 # value near the measured one gives rows of the same kind (light ones to the ends, heavy ones inside)
 HELD_OUT_ATTENTION_RATIO = 3.5

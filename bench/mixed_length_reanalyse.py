@@ -5,8 +5,9 @@ calibration passes (for reports measured before a change of the fit):
 
 between (default): the passes timed between the rounds' steps, as the bench now fits; before: the
 passes timed before the rounds (which fed the dispatch); all: both. Prints per packing the predicted
-mean step against the measured one (median of rounds, min-max; "in" where inside) and the predicted
-balanced / document.
+mean step (the rows straying as the chosen passes' rows do: cost/lengths.expected_step) against the
+measured one (median of rounds, min-max; "in" where inside), the deterministic line's, and the
+predicted balanced / document.
 """
 from __future__ import annotations
 
@@ -35,13 +36,16 @@ def reanalyse(path: str, which: str = "between") -> dict:
               "all": report["calibration_passes_before"] + report["calibration_passes"]}[which]
     full, shares, _, per_kind = ML._calibrate(args, calibration, passes)
     meta = introspect(as_config(compose(M.overrides(args))).arch, args.budget)
-    predicted, _, _ = ML._simulated(args, meta, report["spans"], full, shares, per_kind, report["square_sums"],
-                                    report["documents_per_micro_batch"], report["useful_tokens_per_micro_batch"])
+    deviations = ML._row_deviations(args, meta, report["spans"], calibration, passes, full, per_kind)
+    predicted, line, _, _ = ML._simulated(args, meta, report["spans"], full, shares, per_kind, report["square_sums"],
+                                          report["documents_per_micro_batch"], report["useful_tokens_per_micro_batch"],
+                                          deviations)
     out = {"passes": which, "packings": {}}
     for p in M.PACKINGS:
         measured = report["packings"][p]["mean_step_s_per_round"]
         mean = statistics.fmean(predicted[p])
         out["packings"][p] = {"predicted_mean_step_s": mean, "measured": measured,
+                              "line_mean_step_s": statistics.fmean(line[p]),
                               "predicted_over_measured": mean / measured["median"],
                               "within": measured["min"] <= mean <= measured["max"]}
     out["predicted_balanced_over_document"] = sum(predicted["document"]) / sum(predicted["balanced"])
@@ -58,7 +62,8 @@ def main(argv=None):
     for p, x in out["packings"].items():
         m = x["measured"]
         parts.append(f"{p} {x['predicted_mean_step_s']:.3f} s vs {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
-                     f"{x['predicted_over_measured']:.3f}x{' in' if x['within'] else ''}")
+                     f"{x['predicted_over_measured']:.4f}x{' in' if x['within'] else ''} (line "
+                     f"{x['line_mean_step_s'] / m['median']:.4f}x)")
     print(f"{Path(args.report).name} ({args.passes} passes): " + "; ".join(parts)
           + f"; predicted balanced / document {out['predicted_balanced_over_document']:.3f}x")
     return out

@@ -19,7 +19,11 @@ on which documents it holds: its sum of squared lengths. This module
 - gives the dispatch the same step to minimise (`dispatch_model`: its costs in units of a fixed-length
   row, and a bin's time back to work multipliers, then the simulated step);
 - walks measured per-(stage, micro-batch) forward and backward times through a schedule's order
-  (`pipeline_step`, equal to the simulator's timeline without its FSDP extras and handshake: tested).
+  (`pipeline_step`, equal to the simulator's timeline without its FSDP extras and handshake: tested);
+- gives the mean step when each micro-batch's time strays from its predicted one as measured rows do
+  (`expected_step`): a step is the longest path through the schedule, a maximum, so rows that stray
+  either way lengthen it on average -- more the more paths are near-critical (a balanced packing's,
+  the slowest of several replicas) -- and a deterministic timeline of the predicted rows falls short.
 """
 from __future__ import annotations
 
@@ -278,6 +282,35 @@ def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: S
         free[pos] = start + dur
         (f_end if kind == F else b_end)[k][j] = start + dur
     return max(free)
+
+
+def relative_deviations(timed: Sequence[float], predicted: Sequence[float]) -> List[float]:
+    """How far rows timed once stray from their predicted times, each as timed / predicted - 1 (rows
+    predicted at no time left out): the pool expected_step draws from. Not centred: single timings
+    skew long (a preempted row), so their mean sits above the median a calibration fits."""
+    return [t / p - 1.0 for t, p in zip(timed, predicted) if p > 0]
+
+
+def expected_step(step_of_work: Callable[[List[List[float]], List[List[float]]], float],
+                  forward_work: Sequence[Sequence[float]], backward_work: Sequence[Sequence[float]],
+                  deviations: Dict[str, Sequence[Sequence[float]]], draws: int = 200, seed: int = 0) -> float:
+    """The mean of step_of_work(forward, backward) over `draws` steps whose [stage][micro-batch] work
+    is the predicted work times 1 + a deviation drawn (with replacement) from deviations["F"][stage]
+    or deviations["B"][stage] -- the measured rows' own (relative_deviations). With no deviations,
+    the deterministic step. Deviations of mean zero can only lengthen it (a step is a maximum over
+    paths of sums: convex in the durations)."""
+    if not any(len(pool) for kind in ("F", "B") for pool in deviations.get(kind, ())):
+        return step_of_work([list(r) for r in forward_work], [list(r) for r in backward_work])
+    for kind, work in (("F", forward_work), ("B", backward_work)):
+        if len(deviations.get(kind, ())) != len(work) or not all(len(pool) for pool in deviations[kind]):
+            raise ValueError(f"deviations[{kind!r}] needs a non-empty pool for each of the {len(work)} stages")
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(draws):
+        strayed = {kind: [[w * (1.0 + rng.choice(pool)) for w in row] for row, pool in zip(work, deviations[kind])]
+                   for kind, work in (("F", forward_work), ("B", backward_work))}
+        total += step_of_work(strayed["F"], strayed["B"])
+    return total / draws
 
 
 def scaled(per_stage: Sequence[float], multipliers: Sequence[Sequence[float]]) -> List[List[float]]:
