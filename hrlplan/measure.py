@@ -127,22 +127,37 @@ def fit_latency_bandwidth(sizes, one_way_s) -> tuple:
 # ---------------------------------------------------------------- point to point
 def ping_pong(me: int, peer: int, sizes, repeats: int, device: torch.device) -> tuple:
     """Run by ranks `me` and `peer` of the initialised default process group: (bandwidth, latency) of
-    the pair, fitted over message sizes (one-way time = round trip / 2)."""
-
-    def exchange(t, reps):
-        sync_start = time.perf_counter()
-        for _ in range(reps):
-            if me < peer:
-                dist.send(t, peer)
-                dist.recv(t, peer)
-            else:
-                dist.recv(t, peer)
-                dist.send(t, peer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - sync_start) / reps
-
+    the pair, fitted over message sizes; a size's one-way time is half its QUICKEST of `repeats`
+    round trips, each timed on its own by the rank that starts them (the lower), which then sends its
+    figures to the other: both ranks return the same fit.
+    Why the quickest and not the mean (or median): a round trip timed from its first send to its
+    reply cannot take less than the link's own time, while a scheduling stall of either process, or
+    anything else on the host, only adds to it -- the same reason the matmul probe keeps its quickest
+    repeat. The mean of the repeats let one stall set the figure (a probed link 40-100x slow after one
+    stall, round 5). The quickest is no underestimate because only the starting rank's timings count:
+    the other rank's intervals are not round trips (each starts when its previous send returned, by
+    which time the next message may already have arrived), so the quickest of them could undershoot.
+    On CUDA each round trip includes one synchronize (a constant: it lands in the latency)."""
+    starts = me < peer
     bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
-    exchange(bufs[-1], 1)  # warm-up: connection setup
-    one_way = [exchange(b, repeats) / 2 for b in bufs]
-    return fit_latency_bandwidth(list(sizes), one_way)
+    _round_trip(bufs[-1], peer, starts, device)  # warm-up: connection setup
+    one_way = [min(_round_trip(b, peer, starts, device) for _ in range(max(1, repeats))) / 2 for b in bufs]
+    figures = torch.tensor(one_way, dtype=torch.float64, device=device)
+    if starts:
+        dist.send(figures, peer)
+    else:
+        dist.recv(figures, peer)
+    return fit_latency_bandwidth(list(sizes), figures.tolist())
+
+
+def _round_trip(t: torch.Tensor, peer: int, starts: bool, device: torch.device) -> float:
+    """Seconds of one exchange of `t` with `peer`: send then receive where this rank starts, else
+    receive then send."""
+    t0 = now(device)
+    if starts:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    else:
+        dist.recv(t, peer)
+        dist.send(t, peer)
+    return now(device) - t0
