@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,10 +131,10 @@ def test_fsdp_gathers_its_weights_under_the_first_forward_when_dp_overlaps():
     assert a.dp_sync < b.dp_sync
 
 
-def test_tp_overlap_gemms_follow_transformer_engines_default_splits():
+def test_tp_overlap_gemms_follow_transformer_engines_default_splits(h100):
     """Ring-exchange GEMMs run in tp row chunks, pipeline ones in 4 beside TE_COMM_SMS SMs, bulk ones
     whole beside them; at tp 1 nothing is split."""
-    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    k = h100
     t, h = 4096.0, 8192.0
     shapes = ((t, 3 * h / 8, h), (t, h, h / 8), (t, 4 * h / 8, h), (t, h, 4 * h / 8))
     fwd, _ = kernels.tp_overlap_gemms(k, shapes, 8, 2)
@@ -146,42 +147,43 @@ def test_tp_overlap_gemms_follow_transformer_engines_default_splits():
     assert fwd == pytest.approx(expect, rel=1e-12)
 
 
-def test_sequence_parallel_shards_megatrons_norms_and_residuals():
+@pytest.fixture
+def h100():
+    return kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+
+
+def _block_forward_without_and_with_sp(k, hidden: int, heads: int, seq: int, tp: int, runtime: str):
+    """block_times' forward of one block (12h^2 weights, bf16, fused attention, one sequence of
+    `seq` tokens) on a tp rank, without and with sequence parallelism."""
+    meta = SimpleNamespace(hidden_size=hidden, num_heads=heads, seq_len=seq)
+    args = (k, meta, 12 * hidden ** 2, float(seq), tp, 2, 4.0 * seq * hidden, True, runtime)
+    return kernels.block_times(*args)[0], kernels.block_times(*args, sequence_parallel=True)[0]
+
+
+def test_sequence_parallel_shards_megatrons_norms_and_residuals(h100):
     """Under sequence parallelism a Megatron tp rank norms and adds tokens/tp (the h term over tp);
     without it they run whole on every rank."""
-    from types import SimpleNamespace
-
-    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
-    meta = SimpleNamespace(hidden_size=8192, num_heads=64, seq_len=4096)
-    args = (k, meta, 12 * 8192 ** 2, 4096.0, 8, 2, 4.0 * 4096 * 8192, True, "megatron")
-    whole, sharded = kernels.block_times(*args)[0], kernels.block_times(*args, sequence_parallel=True)[0]
-    h_term = k.elementwise(4096 * 2 * kernels.ELEMENTWISE_H["megatron"] * 8192)
+    whole, sharded = _block_forward_without_and_with_sp(h100, 8192, 64, 4096, 8, "megatron")
+    h_term = h100.elementwise(4096 * 2 * kernels.ELEMENTWISE_H["megatron"] * 8192)
     assert whole - sharded == pytest.approx(h_term * (1 - 1 / 8), rel=1e-9)
 
 
-def test_torch_norms_and_residual_adds_stay_whole_without_sequence_parallelism():
+def test_torch_norms_and_residual_adds_stay_whole_without_sequence_parallelism(h100):
     """runtime=torch: without sequence parallelism a tp rank runs the norms and residual adds
     (ELEMENTWISE_H_REPLICATED, a count of the eager Llama block) whole and only the rest of the measured
     110h over tp; with it all of it over tp. Megatron's 12h is all norms and adds: whole, or over tp."""
-    from types import SimpleNamespace
-
     assert kernels.elementwise_h_per_rank("torch", 1, False) == kernels.ELEMENTWISE_H["torch"]
     assert kernels.elementwise_h_per_rank("torch", 8, False) == pytest.approx(42.0 + (110.0 - 42.0) / 8)
     assert kernels.elementwise_h_per_rank("torch", 8, True) == pytest.approx(110.0 / 8)
     assert kernels.elementwise_h_per_rank("megatron", 8, False) == 12.0
-    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
-    meta = SimpleNamespace(hidden_size=4096, num_heads=32, seq_len=2048)
-    args = (k, meta, 12 * 4096 ** 2, 2048.0, 4, 2, 4.0 * 2048 * 4096, True, "torch")
-    whole, sharded = kernels.block_times(*args)[0], kernels.block_times(*args, sequence_parallel=True)[0]
-    replicated = k.elementwise(2048 * 2 * kernels.ELEMENTWISE_H_REPLICATED["torch"] * 4096)
+    whole, sharded = _block_forward_without_and_with_sp(h100, 4096, 32, 2048, 4, "torch")
+    replicated = h100.elementwise(2048 * 2 * kernels.ELEMENTWISE_H_REPLICATED["torch"] * 4096)
     assert whole - sharded == pytest.approx(replicated * (1 - 1 / 4), rel=1e-9)
 
 
-def test_megatrons_loss_moves_its_cross_entropy_passes():
+def test_megatrons_loss_moves_its_cross_entropy_passes(h100):
     """Megatron's unfused vocab-parallel cross-entropy: 38 bytes per logit forward, 14 backward."""
-    from types import SimpleNamespace
-
-    k = kernels.GpuKernels(peak=989e12, hbm=3.35e12, sms=132, name="H100-80GB")
+    k = h100
     meta = SimpleNamespace(hidden_size=2048, head_flops_fwd_per_token=2.0 * 2048 * 131072)
     mf, mb = kernels.head_times(k, meta, 4096, 1, 2, "megatron")
     tf, tb = kernels.head_times(k, meta, 4096, 1, 2, "torch")
