@@ -170,7 +170,7 @@ def _replica_results(sim: Simulator, layouts: List[Layout], contention: Optional
             sim.evaluations += 1   # counted as a call still: searches budget by calls (and must end)
         else:
             entry = [lay, sim.evaluate(lay, detail=True, contention=contention), None]
-            if key is not None and (entry[1].feasible or entry[1].reason.startswith("out of memory")):
+            if key is not None and (entry[1].feasible or entry[1].over_memory):
                 cache[key] = entry   # not a wrapper's refusal (search.hetero.TimedSimulator: out of time)
         if timing and entry[2] is None:
             entry[2] = _pipeline_timing(sim, lay, contention)
@@ -285,7 +285,7 @@ def _sharded_state(sim: Simulator, plan, layouts: List[Layout], results, timings
     devices = rank_devices(plan)
     out, times = list(results), list(timings)
     for p, (pipe, lay, r) in enumerate(zip(plan.as_pipelines(), layouts, results)):
-        if not r.feasible and not r.reason.startswith("out of memory"):
+        if not r.feasible and not r.over_memory:
             continue
         if not r.feasible:
             unchecked = _UNCHECKED.get(sim)
@@ -302,7 +302,7 @@ def _sharded_state(sim: Simulator, plan, layouts: List[Layout], results, timings
         if over:
             d = max(over)[1]
             dev = sim.cluster.devices[d]
-            r = dataclasses.replace(r, feasible=False, step_time_s=float("inf"), reason=(
+            r = dataclasses.replace(r, feasible=False, step_time_s=float("inf"), over_memory=True, reason=(
                 f"out of memory on device {d} ({dev.name}, {dev.hostname} local {dev.local_rank}) with the sharded "
                 f"optimizer: needs {need[d] / 2**30:.2f} GiB > {sim.opts.memory_margin:g} x "
                 f"{dev.memory_bytes / 2**30:.2f} GiB"))
@@ -344,7 +344,7 @@ def worst_memory_reason(sim: Simulator, results) -> Optional[str]:
     """The out-of-memory reason of the replica most over its devices' memory (need / limit), naming
     the replica when there are several; None when some failure is not about memory."""
     bad = [(p, r) for p, r in enumerate(results) if not r.feasible]
-    if not bad or not all(r.reason.startswith("out of memory") for _, r in bad):
+    if not bad or not all(r.over_memory for _, r in bad):
         return None
     limit, margin = sim.devices.memory_limit, sim.opts.memory_margin
     p, worst = max(bad, key=lambda pr: max((need / limit(d, margin) for d, need in pr[1].memory_bytes.items()),

@@ -33,6 +33,7 @@ class SimResult:
     memory_bytes: Dict[int, float] = field(default_factory=dict)   # cluster device id -> peak bytes
     breakdown: Dict[str, Any] = field(default_factory=dict)
     stages: List[Dict[str, Any]] = field(default_factory=list)
+    over_memory: bool = False   # infeasible because a device's peak is over its memory (`reason` says which)
 
 
 class Simulator:
@@ -116,7 +117,7 @@ class Simulator:
                     for p in range(layout.pp)]
         memory, reason = self._memory_check(layout, pos_need)
         if reason:
-            return SimResult(False, float("inf"), reason=reason, memory_bytes=memory)
+            return SimResult(False, float("inf"), reason=reason, memory_bytes=memory, over_memory=True)
         tl = run.tl
         bubble = 1.0 - sum(tl.busy) / (tl.makespan * layout.pp) if tl.makespan > 0 else 0.0
         res = SimResult(True, step, bubble_fraction=max(bubble, 0.0), memory_bytes=memory)
