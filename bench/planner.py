@@ -75,7 +75,9 @@ def run(instance, train_steps: int, samples: int, seed: int) -> dict:
     t = time.perf_counter()
     exact, _ = make_plan(meta, cluster, dict(asdict(ExactPlannerConfig()), **space), train)
     row.update(exact_s=exact.meta["predicted"]["step_time_s"], exact_time_s=time.perf_counter() - t,
-               exact_proven=exact.meta["planner"]["proven_optimal"], exact_layout=exact.layout())
+               exact_proven=exact.meta["planner"]["proven_optimal"], exact_layout=exact.layout(),
+               # where the replica search runs: which passes of search/hetero_single.py ended the single template
+               exact_single_search=exact.meta["planner"].get("single_template_search"))
     hrl_cfg = dict(asdict(HRLPlannerConfig()), train_steps=train_steps, samples=samples, seed=seed, progress=False,
                    **space)
     row["chosen_schedule"] = exact.schedule
@@ -133,14 +135,16 @@ def held_out(count: int, samples: int, seed: int) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first 6 instances, 10 training steps")
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None,
+                    help="instances whose 'arch preset batch schedule v' contains this; several: comma-separated")
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--held-out", type=int, default=10, help="generated held-out instances (zero-shot)")
     ap.add_argument("--out", default="bench/results/planner.json")
     args = ap.parse_args()
-    items = [i for i in INSTANCES if not args.only or args.only in " ".join(map(str, i))]
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else []
+    items = [i for i in INSTANCES if not wanted or any(w in " ".join(map(str, i)) for w in wanted)]
     if args.quick:
         items, args.train_steps = items[:6], min(args.train_steps, 10)
     rows = []
