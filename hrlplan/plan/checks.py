@@ -27,6 +27,9 @@ HETERO_SCHEDULES = schedules.heterogeneous_names()
 # whole model, or sharded across the replicas (ZeRO-1; cost/replica_sync.py, runtime/hetero_zero.py).
 SHARDED, REPLICATED = "sharded", "replicated"
 REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
+# Whether hrlplan's own executor runs sequence parallelism inside a replica whose stages all share
+# one tp > 1 (runtime/hetero.py); the replica search reads it (search/hetero.py).
+HETERO_SEQUENCE_PARALLEL = False
 
 
 class PlanError(UserError, ValueError):
