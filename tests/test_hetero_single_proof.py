@@ -1,7 +1,7 @@
-"""The single-template search's proof pass (search/hetero_single.py): after the work-bounded screen
-and refine passes, exact's whole search runs on while PROOF_TIME_SHARE of planner.hetero_time_s
-allows, and its result counts only as a proof -- a pass cut short is dropped whole, so the
-candidate stays the work-bounded one (the same at any load)."""
+"""The single-template search's proof pass (search/hetero_single.py): where the work-bounded screen
+gives up, exact's whole search runs on while PROOF_TIME_SHARE of planner.hetero_time_s allows, and
+its result counts only as a proof -- a pass cut short is dropped whole and the work-bounded refine
+pass decides (the same at any load)."""
 from dataclasses import asdict
 
 import pytest
@@ -12,7 +12,7 @@ from hrlplan.search import hetero_single
 from hrlplan.search.common import Scored, Tracker, cost_options
 from hrlplan.search.config import ExactPlannerConfig
 from hrlplan.search.exact import search_exact
-from hrlplan.search.hetero_single import _ResultLog, exact_proved, single_template_search
+from hrlplan.search.hetero_single import PROOF_MULTIPLE, _ResultLog, exact_proved, single_template_search
 from hrlplan.search.space import SearchSpace
 from tests.test_cost import toy_meta
 from tests.test_hetero_planner import TRAIN, fast_slow
@@ -33,7 +33,7 @@ def _search(cfg=CFG):
 def test_the_proof_pass_proves_what_the_work_bound_could_not():
     sim, space = _search()
     out = single_template_search(sim, space, CFG)
-    assert out["single_template_search"] == "screen, refine and proof"
+    assert out["single_template_search"] == "screen and proof"
     assert out["proven_optimal"] and exact_proved(out, CFG)
     plain_sim, plain_space = _search()
     plain = search_exact(plain_sim, plain_space, CFG)
@@ -50,6 +50,16 @@ def test_without_time_for_it_the_candidate_is_the_work_bounded_one(monkeypatch):
     assert "no proof pass" in out["note"]
 
 
+def test_the_proof_pass_is_bounded_by_work_too():
+    """The toy's whole search needs 19 calls: with 2 (PROOF_MULTIPLE x 2 = 16 for the proof pass) it
+    gives up whatever the clock, and the refine pass decides."""
+    cfg = dict(CFG, hetero_single_simulations=2)
+    sim, space = _search(cfg)
+    out = single_template_search(sim, space, cfg)
+    assert out["single_template_search"] == "screen and refine" and not out["proven_optimal"]
+    assert f"{PROOF_MULTIPLE * 2:,} simulator calls" in out["note"] and "gave up" in out["note"]
+
+
 def test_a_proof_pass_cut_short_is_dropped_whole_even_where_it_found_faster(monkeypatch):
     """Only a proof is the same at any load: a cut pass's faster layout would make the planner's
     candidate differ from a reference search's at another load (bench/hetero.py)."""
@@ -59,20 +69,20 @@ def test_a_proof_pass_cut_short_is_dropped_whole_even_where_it_found_faster(monk
     monkeypatch.setattr(hetero_single, "PROOF_TIME_SHARE", 0.25)
     calls = []
 
-    def cut_third_pass(sim_, space_, cfg):
+    def cut_proof_pass(sim_, space_, cfg):
         out = search_exact(sim_, space_, cfg)
         calls.append(cfg)
-        if len(calls) == 3:   # the proof pass: as if its clock ran out after finding a faster layout
+        if cfg["max_simulations"] == PROOF_MULTIPLE * 4:   # the proof pass: as if it gave up after finding faster
             faster = Tracker()
             best = out["tracker"].best
             faster.offer(Scored(best.layout, SimResult(True, best.time / 2)))
             out = dict(out, tracker=faster, proven_optimal=False, note="gave up after max_search_s=0.1 s")
         return out
 
-    monkeypatch.setattr(hetero_single, "search_exact", cut_third_pass)
+    monkeypatch.setattr(hetero_single, "search_exact", cut_proof_pass)
     sim, space = _search()
     out = single_template_search(sim, space, CFG)
-    assert len(calls) == 3 and calls[2]["max_simulations"] == CFG["max_simulations"]
+    assert [c["max_simulations"] for c in calls] == [1, PROOF_MULTIPLE * 4, 3]   # screen, proof, refine
     assert not out["proven_optimal"] and out["single_template_search"] == "screen and refine"
     assert out["tracker"].best.time == bounded.time
     assert "proof pass" in out["note"] and "dropped" in out["note"]
