@@ -287,6 +287,21 @@ def place(layout: Layout, devices: Sequence[int]) -> Layout:
 BOTH_OPTIMIZERS = (REPLICATED, SHARDED)
 
 
+def sharding_saves_at_most_s(sim, layout: Layout, result=None) -> float:
+    """The most the sharded optimizer can take off a replica's own step (cost/plans.py: a sharded plan's
+    step is never under each replica's step less its optimizer plus what its ranks step, and a rank
+    steps at least the optimizer's per-call cost): its optimizer step less that per-call cost. A
+    replica plan's step is never under its slowest replica's own step less this, under either
+    optimizer -- the lower bound the replica searches prune by. `result`: the layout's detailed
+    simulation where the caller has it (else one simulator call)."""
+    if result is None or not result.breakdown:
+        result = sim.evaluate(layout, detail=True)
+    if not result.feasible:
+        return 0.0
+    fixed = sim.devices.overheads.optimizer_fixed(1, layout.tp) * sim.devices.time_scale
+    return max(0.0, float(result.breakdown.get("optimizer_s", 0.0)) - fixed)
+
+
 def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_meta: Dict[str, Any],
                 sim=None, optimizers: Optional[Sequence[str]] = None) -> Tuple[Plan, Dict[str, Any]]:
     """The validated Plan (pipelines, launch, unused ranks, prediction) of a set of replicas and the

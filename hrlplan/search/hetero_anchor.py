@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hrlplan.cost.model import Layout
 from hrlplan.search.common import describe
-from hrlplan.search.hetero import HeteroSpace, Shape, single_template_of
+from hrlplan.search.hetero import HeteroSpace, Shape, sharding_saves_at_most_s, single_template_of
 from hrlplan.search.hetero_exact import TP_ANY, Option, ShareSearch, enumerate_options, row_grid
 
 ANCHOR_SHARE_OF_BUDGET = 0.6   # of what is left: the by-type sub-space keeps the rest
@@ -98,20 +98,23 @@ class AnchorTemplates:
         sizes = [b for b in range(min(self.single.microbatch_size, rows), 0, -1) if rows % b == 0]
         return [(b, rc) for rc in recomputes for b in sizes]
 
-    def best(self, rows: int, deadline: float) -> Optional[Tuple[float, int, tuple]]:
-        """(step time, micro-batch size, recomputation) of the fastest variant that fits, or None."""
+    def best(self, rows: int, deadline: float) -> Optional[Tuple[float, int, tuple, float]]:
+        """(step time, micro-batch size, recomputation, the most the sharded optimizer can save on
+        a slice: hetero.sharding_saves_at_most_s) of the fastest variant that fits, or None."""
         best = None
         for b, rc in self.variants(rows):
             if time.perf_counter() > deadline:
                 break
-            worst = 0.0
+            worst, saving = 0.0, 0.0
             for i in self.distinct:
-                r = self.sim.evaluate(self.layout(self.slices[i], rows, b, rc))
+                layout = self.layout(self.slices[i], rows, b, rc)
+                r = self.sim.evaluate(layout, detail=True)
                 worst = max(worst, r.step_time_s if r.feasible else float("inf"))
                 if worst == float("inf"):
                     break
+                saving = max(saving, sharding_saves_at_most_s(self.sim, layout, r))
             if worst < float("inf") and (best is None or worst < best[0]):
-                best = (worst, b, rc)
+                best = (worst, b, rc, saving)
             if best is not None and rc != self.single.recompute:
                 break   # full recomputation only where the template's own does not fit
         return best
@@ -120,9 +123,10 @@ class AnchorTemplates:
         found = self.best(rows, deadline)
         if found is None:
             return None
-        step, b, rc = found
+        step, b, rc, saving = found
         layouts = tuple(self.layout(g, rows, b, rc) for g in self.slices)
-        return Option(label, Shape(0, len(self.slices)), len(self.slices), rows, tp, step, nproc, layouts)
+        # the program's coefficient: a lower bound under either optimizer (hetero_exact.py)
+        return Option(label, Shape(0, len(self.slices)), len(self.slices), rows, tp, step - saving, nproc, layouts)
 
 
 MAX_ANCHOR_ROWS = 48
@@ -183,7 +187,7 @@ def search_anchored(search: ShareSearch, single, steps: int, tps: List[int]) -> 
     label = anchor_label(cluster, layout)
     options = [o for rows in anchor_rows(search.global_batch, grid[0], len(anchors.slices))
                for o in [anchors.option(rows, nproc, tp, label, deadline)] if o is not None]
-    for o in options:   # the anchor's times are exact already: no template search refines them
+    for o in options:   # the anchor's bounds are final already: no template search refines them
         search.table.table[o.key] = (o.time_s, o.layouts[0])
     idle_space = HeteroSpace(cluster, nproc, nodes=idle)
     table = search.table

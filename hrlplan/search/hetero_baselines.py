@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from hrlplan.search.hetero import HeteroSpace, Replica, ReplicaSpace, hetero_plan, place, same_tp_required
+from hrlplan.search.hetero import (BOTH_OPTIMIZERS, HeteroSpace, Replica, ReplicaSpace, hetero_plan, place,
+                                  same_tp_required)
 from hrlplan.search.hetero_exact import nproc_candidates
 
 
@@ -87,7 +88,8 @@ class Sampler:
             layout = rs.layout(c, [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)])
             replicas += [Replica(ch.device_type, place(layout, self.space.replica_devices(ch.device_type, ch.size, k)))
                          for k in range(ch.count)]
-        plan, predicted = hetero_plan(self.meta, self.cluster, replicas, str(self.train["schedule"]), {}, sim=self.sim)
+        plan, predicted = hetero_plan(self.meta, self.cluster, replicas, str(self.train["schedule"]), {}, sim=self.sim,
+                                      optimizers=BOTH_OPTIMIZERS)
         return (predicted["step_time_s"] if predicted["feasible"] else math.inf), plan
 
     def neighbour(self, state: List[Choice]) -> Optional[List[Choice]]:

@@ -10,11 +10,14 @@ and b_t rows of the global batch each (b_t on a grid of B/steps rows), sum_t k_t
    replica of a type has identical devices and links on a preset) for a batch of b rows: the
    replica's own step time T(t, s, b).
 2. An integer program (HiGHS) picks at most one (shape, count, rows) option per type, rows summing
-   to B, minimising max T: a lower bound on every plan of the sub-space it has not excluded (the
-   simulator's step of a plan waits for its slowest replica, then adds the cross-replica gradient
-   reduce). Each solution is assembled and predicted in full (predict_any_plan, sync included), then
-   cut off (a no-good cut); the loop stops when the bound reaches the best predicted step -- that
-   plan is then optimal over the sub-space -- or on the round / time budget (then it says so).
+   to B, minimising max T': a lower bound on every plan of the sub-space it has not excluded. T' is
+   T less the most the sharded optimizer can save on that replica (hetero.sharding_saves_at_most_s:
+   its optimizer step less the per-call cost): the simulator's step of a plan waits for its slowest
+   replica, then adds the cross-replica gradient reduce and the optimizer, which the sharded one
+   splits across replicas. Each solution is assembled and predicted in full (predict_any_plan, sync
+   included) with either optimizer, the faster kept, then cut off (a no-good cut); the loop stops
+   when the bound reaches the best predicted step -- that plan is then optimal over the sub-space,
+   each plan at the faster of its two optimizers -- or on the round / time budget (then it says so).
 
 The incumbent passed in (the single-template optimum) bounds the loop from the start, so the
 result is a heterogeneous plan only where it beats it.
@@ -31,9 +34,8 @@ from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero_single import DEFAULT_HETERO_TIME_S, exact_proved
-from hrlplan.cost.replica_sync import REPLICATED
-from hrlplan.search.hetero import (HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
-                                  search_exact_until)
+from hrlplan.search.hetero import (BOTH_OPTIMIZERS, HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
+                                  search_exact_until, sharding_saves_at_most_s)
 
 DEFAULT_SHARE_STEPS = 16
 DEFAULT_TIME_S = DEFAULT_HETERO_TIME_S   # the replica search's time from the planning's start
@@ -94,6 +96,8 @@ class TemplateTable:
         self.peaks: Dict[tuple, float] = {}
         self.guesses: Dict[tuple, Dict[Any, float]] = {}
         self.table: Dict[tuple, Tuple[float, Any]] = {}
+        # per key: the most the sharded optimizer can take off its template's step (lower_bound_s)
+        self.savings: Dict[tuple, float] = {}
         self.searches = 0
         self.unproven = 0
         self.out_of_time = False
@@ -202,7 +206,14 @@ class TemplateTable:
             if best is None and out.get("out_of_time"):
                 best = self._quick(key)
             self.table[key] = (best.time, best.layout) if best is not None else (float("inf"), None)
+            if best is not None:
+                self.savings[key] = sharding_saves_at_most_s(self.sim, best.layout)
         return self.table[key]
+
+    def lower_bound_s(self, key) -> float:
+        """The exact template's step less the most the sharded optimizer can save on it: what no plan
+        holding this replica is faster than, under either optimizer (inf: no template fits)."""
+        return self.exact(key)[0] - self.savings.get(key, 0.0)
 
     def _guesses(self, key) -> Dict[Any, float]:
         """search/estimate.py's memory-aware estimate per configuration of the replica (inf: does not fit)."""
@@ -393,7 +404,8 @@ def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
             f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
             f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
             f"one nproc-per-node out of {nprocs}" + ("; one tp degree across replicas (GPT-2)" if one_tp else "") +
-            "; each template the exact planner's optimum for its replica")
+            "; each template the exact planner's optimum for its replica; each plan predicted with the "
+            "faster of the replicated and the sharded optimizer across replicas")
 
 
 @dataclass
@@ -436,7 +448,7 @@ class ShareSearch:
                 return ""
             unrefined = {options[i].key for i in chosen} - set(self.table.table)
             for key in unrefined:   # bounds in the solution: replace them by the exact templates' times
-                program.set_time(key, self.table.exact(key)[0])
+                program.set_time(key, self.table.lower_bound_s(key))
             selection = tuple(chosen)
             if selection not in assessed and all(self.table.table[options[i].key][1] is not None for i in chosen):
                 # every selection whose templates are known is a plan: assess it at once, so that a
@@ -444,10 +456,9 @@ class ShareSearch:
                 assessed.add(selection)
                 self.rounds += 1
                 replicas = replicas_of([options[i] for i in chosen], placement or self.spaces, self.table)
-                # the replicated optimizer: a plan's step is then never under its slowest replica's
-                # own, the program's bound (make_plan may re-predict the chosen plan sharded)
+                # the faster of both optimizers: the program's bound is below either's step
                 plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim,
-                                              optimizers=(REPLICATED,))
+                                              optimizers=BOTH_OPTIMIZERS)
                 if predicted["feasible"] and predicted["step_time_s"] < self.best_s:
                     self.best_s, self.best = predicted["step_time_s"], (plan, predicted, replicas)
                     program.h.changeColBounds(program.z, 0.0, self.best_s)

@@ -38,9 +38,10 @@ from torch import nn
 from hrlplan import schedules
 from hrlplan.cluster import spec_from_preset
 from hrlplan.config import ExactPlannerConfig, TrainConfig, section
+from hrlplan.cost.replica_sync import REPLICATED
 from hrlplan.cost.simulator import Simulator
 from hrlplan.search.common import cost_options
-from hrlplan.search.hetero import HeteroSpace, Replica, Shape, hetero_plan, place, same_tp_required
+from hrlplan.search.hetero import BOTH_OPTIMIZERS, HeteroSpace, Replica, Shape, hetero_plan, place, same_tp_required
 from hrlplan.search.hetero_exact import nproc_candidates, row_grid
 from hrlplan.search.hrl_replica_low import ReplicaTemplates
 from hrlplan.search.hrl_replica_sync import sync_estimate
@@ -91,6 +92,9 @@ class ReplicaEnv:
         self.grid_unit = row_grid(self.B, share_steps)[0]
         self.low = ReplicaTemplates(sim, meta, cluster, planner_cfg, self.train, self.space, top=top, slack=slack)
         self.deadline = math.inf   # past it, a proposal's plan is not rebalanced (search_hrl_replicas sets it)
+        # the optimizers a proposal's plan is predicted with, the faster kept: the one the sync estimate
+        # models (hrl_replica_sync.py: the replicated reduce); search_hrl_replicas assesses both, as exact does
+        self.optimizers: Tuple[str, ...] = (REPLICATED,)
         # one tp across replicas (GPT-2): each proposal screened at every tp degree, the best kept
         self.tps: List[Optional[int]] = [None]
         if same_tp_required(meta):
@@ -169,7 +173,8 @@ class ReplicaEnv:
             return math.inf, None, None
         replicas = [Replica(t, place(tm.layout, self.space.shape_devices(t, s, i)))
                     for (t, s, k), tm in zip(chosen, templates) for i in range(k)]
-        plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim)
+        plan, predicted = hetero_plan(self.meta, self.cluster, replicas, self.schedule, {}, sim=self.sim,
+                                      optimizers=self.optimizers)
         if not predicted["feasible"]:
             return math.inf, None, None
         return predicted["step_time_s"], plan, replicas
@@ -320,6 +325,7 @@ def search_hrl_replicas(sim, meta, cluster, planner_cfg, train_cfg, calls: int, 
     start, t0 = sim.evaluations, time.perf_counter()
     deadline = min(deadline, t0 + time_s)
     env = ReplicaEnv(sim, meta, cluster, planner_cfg, train_cfg, top=top, slack=slack)
+    env.optimizers = BOTH_OPTIMIZERS
     env.deadline = deadline
     proposals = Proposals(env, policy, gen, draws)
     best, simulated, tried, done = (math.inf, None, None), 0, set(), set()

@@ -1,0 +1,85 @@
+"""The replica searches assess plans with the optimizer sharded across replicas too (search/hetero_exact.py,
+hetero_anchor.py): the plan each finds, the proof over its sub-space against brute force, and the
+lower bound the integer program prunes by under either optimizer."""
+from dataclasses import asdict
+
+import pytest
+
+from hrlplan.config import TrainConfig, section
+from hrlplan.cost.replica_sync import REPLICATED, SHARDED
+from hrlplan.cost.simulator import Simulator
+from hrlplan.search import hetero_exact
+from hrlplan.search.common import cost_options
+from hrlplan.search.config import ExactPlannerConfig
+from hrlplan.search.hetero import BOTH_OPTIMIZERS, hetero_plan
+from hrlplan.search.hetero_search import search_hetero
+from tests.test_cost import toy_meta
+from tests.test_hetero_planner import TRAIN, brute_force, fast_slow
+
+
+def _optimizer_bound_case():
+    """A 4-layer model whose optimizer step is a large part of a replica's step: two 1-device replicas
+    win sharded, one 2-device replica replicated."""
+    meta = toy_meta(n_layer=4, hidden=512, seq=32)
+    meta.model_type = "llama"   # no one-tp rule: the plain sub-space
+    cluster = fast_slow(1, 1)
+    train = dict(TRAIN, global_batch_size=4)
+    cfg = dict(asdict(ExactPlannerConfig()), microbatch_sizes=[1, 2, 4], hetero_share_steps=4)
+    return meta, cluster, train, cfg
+
+
+def _search(meta, cluster, train, cfg):
+    typed = section(TrainConfig, train)
+    sim = Simulator(meta, cluster, cost_options(cfg, typed))
+    return search_hetero(sim, meta, cluster, cfg, typed, float("inf")), sim
+
+
+def test_sharded_aware_search_finds_a_plan_a_replicated_assessment_misses(monkeypatch):
+    meta, cluster, train, cfg = _optimizer_bound_case()
+    found, _ = _search(meta, cluster, train, cfg)
+    assert found["proven"] and found["plan"].meta["replica_optimizer"] == SHARDED
+    assert "faster of the replicated and the sharded optimizer" in found["sub_space"]
+    # round 5's search: plans assessed replicated, the bound unlowered; the chosen plan then re-predicted
+    # both ways (make_plan) is still slower than the plan found sharded
+    monkeypatch.setattr(hetero_exact, "BOTH_OPTIMIZERS", (REPLICATED,))
+    monkeypatch.setattr(hetero_exact, "sharding_saves_at_most_s", lambda *a, **k: 0.0)
+    replicated, sim = _search(meta, cluster, train, cfg)
+    _, again = hetero_plan(meta, cluster, replicated["replicas"], "1f1b", {}, sim=sim, optimizers=BOTH_OPTIMIZERS)
+    assert found["predicted"]["step_time_s"] < again["step_time_s"] * (1 - 1e-3)
+
+
+def test_proof_with_both_optimizers_matches_brute_force():
+    """Every selection of the sub-space at the faster of its optimizers: the search's proven optimum is
+    theirs, and no plan's step is under the program's lowered bound for it."""
+    meta, cluster, train, cfg = _optimizer_bound_case()
+    found, _ = _search(meta, cluster, train, cfg)
+    best, pairs = brute_force(meta, cluster, cfg, train, steps=4)
+    assert found["proven"] and found["predicted"]["step_time_s"] == pytest.approx(best, rel=1e-9)
+    assert all(step >= bound * (1 - 1e-9) for bound, step in pairs)
+    # the bound is lowered where sharding saves: strictly under some replicated-only bound
+    assert any(step < bound_replicated for bound_replicated, step in _replicated_bounds(meta, cluster, cfg, train))
+
+
+def _replicated_bounds(meta, cluster, cfg, train):
+    """(the slowest replica's own step, the plan's step at the faster optimizer) per selection."""
+    from hrlplan.search.hetero import HeteroSpace, Replica, place
+    from hrlplan.search.hetero_exact import TP_ANY, TemplateTable
+    typed = section(TrainConfig, train)
+    sim = Simulator(meta, cluster, cost_options(cfg, typed))
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, typed, deadline=float("inf"))
+    table.bind({2: space})
+    out = []
+    for shape in space.replica_shapes("fast"):
+        for k in space.shape_counts("fast", shape):
+            if 4 % k:
+                continue
+            key = (2, "fast", shape, 4 // k, TP_ANY)
+            own, layout = table.exact(key)
+            if layout is None:
+                continue
+            replicas = [Replica("fast", place(layout, space.shape_devices("fast", shape, i))) for i in range(k)]
+            _, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=BOTH_OPTIMIZERS)
+            if predicted["feasible"]:
+                out.append((own, predicted["step_time_s"]))
+    return out
