@@ -83,8 +83,8 @@ def _check_stage_layers(stages: List[StagePlan], n_layer: int, where: str, err) 
 
 
 def _check_sequence_parallel(plan: Plan, err) -> None:
-    """Stages hand each other sequence-sharded activations: every stage runs it or none does, and
-    only the torch pipelining engine (uniform tp, one pipeline template) runs it."""
+    """Stages hand each other sequence-sharded activations: every stage runs it or none does, at one
+    tp (a heterogeneous plan's replicas: _check_replica_sequence_parallel)."""
     chosen = [s.sequence_parallel for s in plan.stages]
     if not any(chosen):
         return
@@ -93,8 +93,43 @@ def _check_sequence_parallel(plan: Plan, err) -> None:
         raise err(f"stages[{first_off}].sequence_parallel", "is false while another stage's is true; stages pass "
                   "sequence-sharded activations to each other, so set it on every stage or on none")
     if not plan.uniform_tp:
-        raise err("stages", "sequence_parallel needs the same tp on every stage (unequal tp runs on hrlplan's own "
-                  "executor, which has no sequence parallelism); set sequence_parallel false or make tp uniform")
+        raise err("stages", "sequence_parallel needs the same tp on every stage (stages pass each other the "
+                  "sequence shard, tp rank j to tp rank j); set sequence_parallel false or make tp uniform")
+
+
+def _check_replica_sequence_parallel(pipe, where: str, err) -> None:
+    """A replica on hrlplan's own executor runs sequence parallelism on all its stages at one tp or
+    not at all: its stages pass each other the sequence shard, rank j to rank j; its own seq_len
+    must divide by that tp. (_check_stage_layers already refused it at tp 1.)"""
+    chosen = [s.sequence_parallel for s in pipe.stages]
+    if not any(chosen):
+        return
+    if not all(chosen):
+        i = chosen.index(False)
+        raise err(f"{where}.stages[{i}].sequence_parallel", "is false while another stage of this pipeline sets it; "
+                  "its stages pass sequence-sharded activations to each other, so set it on every stage or on none")
+    tps = [s.tp for s in pipe.stages]
+    if len(set(tps)) != 1:
+        i = next(k for k, tp in enumerate(tps) if tp != tps[0])
+        raise err(f"{where}.stages[{i}].tp", f"is {tps[i]} but stage 0's is {tps[0]}: sequence parallelism in a "
+                  "pipeline needs one tp on all its stages; give them one tp or set sequence_parallel false")
+    if pipe.seq_len is not None and pipe.seq_len % tps[0]:
+        raise err(f"{where}.seq_len", f"{pipe.seq_len} is not divisible by the pipeline's tp {tps[0]}, over which "
+                  "sequence parallelism shards it; make it a multiple of the tp or set sequence_parallel false")
+
+
+def sequence_parallel_length_refusal(plan: Plan, seq_len: int) -> str:
+    """Why data.seq_len cannot run `plan`'s sequence parallelism ("" where it can): each tp group shards
+    the sequence (a heterogeneous replica its own seq_len where it sets one, checked by validate)."""
+    pipes = plan.pipelines or [plan]
+    for pipe in pipes:
+        if getattr(pipe, "seq_len", None) is not None:
+            continue
+        tp = max((s.tp for s in pipe.stages if s.sequence_parallel), default=1)
+        if tp > 1 and seq_len % tp:
+            return (f"data.seq_len={seq_len} is not divisible by tp {tp}, over which the plan's sequence parallelism "
+                    f"shards it; set data.seq_len to a multiple of {tp} or use a plan without sequence_parallel")
+    return ""
 
 
 def _check_rank_range(plan: Plan, err) -> None:
@@ -238,13 +273,11 @@ def _validate_heterogeneous(plan: Plan, err) -> None:
         for i, s in enumerate(pipe.stages):
             if s.dp != 1:
                 raise err(f"{where}.stages[{i}].dp", "a pipeline is one replica (dp 1); list more pipelines for more replicas")
-            if s.sequence_parallel:
-                raise err(f"{where}.stages[{i}].sequence_parallel", "heterogeneous pipelines run on hrlplan's own "
-                          "executor, which has no sequence parallelism; set it false")
             if s.cp != 1:
                 raise err(f"{where}.stages[{i}].cp", "heterogeneous pipelines run on hrlplan's own executor, which "
                           "has no context parallelism; remove the key")
         _check_stage_layers(pipe.stages, plan.n_layer, f"{where}.stages", err)
+        _check_replica_sequence_parallel(pipe, where, err)
         if pipe.num_microbatches < 1 or pipe.batch_size < 1:
             raise err(f"{where}.num_microbatches", "num_microbatches and batch_size must be >= 1")
         if pipe.batch_size % pipe.num_microbatches:

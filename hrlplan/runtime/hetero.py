@@ -13,7 +13,14 @@ forever.
 
 Resharding at a stage boundary: every rank of a tensor-parallel stage holds the full activation
 (tensor_parallel.py keeps block inputs/outputs replicated), so rank j of the receiving stage takes
-it from rank j mod tp_sender of the sending stage, and gradients go back the same way.
+it from rank j mod tp_sender of the sending stage, and gradients go back the same way. A replica
+whose stages all run sequence parallelism at one tp (plan/checks.py) passes the sequence shard
+(b, s/tp, h) instead, rank j to rank j of the next stage -- the same mapping, since the tps are
+equal -- as the torch pipelining engine does. Its norms' weights are Replicate DTensors whose
+gradients SequenceParallel leaves Partial (a sum over the rank's positions); they are all-reduced over
+the tp ranks at the step's last accumulation (tensor_parallel.replicate_partial_grads), so the reduce
+across replicas treats them as any replicated parameter, and replicas with and without it, at any
+tp, synchronise as before.
 
 Gradients: replicas differ, so there is no DDP/FSDP. Each parameter unit (embedding, block i,
 final norm + head) is all-reduced over the ranks holding it, every contribution weighted by its
@@ -54,7 +61,7 @@ from hrlplan.cost.replica_sync import SHARDED, replica_optimizer, unit_holders, 
 from hrlplan.runtime.hetero_sync import GradientReducer, gpt2_layout, reduce_dtype
 from hrlplan.runtime.hetero_zero import ShardedReplicaOptimizer
 from hrlplan.runtime.recompute import apply_recompute
-from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, stage_loss
+from hrlplan.runtime.tensor_parallel import loss_context, parallelize_stage, replicate_partial_grads, stage_loss
 from hrlplan.runtime.timing import StepRecorder
 from hrlplan.schedules import Order
 
@@ -178,6 +185,7 @@ class HeteroPipelineEngine:
         self.not_written: set = set()   # parameter names another holder writes to a checkpoint
         self.hidden = int(full_model.config.hidden_size)
         self.seq = None
+        self.sequence_shards = 1
         if self.me is None:
             return
         p, s = self.me
@@ -189,8 +197,13 @@ class HeteroPipelineEngine:
         part = part.to(device)
         if train.dtype == "bfloat16":   # weights, gradients (reduced in fp32) and messages stay fp32
             part.autocast_dtype = torch.bfloat16
+        # sequence parallelism: the whole replica or none of it, at one tp (plan/checks.py)
+        self.sequence_shards = self.stage.tp if self.stage.sequence_parallel and self.stage.tp > 1 else 1
         if self.stage.tp > 1:
-            parallelize_stage(part, tp_mesh, vocab_parallel=bool(train.vocab_parallel))
+            parallelize_stage(part, tp_mesh, vocab_parallel=bool(train.vocab_parallel),
+                              sequence_parallel=self.sequence_shards > 1)
+            if self.sequence_shards > 1:   # the norms' Partial gradients summed before the reducer reads them
+                replicate_partial_grads(part, self.pipe.num_microbatches)
         apply_recompute(part, self.stage.recompute)   # after tp, as the torch engine does
         self.parts[self.gid] = part
         self.loss_fn = stage_loss([part])
@@ -286,7 +299,11 @@ class HeteroPipelineEngine:
         # every rank of the pipeline holds its rows: packed documents' positions and ids are read here,
         # not sent beside the activations
         packed = is_packed_inputs(inputs)
-        shape = (mbs, inputs.shape[-1], self.hidden)
+        seq = inputs.shape[-1]
+        if seq % self.sequence_shards:
+            raise ValueError(f"sequence parallelism over tp={self.sequence_shards} needs a sequence length divisible "
+                             f"by it, got {seq}: set data.seq_len (or the replica's seq_len) to a multiple of it")
+        shape = (mbs, seq // self.sequence_shards, self.hidden)   # under sequence parallelism: this rank's shard
         outbox: Dict[Tuple[str, int], torch.Tensor] = {}   # what this rank's sends carry
         inbox: Dict[Tuple[str, int], torch.Tensor] = {}
         stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}

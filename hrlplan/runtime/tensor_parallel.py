@@ -27,8 +27,9 @@ all-gathered.
 Stage boundaries carry the sequence-sharded activation (b, s/tp, h), each tp rank to the same tp
 rank of the next stage, as torchtitan does: the send is tp times smaller, no all-gather is spent at
 a stage's end, and the micro-batches a schedule keeps in flight are stored sharded. The next stage
-recovers the whole length for its positions (HFStage.sequence_shards). Heterogeneous plans (stages
-of unequal tp, hetero.py) keep whole activations at their boundaries and do not use it.
+recovers the whole length for its positions (HFStage.sequence_shards). hrlplan's own executor
+(hetero.py) does the same inside a replica whose stages share one tp; stages of unequal tp keep whole
+activations at their boundaries and do not use it.
 
 Packed documents (data.packing=document|balanced, models/documents.py) need nothing of their own here:
 each rank attends per document on its local heads (the block's q/k/v are column-sharded by head), the
@@ -251,6 +252,30 @@ def _as_sharded_grad(grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor) and grad.placements != (Shard(0),):
         return grad.redistribute(placements=[Shard(0)])
     return grad
+
+
+def replicate_partial_grads(part: nn.Module, accumulations: int) -> int:
+    """SequenceParallel leaves its norms' Replicate weights Partial gradients (each tp rank's sum over
+    its own positions; torch sums them only when an optimizer or a norm touches the DTensor). An
+    executor that reduces local gradients across replicas itself (hetero.py) needs the whole value
+    on every tp rank: after the `accumulations`-th accumulation of a step (its micro-batches), one
+    all-reduce over the tp ranks per such weight makes the gradient Replicate. Runs before hooks
+    registered later (the reducer's). Returns how many weights it watches."""
+    watched = 0
+    for param in part.parameters():
+        if not (isinstance(param, DTensor) and all(isinstance(pl, Replicate) for pl in param.placements)):
+            continue
+        seen = [0]
+
+        def settle(p: torch.Tensor, seen=seen) -> None:
+            seen[0] += 1
+            if seen[0] % accumulations == 0 and isinstance(p.grad, DTensor) \
+                    and any(pl.is_partial() for pl in p.grad.placements):
+                p.grad = p.grad.redistribute(placements=[Replicate()] * len(p.grad.placements))
+
+        param.register_post_accumulate_grad_hook(settle)
+        watched += 1
+    return watched
 
 
 def loss_context(parts) -> object:

@@ -1,0 +1,88 @@
+"""Sequence parallelism inside a heterogeneous replica (runtime/hetero.py, issue 35): a replica whose
+stages all run it at one tp passes the sequence shard between them; beside a plain replica (tp 1) the
+gradients still synchronise across replicas, so the losses equal one process."""
+import pytest
+
+from hrlplan.plan import Plan
+from hrlplan.plan.checks import PlanError, validate
+from hrlplan.runtime.template import PipelineTemplate, build_plan, get_modules
+
+GPT2 = ["arch=gpt2-tiny", "arch.n_layer=4", "train.lr=3e-3"]
+LLAMA = ["arch=llama-tiny", "arch.num_hidden_layers=4", "train.lr=3e-3"]
+
+
+def _model(arch):
+    from hrlplan.compose import compose
+    from hrlplan.runtime.trainer import build_full_model
+
+    return build_full_model(compose(arch)["arch"], 0, materialized=False)   # on the meta device
+
+
+def sp_replica_plan(arch, model_name: str, batch_sizes=(4, 4)) -> Plan:
+    """Replica A: every layer on rank 0 (tp 1); replica B: two stages at tp 2 with sequence
+    parallelism on ranks 1-2 and 3-4."""
+    model = _model(arch)
+    modules = get_modules(model)
+    whole = PipelineTemplate(model, [modules])
+    split = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 2])
+    plan = build_plan([whole, split], {whole: 2, split: 2}, world_size=5, global_batch_size=8,
+                      batch_sizes=list(batch_sizes), model=model_name)
+    for stage in plan.pipelines[1].stages:
+        stage.sequence_parallel = True
+    validate(plan)
+    return Plan.from_yaml(plan.to_yaml())
+
+
+@pytest.mark.slow
+def test_llama_sp_replica_beside_a_plain_one_matches_one_process(tmp_path):
+    from hrlplan.launch.local_run import compare_with_one_process
+
+    losses, reference = compare_with_one_process(sp_replica_plan(LLAMA, "llama-tiny", (2, 6)), LLAMA, tmp_path,
+                                                 steps=4)
+    assert losses == pytest.approx(reference, abs=1e-5)
+
+
+def _refusal(plan: Plan) -> str:
+    with pytest.raises(PlanError) as info:
+        validate(plan)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_replica_sets_sequence_parallel_on_all_its_stages_at_one_tp_or_on_none():
+    plan = sp_replica_plan(LLAMA, "llama-tiny")
+    plan.pipelines[1].stages[1].sequence_parallel = False
+    assert _refusal(plan).startswith("plan.yaml: pipelines[1].stages[1].sequence_parallel: is false while another")
+    plan = sp_replica_plan(LLAMA, "llama-tiny")
+    plan.pipelines[0].stages[0].sequence_parallel = True   # tp 1
+    assert "pipelines[0].stages[0].sequence_parallel: shards over the tp ranks but the stage has tp 1" in _refusal(plan)
+
+
+def test_sequence_parallel_stages_of_unequal_tp_and_a_seq_len_off_the_tp_are_refused():
+    model = _model(LLAMA)
+    modules = get_modules(model)
+    unequal = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 1])
+    plan = build_plan([unequal], {unequal: 2}, world_size=3, global_batch_size=4, model="llama-tiny")
+    plan.pipelines[0].stages[0].sequence_parallel = True
+    plan.pipelines[0].stages[1].sequence_parallel = True
+    assert "pipelines[0].stages[1].sequence_parallel" in _refusal(plan)   # tp 1 there
+    unequal = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 4])
+    plan = build_plan([unequal], {unequal: 2}, world_size=6, global_batch_size=4, model="llama-tiny")
+    for stage in plan.pipelines[0].stages:
+        stage.sequence_parallel = True
+    assert "pipelines[0].stages[1].tp: is 4 but stage 0's is 2: sequence parallelism in a pipeline needs one tp" \
+        in _refusal(plan)
+    plan = sp_replica_plan(LLAMA, "llama-tiny")
+    plan.pipelines[1].seq_len = 63
+    assert "pipelines[1].seq_len: 63 is not divisible by the pipeline's tp 2" in _refusal(plan)
+
+
+def test_data_seq_len_off_the_sp_replicas_tp_is_named():
+    from hrlplan.plan.checks import sequence_parallel_length_refusal
+
+    plan = sp_replica_plan(LLAMA, "llama-tiny")
+    assert sequence_parallel_length_refusal(plan, 64) == ""
+    assert sequence_parallel_length_refusal(plan, 63).startswith("data.seq_len=63 is not divisible by tp 2")
+    plan.pipelines[1].seq_len = 32   # the replica's own length decides (checked by validate)
+    assert sequence_parallel_length_refusal(plan, 63) == ""
