@@ -83,3 +83,35 @@ def _replicated_bounds(meta, cluster, cfg, train):
             if predicted["feasible"]:
                 out.append((own, predicted["step_time_s"]))
     return out
+
+
+def test_replica_space_follows_the_executors_sequence_parallelism(monkeypatch):
+    """ReplicaSpace reads plan/checks.HETERO_SEQUENCE_PARALLEL: where the executor runs it, a tp > 1
+    replica's layout has sequence parallelism, the receive-buffer cut counts 1/tp of a message, the
+    emitted plan says so per stage, and the simulator prices the replica with it (its activations
+    sharded: less memory than the same replica without)."""
+    from hrlplan.cost.plans import predict_any_plan
+    from hrlplan.search import hetero
+    from hrlplan.search.hetero import HeteroSpace, Replica, Shape, place
+    from hrlplan.search.hetero_exact import TP_ANY, TemplateTable
+    meta, cluster, train, cfg = _optimizer_bound_case()
+    typed = section(TrainConfig, dict(train, global_batch_size=8))
+    sim = Simulator(meta, cluster, cost_options(cfg, typed))
+    space = HeteroSpace(cluster, 2)
+    key = (2, "fast", Shape(2, 1), 8, TP_ANY)
+    predicted = {}
+    for sp in (False, True):
+        monkeypatch.setattr(hetero, "HETERO_SEQUENCE_PARALLEL", sp)
+        table = TemplateTable(sim, meta, cluster, cfg, typed, deadline=float("inf"))
+        table.bind({2: space})
+        rs = table._space(key)
+        c = next(c for c in rs.configs() if c.tp == 2 and c.pp == 1)
+        assert rs.sequence_parallel(c) == sp
+        layout = rs.layout(c, [(0, meta.n_layer)])
+        assert layout.sequence_parallel == sp
+        plan, predicted[sp] = hetero.hetero_plan(meta, cluster, [Replica("fast", place(layout, layout.groups[0]))],
+                                                 "1f1b", {}, sim=sim, optimizers=(REPLICATED,))
+        assert all(st.sequence_parallel == sp for p in plan.as_pipelines() for st in p.stages)
+        assert predicted[sp]["feasible"]
+        assert predict_any_plan(plan, meta, cluster, sim=sim)["step_time_s"] == predicted[sp]["step_time_s"]
+    assert max(predicted[True]["memory_bytes_per_rank"]) < max(predicted[False]["memory_bytes_per_rank"])

@@ -198,7 +198,8 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
                       groups=tuple(tuple(devices[r] for r in s.ranks) for s in p.stages),
                       tp=max(s.tp for s in p.stages), dp=1, microbatch_size=p.microbatch_size,
                       num_microbatches=p.num_microbatches, schedule=plan.schedule,
-                      stage_tp=tuple(s.tp for s in p.stages), recompute=tuple(s.recompute for s in p.stages))
+                      stage_tp=tuple(s.tp for s in p.stages), recompute=tuple(s.recompute for s in p.stages),
+                      sequence_parallel=any(s.sequence_parallel and s.tp > 1 for s in p.stages))
                for p in plan.as_pipelines()]
     contention = None   # one pipeline: the simulator's shared-cores timeline, as its homogeneous form gets
     if sim.devices.overheads.contention > 1.0 and len(layouts) > 1:

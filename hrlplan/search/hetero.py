@@ -24,6 +24,7 @@ from hrlplan.cost.plans import predict_any_plan
 from hrlplan.cost.replica_sync import REPLICATED, SHARDED
 from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
+from hrlplan.plan.checks import HETERO_SEQUENCE_PARALLEL
 from hrlplan.search.common import Scored, Tracker
 from hrlplan.search.exact import search_exact
 from hrlplan.search.hetero_single import SINGLE_TEMPLATE, single_template_search
@@ -251,7 +252,9 @@ class ReplicaSpace(SearchSpace):
     def __init__(self, meta, cluster, planner_cfg, train_cfg, pool: Pool, tp: Optional[int] = None):
         self._replica_pool, self._fixed_tp = pool, tp
         super().__init__(meta, cluster, planner_cfg, train_cfg)
-        self.allow_sequence_parallel = False   # the heterogeneous executor (runtime/hetero.py) has none
+        # whether the heterogeneous executor (runtime/hetero.py) runs sequence parallelism in a replica
+        # of one tp > 1 (the replica space's layouts keep one tp): the plan checks' one fact
+        self.allow_sequence_parallel = HETERO_SEQUENCE_PARALLEL
 
     def _pools(self) -> List[Pool]:
         return [self._replica_pool]
@@ -320,6 +323,9 @@ def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_m
         stages = [{"layers": list(span), "ranks": [rank_of[d] for d in lay.groups[k]], "tp": lay.tp_of(k), "dp": 1,
                    "embedding": k == 0, "head": k == last, "recompute": lay.recompute_of(k)}
                   for k, span in enumerate(lay.spans)]
+        for k, st in enumerate(stages):
+            if lay.sequence_parallel and lay.tp_of(k) > 1:
+                st["sequence_parallel"] = True
         pipelines.append({"stages": stages, "num_microbatches": lay.num_microbatches, "batch_size": r.rows})
     unused = sorted(rank_of[d] for d in rank_of if d not in set(used))
     best = None

@@ -129,7 +129,7 @@ class TemplateTable:
         best = float("inf")
         rs = self._space(key)
         for c in rs.configs():
-            if not self.buffers_may_fit(key, c):
+            if not self.buffers_may_fit(key, c, rs):
                 continue
             # A split's memory only grows with the micro-batch count (receive buffers, activations in
             # flight), so the bottleneck at min(m, pp) micro-batches bounds the one at m from below:
@@ -152,10 +152,11 @@ class TemplateTable:
         capacity = sum(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices)
         return STATE_BYTES_PER_PARAM * float(self.meta.total_params) <= capacity
 
-    def buffers_may_fit(self, key, c) -> bool:
+    def buffers_may_fit(self, key, c, space: Optional[ReplicaSpace] = None) -> bool:
         """False when a configuration of pp > 1 stages cannot hold torch pipelining's receive buffers
         (cost/memory.receive_buffer_bytes: one message per micro-batch, kept from step to step, the
-        full activation on each tp rank -- replicas have no sequence parallelism), whatever its split
+        full activation on each tp rank, 1/tp of it where the replica space runs sequence parallelism:
+        ReplicaSpace.allow_sequence_parallel), whatever its split
         and micro-batch size: a last stage's rank holds one message per row of the replica (a middle
         stage's two), and the replica's devices together hold 16 B per parameter plus two per row
         and stage boundary and tp rank. Rows, not micro-batches, set them: the bound's shared split tables, probed
@@ -165,10 +166,12 @@ class TemplateTable:
         nproc, device_type, shape, rows, _ = key
         devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
         limits = [self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices]
-        row = rows * self.sim.costs.activation_message(1)
+        space = space or self._space(key)
+        # a message per row on each tp rank: the full activation, its 1/tp under sequence parallelism
+        row = rows * self.sim.costs.activation_message(1, c.tp if space.sequence_parallel(c) else 1)
         if max(limits) < row * (2 if c.pp > 2 else 1):
             return False
-        # every stage holds c.tp ranks (the replica space's layouts keep one tp), each with full messages
+        # every stage holds c.tp ranks (the replica space's layouts keep one tp), each with its messages
         return STATE_BYTES_PER_PARAM * float(self.meta.total_params) + 2 * (c.pp - 1) * c.tp * row <= sum(limits)
 
     def estimate(self, key) -> float:
