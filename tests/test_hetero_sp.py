@@ -34,13 +34,38 @@ def sp_replica_plan(arch, model_name: str, batch_sizes=(4, 4)) -> Plan:
 
 
 @pytest.mark.slow
-def test_llama_sp_replica_beside_a_plain_one_matches_one_process(tmp_path):
-    from hrlplan.launch.local_run import compare_with_one_process
+def test_llama_sp_replica_beside_a_plain_one_resumes_sharded_on_the_one_process_curve(tmp_path):
+    """Steps 1-2 with each replica stepping its whole model, steps 3-4 resumed from that checkpoint with
+    the optimizer sharded across the replicas: one process's curve (the norms' gradients are Partial
+    under sequence parallelism until replicate_partial_grads sums them; without it step 2 is off)."""
+    from hrlplan.compose import compose
+    from hrlplan.launch.local_run import train_plan
+    from hrlplan.runtime.reference import train_single_process
+    from tests._sharded_optimizer_runs import train_sharded
 
-    losses, reference = compare_with_one_process(sp_replica_plan(LLAMA, "llama-tiny", (2, 6)), LLAMA, tmp_path,
-                                                 steps=4)
+    plan = sp_replica_plan(LLAMA, "llama-tiny", (2, 6))
+    config = compose([*LLAMA, "train.steps=4", "train.checkpoint_interval=1", "logger.mode=disabled"])
+    first = train_plan(plan, dict(config, train=dict(config["train"], stop_after=2)), tmp_path)
+    second = train_sharded(plan, dict(config, train=dict(config["train"], resume="auto")), tmp_path)
+    assert second["sharded"] == [True] * 5
+    losses = {h["step"]: h["train/lm_loss"] for h in first["history"] + second["history"]}
+    assert sorted(losses) == [1, 2, 3, 4]
+    reference = [h["loss"] for h in train_single_process(config, 4)]
+    assert [losses[s] for s in (1, 2, 3, 4)] == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt2_sp_replica_beside_a_plain_one_sharded_matches_one_process(tmp_path, monkeypatch):
+    """GPT-2's blocks at tp 2 (nn.Linear, q/k/v regrouped) and at tp 1 (Conv1D) reduce whole across the
+    replicas, sliced over each bucket's ranks by the sharded optimizer; the SP replica's layer norms'
+    weights and biases are Replicate DTensors."""
+    from tests._sharded_optimizer_runs import compare_sharded_with_one_process
+
+    monkeypatch.setenv("HRLPLAN_GRAD_BUCKET_MB", "0.05")   # several buckets, each sliced over its set
+    losses, reference, summary = compare_sharded_with_one_process(sp_replica_plan(GPT2, "gpt2-tiny"), GPT2,
+                                                                  tmp_path, steps=3)
+    assert summary["sharded"] == [True] * 5
     assert losses == pytest.approx(reference, abs=1e-5)
-
 
 def _refusal(plan: Plan) -> str:
     with pytest.raises(PlanError) as info:
