@@ -111,3 +111,26 @@ def test_data_seq_len_off_the_sp_replicas_tp_is_named():
     assert sequence_parallel_length_refusal(plan, 63).startswith("data.seq_len=63 is not divisible by tp 2")
     plan.pipelines[1].seq_len = 32   # the replica's own length decides (checked by validate)
     assert sequence_parallel_length_refusal(plan, 63) == ""
+
+
+@pytest.mark.slow
+def test_packed_documents_through_an_sp_replica_train_as_one_process(tmp_path):
+    """data.packing=document: the SP replica's stages send sequence shards while every rank reads its
+    rows' whole positions and document ids; per-document attention on the gathered sequence."""
+    from _plan_options import train_with_options
+    from test_packing_hetero import GPT2 as PACKED, STEPS, _one_process
+
+    from hrlplan.compose import compose
+
+    model = _model(PACKED)
+    modules = get_modules(model)
+    split = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 2])   # wte, wpe, h0 | h1, ln_f, head
+    whole = PipelineTemplate(model, [modules])
+    plan = build_plan([split, whole], {split: 2, whole: 1}, world_size=5, global_batch_size=4, batch_sizes=[2, 2],
+                      model="gpt2-tiny")
+    for stage in plan.pipelines[0].stages:
+        stage.sequence_parallel = True
+    validate(plan)
+    assert compose(PACKED)["arch"]["vocab_size"] % 2 == 0   # the vocabulary-parallel embedding reduce-scatters
+    run = train_with_options(plan, [*PACKED, "data.packing=document"], tmp_path / "sp", STEPS)
+    assert run["losses"] == pytest.approx(_one_process(tmp_path), abs=1e-5)
