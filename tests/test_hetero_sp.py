@@ -134,3 +134,68 @@ def test_packed_documents_through_an_sp_replica_train_as_one_process(tmp_path):
     assert compose(PACKED)["arch"]["vocab_size"] % 2 == 0   # the vocabulary-parallel embedding reduce-scatters
     run = train_with_options(plan, [*PACKED, "data.packing=document"], tmp_path / "sp", STEPS)
     assert run["losses"] == pytest.approx(_one_process(tmp_path), abs=1e-5)
+
+
+# ---------------------------------------------------------------- the simulator
+def _one_replica(homo: Plan) -> Plan:
+    """`homo` (dp 1) written as a heterogeneous plan of one replica: hrlplan's own executor runs it."""
+    from hrlplan.plan import PipelinePlan, StagePlan
+
+    stages = [StagePlan(layers=list(s.layers), ranks=list(s.ranks), tp=s.tp, embedding=s.embedding, head=s.head,
+                        sequence_parallel=s.sequence_parallel) for s in homo.stages]
+    pipe = PipelinePlan(stages=stages, num_microbatches=homo.num_microbatches, batch_size=homo.global_batch_size)
+    plan = Plan(model=homo.model, n_layer=homo.n_layer, world_size=homo.world_size, pp=homo.pp,
+                microbatch_size=homo.microbatch_size, num_microbatches=homo.num_microbatches,
+                global_batch_size=homo.global_batch_size, schedule=homo.schedule, stages=stages,
+                device_groups=homo.device_groups, pipelines=[pipe])
+    validate(plan)
+    return plan
+
+
+def test_an_sp_replica_is_predicted_as_the_homogeneous_sp_pipeline():
+    """Llama-7B at pp 2 x tp 4 on an A100 node: the replica's receive buffers and activations shrink by
+    the tp, its tp traffic stays (reduce-scatter + all-gather), exactly as the torch engine's SP plan."""
+    from hrlplan.cost.model import CostOptions
+    from hrlplan.cost.plans import plan_memory, predict_any_plan
+    from hrlplan.plan import homogeneous_plan
+    from test_cost import a100_node, llama7b_meta
+
+    meta, cluster, options = llama7b_meta(), a100_node(), CostOptions(bytes_per_value=2)
+    rows = {}
+    for sp in (False, True):
+        homo = homogeneous_plan("llama-7b", 32, [(0, 16), (16, 32)], dp=1, tp=4, microbatch_size=1,
+                                num_microbatches=8, schedule="1f1b", sequence_parallel=sp)
+        plans = (homo, _one_replica(homo))
+        same, replica = (predict_any_plan(p, meta, cluster, options) for p in plans)
+        assert replica["memory_bytes_per_rank"] == same["memory_bytes_per_rank"]
+        assert replica["step_time_s"] == pytest.approx(same["step_time_s"], rel=1e-5)
+        for key in ("pipeline_end_s", "tp_comm_s", "compute_s"):
+            assert replica["breakdown"][key] == pytest.approx(same["breakdown"][key], rel=1e-9), key
+        rows[sp] = plan_memory(plans[1], meta, cluster, options)[4], replica
+    (plain, plain_pred), (sp, sp_pred) = rows[False], rows[True]
+    assert sp["buffers"] == pytest.approx(plain["buffers"] / 4)
+    assert sp["activations"] < plain["activations"]
+    assert sp_pred["breakdown"]["tp_comm_s"] == pytest.approx(plain_pred["breakdown"]["tp_comm_s"])
+    assert sp_pred["step_time_s"] < plain_pred["step_time_s"]
+
+
+@pytest.mark.slow
+def test_measured_peak_of_an_sp_replica_within_10pct_of_the_prediction(tmp_path):
+    """The plan above (llama, replica B at tp 2 with and without sequence parallelism), two steps in one
+    launch: every rank's live tensor storage within 10% of plan_memory's (tests/test_sp_memory.py's
+    check), and sequence parallelism's saving on replica B measured as predicted."""
+    from _memory_runs import assert_peak_within_10pct, measure_and_predict
+
+    cases = {}
+    for sp in (True, False):
+        plan = sp_replica_plan(LLAMA, "llama-tiny")
+        for stage in plan.pipelines[1].stages:
+            stage.sequence_parallel = sp
+        cases[sp] = (plan, [*LLAMA, "train.global_batch_size=8"])
+    runs = measure_and_predict(cases, tmp_path)
+    for sp, (measured, predicted) in runs.items():
+        assert_peak_within_10pct(f"sp={sp}", measured, predicted)
+    saved = [[a - b for a, b in zip(runs[False][k], runs[True][k])] for k in (0, 1)]
+    assert saved[0][0] == 0 and saved[1][0] == 0   # replica A: unchanged
+    for rank in range(1, 5):
+        assert saved[0][rank] == pytest.approx(saved[1][rank], rel=0.5) and saved[1][rank] > 0
