@@ -29,7 +29,7 @@ SHARDED, REPLICATED = "sharded", "replicated"
 REPLICA_OPTIMIZERS = (SHARDED, REPLICATED)
 # Whether hrlplan's own executor runs sequence parallelism inside a replica whose stages all share
 # one tp > 1 (runtime/hetero.py); the replica search reads it (search/hetero.py).
-HETERO_SEQUENCE_PARALLEL = False
+HETERO_SEQUENCE_PARALLEL = True
 
 
 class PlanError(UserError, ValueError):
