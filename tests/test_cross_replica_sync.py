@@ -72,7 +72,7 @@ def _tiny_meta():
 
 
 def test_buckets_are_the_runtimes_cut_and_cost_in_node_first_across_nodes():
-    from hrlplan.cost.replica_sync import cut_buckets
+    from hrlplan.cost.replica_sync import cut_buckets, embedding_unit_params
     from hrlplan.cost.replica_sync_cost import _unit_bytes, sync_buckets
 
     meta = _tiny_meta()
@@ -84,7 +84,7 @@ def test_buckets_are_the_runtimes_cut_and_cost_in_node_first_across_nodes():
     cap = 3 * sizes["block0"]   # three blocks a bucket
     buckets = sync_buckets(plan, meta, two_nodes, list(range(4)), cap_bytes=cap)
     # the runtime's cut of the same units (backward order: final, blocks last to first, embeddings)
-    units = ["final"] + [f"block{i}" for i in reversed(range(meta.n_layer))] + ["embed"]
+    units = ["final"] + [f"block{i}" for i in reversed(range(meta.n_layer))] + list(embedding_unit_params(meta))
     Unit = type("Unit", (), {})
     items = []
     for u in units:

@@ -81,6 +81,19 @@ def unit_order(n_layer: int, embed_units: Sequence[str]) -> List[str]:
     return ["final"] + [f"block{i}" for i in reversed(range(n_layer))] + list(embed_units)
 
 
+def embedding_unit_params(meta) -> Dict[str, float]:
+    """The embedding units the cost model reduces, in the runtime's order, and their parameters: the
+    runtime makes each embedding parameter its own unit (runtime/hetero.py embedding_units), and only
+    a tied one has a second holder (the last stage). A tied model's embedding is then the tied unit
+    "embed" (the head's matrix) and the rest "embed_rest" (GPT-2's positions: held by the first stage
+    alone, reduced over the first stages only); an untied one's is "embed" alone."""
+    whole = float(meta.embedding_params)
+    if not meta.tied_embeddings:
+        return {"embed": whole}
+    tied = min(float(meta.head_matmul_params), whole)
+    return {"embed": tied, "embed_rest": whole - tied} if whole > tied else {"embed": tied}
+
+
 def unit_holders(pipes, n_layer: int, embed_units: List[str], tied_unit: Optional[str]) -> Dict[str, List[Holder]]:
     """Which (pipeline, stage) hold each parameter unit: an embedding parameter, block i, or the
     final norm + head; a tied head's weight is the embedding's unit, held by the last stage too."""

@@ -5,20 +5,34 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Tuple
 
-from hrlplan.cost.replica_sync import (BUCKET_MB, RankSet, bucket_key, cut_buckets, node_hierarchy, unit_holders,
-                                       unit_order, unit_rank_sets)
+from hrlplan.cost.replica_sync import (BUCKET_MB, RankSet, bucket_key, cut_buckets, embedding_unit_params,
+                                       node_hierarchy, unit_holders, unit_order, unit_rank_sets)
 from hrlplan.cost.simulator import Simulator
 
 
 def _unit_bytes(meta, bytes_per_value: int = 4) -> Dict[str, float]:
     """Gradient bytes the heterogeneous executor reduces per unit: in the training dtype (runtime/
     hetero_sync.py sends bfloat16 buckets under bfloat16, float32 otherwise). A tied head's weight is
-    the embedding's (model_meta counts it there: head_params is then the final norm alone)."""
+    the embedding's (model_meta counts it there: head_params is then the final norm alone), the
+    embedding's units as replica_sync.embedding_unit_params splits them."""
     b = float(bytes_per_value)
-    out = {"embed": float(meta.embedding_params) * b, "final": float(meta.head_params) * b}
+    out = {u: p * b for u, p in embedding_unit_params(meta).items()}
+    out["final"] = float(meta.head_params) * b
     for i, p in enumerate(meta.block_params):
         out[f"block{i}"] = float(p) * b
     return out
+
+
+def replica_own_step_s(result) -> float:
+    """A replica's own step as the heterogeneous executor runs it, from its homogeneous (dp 1)
+    simulation `result`: that step less the small all-reduces after its pipeline (step_collectives_s).
+    Those are the homogeneous runtime's -- above all runtime/parallel.py's TiedEmbeddingSync, the whole
+    tied embedding gradient in fp32 between the first and the last stage (13.4 ms of gpt2-xl's 219.8 on
+    gen3, across nodes at 25 GB/s) -- and the heterogeneous executor runs none of them: it reduces the
+    tied unit in its cross-replica buckets (in the training dtype, over every holder, in-node first)
+    and the norm and loss over the world, which cost/plans.py prices for the whole plan. The bound a
+    replica plan's step never goes under (cost/plans.py) and the replica searches prune by."""
+    return result.step_time_s - float(result.breakdown.get("step_collectives_s", 0.0))
 
 
 class SyncBucket(NamedTuple):
@@ -39,7 +53,7 @@ def sync_buckets(plan, meta, sim: Simulator, devices: List[int],
     in its global start order: every unit over its rank set, whole units per bucket up to the cap.
     sharded: the sharded optimizer's reduce and gather (cost/replica_sync.replica_optimizer)."""
     pipes = plan.as_pipelines()
-    embed = ["embed"]   # the embedding parameters as one unit (the runtime's are adjacent, last in order)
+    embed = list(embedding_unit_params(meta))   # the runtime's embedding units (adjacent, last in order)
     order = unit_order(plan.n_layer, embed)
     unit_sets, ordered = unit_rank_sets(pipes, unit_holders(pipes, plan.n_layer, embed,
                                                             "embed" if meta.tied_embeddings else None), order)

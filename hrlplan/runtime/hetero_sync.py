@@ -237,6 +237,9 @@ class GradientReducer:
         self.group_rank = {ranks: i for i, ranks in enumerate(ordered)}
         self.buckets: List[Bucket] = []
         self.started_in_backward = 0   # buckets the last step started from the hooks (the overlap)
+        # the last step's launches in order: (bucket index, started from the backward's hooks?), what
+        # cost/replica_sync_cost.bucket_launches predicts (tests/test_hetero_sync_order.py)
+        self.last_step_launches: List[Tuple[int, bool]] = []
         self.shard_grads: Dict[int, torch.Tensor] = {}   # sharded: bucket index -> this member's slice, fp32
 
     def shards(self, bucket: Bucket) -> bool:
@@ -290,7 +293,7 @@ class GradientReducer:
         for k in self.bucket_of[id(param)]:
             self.pending[k] -= 1
         while len(self.launched) < len(self.buckets) and self.pending[len(self.launched)] <= 0:
-            self._start(self.buckets[len(self.launched)])
+            self._start(self.buckets[len(self.launched)], in_backward=True)
             self.started_in_backward += 1
         self._progress(block=False)
 
@@ -298,8 +301,10 @@ class GradientReducer:
         self.seen: Dict[int, int] = {}
         self.pending = [len(b.items) for b in self.buckets]
         self.launched: List[_Reduce] = []
+        self.launches: List[Tuple[int, bool]] = []
 
-    def _start(self, bucket: Bucket) -> None:
+    def _start(self, bucket: Bucket, in_backward: bool = False) -> None:
+        self.launches.append((len(self.launched), in_backward))
         weight = self.weights[self.me[0]]
         flats = []
         for item in bucket.items:
@@ -343,7 +348,7 @@ class GradientReducer:
         for bucket in self.buckets[len(self.launched):]:
             self._start(bucket)
         self._progress(block=True)
-        launched = self.launched
+        launched, self.last_step_launches = self.launched, self.launches
         self._reset()
         self.shard_grads = {}
         for k, red in enumerate(launched):
