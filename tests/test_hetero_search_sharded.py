@@ -115,3 +115,67 @@ def test_replica_space_follows_the_executors_sequence_parallelism(monkeypatch):
         assert predicted[sp]["feasible"]
         assert predict_any_plan(plan, meta, cluster, sim=sim)["step_time_s"] == predicted[sp]["step_time_s"]
     assert max(predicted[True]["memory_bytes_per_rank"]) < max(predicted[False]["memory_bytes_per_rank"])
+
+
+def _tight_fast_case():
+    """Two fast devices of 1.43 GB that cannot hold a replica's whole state (16 B/param) but can with the
+    optimizer sharded over two replicas (14 B/param); two roomy slow devices."""
+    meta = toy_meta(n_layer=6, hidden=512, seq=32)
+    meta.model_type = "llama"
+    cluster = fast_slow(1, 1, fast_memory=1.43)
+    typed = section(TrainConfig, dict(TRAIN, global_batch_size=4))
+    cfg = dict(asdict(ExactPlannerConfig()), microbatch_sizes=[1, 2, 4], hetero_share_steps=4)
+    sim = Simulator(meta, cluster, cost_options(cfg, typed))
+    return meta, cluster, typed, cfg, sim
+
+
+def test_replicas_whose_whole_state_fits_nowhere_get_sharded_state_templates():
+    from hrlplan.search.hetero import HeteroSpace, Replica, Shape, place
+    from hrlplan.search.hetero_exact import TP_ANY, TemplateTable, enumerate_options
+    meta, cluster, typed, cfg, sim = _tight_fast_case()
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, typed, deadline=float("inf"))
+    table.bind({2: space})
+    whole = (2, "fast", Shape(1, 1), 2, TP_ANY)
+    assert table.exact(whole)[1] is None
+    sharded = [o for o in enumerate_options(table, space, 4, 4, [TP_ANY]) if o.device_type == "fast" and o.members]
+    assert {(o.shape, o.count, o.members) for o in sharded if o.rows == 2} == {(Shape(1, 1), 2, 2)}
+    # the option's bound (the relaxation) is below its template's step, and its template makes a plan
+    # that fits with the sharded optimizer only
+    option = next(o for o in sharded if o.rows == 2)
+    step, layout = table.exact(option.key)
+    assert layout is not None and option.time_s <= step
+    replicas = [Replica("fast", place(layout, space.shape_devices("fast", Shape(1, 1), i))) for i in range(2)]
+    plan, predicted = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=BOTH_OPTIMIZERS)
+    assert predicted["feasible"] and plan.meta["replica_optimizer"] == SHARDED
+    _, replicated = hetero_plan(meta, cluster, replicas, "1f1b", {}, sim=sim, optimizers=(REPLICATED,))
+    assert not replicated["feasible"]
+    found = search_hetero(sim, meta, cluster, cfg, typed, float("inf"))
+    assert found["plan"] is not None and found["predicted"]["step_time_s"] <= predicted["step_time_s"]
+
+
+def test_memory_cuts_never_cut_a_replica_the_full_search_fits():
+    """Brute force: for every key of the tight instance (shapes, rows, whole or sharded state), a key the
+    cuts (may_hold_state, the bound's receive-buffer cut, split tables) call unfit has no feasible layout
+    in search_exact's own uncut search with the same state."""
+    from hrlplan.search.exact import search_exact
+    from hrlplan.search.hetero import HeteroSpace
+    from hrlplan.search.hetero_exact import TP_ANY, TemplateTable
+    meta, cluster, typed, cfg, sim = _tight_fast_case()
+    space = HeteroSpace(cluster, 2)
+    table = TemplateTable(sim, meta, cluster, cfg, typed, deadline=float("inf"))
+    table.bind({2: space})
+    checked = 0
+    for t in space.types:
+        for shape in space.replica_shapes(t):
+            for rows in (1, 2, 4):
+                for members in (0, 2):
+                    key = (2, t, shape, rows, TP_ANY) + ((members,) if members else ())
+                    cut = not table.may_hold_state(key) or table.bound(key) == float("inf")
+                    rs = table._space(key)
+                    full = search_exact(rs.sim, rs, dict(cfg, max_simulations=10 ** 6))["tracker"].best
+                    assert not (cut and full is not None), key
+                    if full is not None:
+                        assert table.bound(key) <= full.time * (1 + 1e-9), key
+                    checked += cut
+    assert checked > 0   # some keys are cut, and rightly

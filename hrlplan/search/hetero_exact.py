@@ -34,6 +34,8 @@ from hrlplan.search.estimate import estimates
 from hrlplan.search.splits import SplitTables
 from hrlplan.solver import quiet_highs
 from hrlplan.search.hetero_single import DEFAULT_HETERO_TIME_S, exact_proved
+from hrlplan.search.hetero_state import (UNBOUNDED_MEMBERS, WHOLE_STATE_BYTES, sharded_state_simulator,
+                                         state_bytes_per_param)
 from hrlplan.search.hetero import (BOTH_OPTIMIZERS, HeteroSpace, Replica, ReplicaSpace, Shape, hetero_plan, place,
                                   search_exact_until, sharding_saves_at_most_s)
 
@@ -42,7 +44,13 @@ DEFAULT_TIME_S = DEFAULT_HETERO_TIME_S   # the replica search's time from the pl
 DEFAULT_MAX_ROUNDS = 300
 DEFAULT_TEMPLATE_SIMS = 400   # as planner.hetero_template_simulations defaults
 TP_ANY = 0
-STATE_BYTES_PER_PARAM = 16.0   # a replica's state per parameter at dp 1 (cost/memory.state_split)
+STATE_BYTES_PER_PARAM = WHOLE_STATE_BYTES   # a replica's state per parameter at dp 1 (cost/memory.state_split)
+
+
+def members_of(key: tuple) -> int:
+    """A template key's optimizer-state assumption: 0, the replica's whole state; k >= 2, the state
+    sharded over k replicas (hetero_state.py), for replicas whose whole state fits no template."""
+    return key[5] if len(key) > 5 else 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class Option:
     # the replicas' own layouts where they are placed already (the single template's slices:
     # hetero_anchor.py); empty: `count` replicas of the table's template for `key`
     layouts: tuple = field(default=(), compare=False, repr=False)
+    # 0: the template holds its whole optimizer state; k: sharded over the option's k replicas (members_of)
+    members: int = 0
 
     @property
     def size(self) -> int:
@@ -64,7 +74,8 @@ class Option:
 
     @property
     def key(self) -> tuple:
-        return (self.nproc, self.device_type, self.shape, self.rows, self.tp)
+        key = (self.nproc, self.device_type, self.shape, self.rows, self.tp)
+        return key + (self.members,) if self.members else key
 
 
 def row_grid(global_batch: int, steps: int) -> List[int]:
@@ -101,27 +112,45 @@ class TemplateTable:
         self.searches = 0
         self.unproven = 0
         self.out_of_time = False
+        self._state_sims: Dict[int, Any] = {}
+
+    def sim_for(self, key):
+        """The simulator a key's templates are searched with: the plain one, or one whose replicas keep
+        the sharded optimizer's state over members_of(key) replicas."""
+        members = members_of(key)
+        if not members:
+            return self.sim
+        if members not in self._state_sims:
+            self._state_sims[members] = sharded_state_simulator(self.sim, members)
+        return self._state_sims[members]
 
     def _space(self, key) -> ReplicaSpace:
-        nproc, device_type, shape, rows, tp = key
+        nproc, device_type, shape, rows, tp = key[:5]
         space = self._spaces[nproc]
         train = dict(self.train, global_batch_size=rows, microbatches="auto")
         rs = ReplicaSpace(self.meta, self.cluster, self.cfg, train, space.shape_pool(device_type, shape),
                           tp=tp or None)
-        rs.sim = self.sim
+        rs.sim = self.sim_for(key)
         return rs
 
     def bind(self, spaces: Dict[int, HeteroSpace]) -> None:
         self._spaces = spaces
 
     def bound(self, key) -> Optional[float]:
-        """None when out of time; inf when no configuration fits the replica's memory."""
+        """None when out of time; inf when no configuration fits the replica's memory. A key whose state
+        is sharded gets the bound of the relaxation where moments and masters vanish (UNBOUNDED_MEMBERS):
+        its memory admits every split any members count admits, so one bound serves them all."""
         if key in self.bounds:
             return self.bounds[key]
+        if members_of(key) not in (0, UNBOUNDED_MEMBERS):
+            relaxed = self.bound(key[:5] + (UNBOUNDED_MEMBERS,))
+            if relaxed is not None:
+                self.bounds[key] = relaxed
+            return relaxed
         if time.perf_counter() > self.deadline:
             self.out_of_time = True
             return None
-        sim = self.sim
+        sim = self.sim_for(key)
         if not self.may_hold_state(key):
             self.bounds[key] = float("inf")
             return self.bounds[key]
@@ -135,7 +164,7 @@ class TemplateTable:
             # flight), so the bottleneck at min(m, pp) micro-batches bounds the one at m from below:
             # tables shared by every row count with the same micro-batch size.
             probe = replace(c, num_microbatches=min(c.num_microbatches, c.pp))
-            shared = (rs._replica_pool, probe)
+            shared = (rs._replica_pool, probe, members_of(key))
             if shared not in self.bottlenecks:
                 self.bottlenecks[shared] = SplitTables(sim, rs, probe).minmax()
             best = min(best, (c.num_microbatches * self.bottlenecks[shared] + floor) * scale)
@@ -145,12 +174,13 @@ class TemplateTable:
     def may_hold_state(self, key) -> bool:
         """False when the replica's devices together cannot hold its training state: at dp 1 every
         parameter is held at least once with 16 bytes (fp32 weights and gradients, two fp32 moments:
-        cost/memory.state_split), whatever the split -- a proof that no configuration fits, found
-        without bounding any (a 70B model's one-node slices cost minutes of split tables)."""
-        nproc, device_type, shape, _, _ = key
+        cost/memory.state_split), or with the sharded optimizer's hetero_state.state_bytes_per_param
+        (its key's members), whatever the split -- a proof that no configuration fits, found without
+        bounding any (a 70B model's one-node slices cost minutes of split tables)."""
+        nproc, device_type, shape = key[:3]
         devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
         capacity = sum(self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices)
-        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) <= capacity
+        return state_bytes_per_param(members_of(key)) * float(self.meta.total_params) <= capacity
 
     def buffers_may_fit(self, key, c, space: Optional[ReplicaSpace] = None) -> bool:
         """False when a configuration of pp > 1 stages cannot hold torch pipelining's receive buffers
@@ -158,12 +188,12 @@ class TemplateTable:
         full activation on each tp rank, 1/tp of it where the replica space runs sequence parallelism:
         ReplicaSpace.allow_sequence_parallel), whatever its split
         and micro-batch size: a last stage's rank holds one message per row of the replica (a middle
-        stage's two), and the replica's devices together hold 16 B per parameter plus two per row
+        stage's two), and the replica's devices together hold its state (may_hold_state) plus two per row
         and stage boundary and tp rank. Rows, not micro-batches, set them: the bound's shared split tables, probed
         at a few micro-batches, do not see them."""
         if c.pp == 1 or not self.sim.opts.receive_buffers:
             return True
-        nproc, device_type, shape, rows, _ = key
+        nproc, device_type, shape, rows = key[:4]
         devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
         limits = [self.sim.devices.memory_limit(d, self.sim.opts.memory_margin) for d in devices]
         space = space or self._space(key)
@@ -172,7 +202,8 @@ class TemplateTable:
         if max(limits) < row * (2 if c.pp > 2 else 1):
             return False
         # every stage holds c.tp ranks (the replica space's layouts keep one tp), each with its messages
-        return STATE_BYTES_PER_PARAM * float(self.meta.total_params) + 2 * (c.pp - 1) * c.tp * row <= sum(limits)
+        state = state_bytes_per_param(members_of(key)) * float(self.meta.total_params)
+        return state + 2 * (c.pp - 1) * c.tp * row <= sum(limits)
 
     def estimate(self, key) -> float:
         """Past the bounding deadline, in place of a bound: the replica's rows at its devices' summed
@@ -181,7 +212,7 @@ class TemplateTable:
         bound: the result is then unproven (out_of_time), never claimed."""
         if not self.may_hold_state(key):
             return float("inf")
-        nproc, device_type, shape, rows, _ = key
+        nproc, device_type, shape, rows = key[:4]
         if (nproc, device_type, shape) not in self.peaks:
             devices = self._spaces[nproc].shape_devices(device_type, shape, 0)
             self.peaks[(nproc, device_type, shape)] = sum(self.sim.devices.flops[d] for d in devices)
@@ -199,9 +230,13 @@ class TemplateTable:
             # one search takes at most a quarter of what is left, so that plans get assembled (an
             # unfinished template is the best found, and the result unproven)
             now = time.perf_counter()
-            out = search_exact_until(self.sim, self._space(key), self.cfg,
+            sim = self.sim_for(key)
+            calls = sim.evaluations
+            out = search_exact_until(sim, self._space(key), self.cfg,
                                      min(self.search_deadline, now + max(1.0, (self.search_deadline - now) / 4)),
                                      "a quarter of what was left of planner.hetero_time_s")
+            if sim is not self.sim:   # the planner's count holds every call
+                self.sim.evaluations += sim.evaluations - calls
             self.out_of_time = self.out_of_time or time.perf_counter() > self.search_deadline
             self.searches += 1
             self.unproven += not exact_proved(out, self.cfg)
@@ -210,7 +245,7 @@ class TemplateTable:
                 best = self._quick(key)
             self.table[key] = (best.time, best.layout) if best is not None else (float("inf"), None)
             if best is not None:
-                self.savings[key] = sharding_saves_at_most_s(self.sim, best.layout)
+                self.savings[key] = sharding_saves_at_most_s(sim, best.layout)
         return self.table[key]
 
     def lower_bound_s(self, key) -> float:
@@ -223,7 +258,7 @@ class TemplateTable:
         if key not in self.guesses:
             rs = self._space(key)
             configs = list(rs.configs())
-            self.guesses[key] = dict(zip(configs, (e.step_s for e in estimates(self.sim, rs, configs))))
+            self.guesses[key] = dict(zip(configs, (e.step_s for e in estimates(self.sim_for(key), rs, configs))))
         return self.guesses[key]
 
     def _may_fit(self, key) -> bool:
@@ -235,17 +270,18 @@ class TemplateTable:
         rs = self._space(key)
 
         def bound(c):
-            shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)))
+            shared = (rs._replica_pool, replace(c, num_microbatches=min(c.num_microbatches, c.pp)),
+                      members_of(key) and UNBOUNDED_MEMBERS)
             if shared not in self.bottlenecks:   # never bounded (the bounding ran out): its estimate
                 return guesses.get(c, float("inf"))
             return c.num_microbatches * self.bottlenecks[shared]
         guesses = self._guesses(key)
         for c in sorted((c for c in guesses if bound(c) < float("inf")), key=bound)[:tries]:
-            tables = SplitTables(self.sim, rs, c)
+            tables = SplitTables(rs.sim, rs, c)
             spans = next(iter(tables.candidates()), None)
             if spans is not None:
                 layout = rs.layout(c, spans, recompute=tables.recompute_of(spans))
-                result = self.sim.evaluate(layout)
+                result = rs.sim.evaluate(layout)
                 if result.feasible:
                     return Scored(layout, result, c)
         return None
@@ -289,12 +325,25 @@ def enumerate_options(table: TemplateTable, space: HeteroSpace, global_batch: in
                         todo.append((order, (t, shape, tp, rows, fitting)))
     out = []
     for _, (t, shape, tp, rows, fitting) in sorted(todo, key=lambda x: x[0]):
-        bound = table.bound((space.nproc, t, shape, rows, tp))
-        if bound is None:   # out of time (table.out_of_time: unproven): the rest by estimate, not dropped
-            bound = table.estimate((space.nproc, t, shape, rows, tp))
+        key = (space.nproc, t, shape, rows, tp)
+        bound = _bound_or_estimate(table, key)
         if bound < float("inf"):
             out.extend(Option(t, shape, k, rows, tp, bound, space.nproc) for k in fitting)
+            continue
+        # no template holds the whole optimizer state: the option's k >= 2 replicas may shard it; its
+        # template assumes the largest power of two <= k (a template search per ladder step, not per k)
+        relaxed = _bound_or_estimate(table, key + (UNBOUNDED_MEMBERS,))
+        if relaxed < float("inf"):
+            ladder = {k: 1 << (k.bit_length() - 1) for k in fitting if k >= 2}
+            out.extend(Option(t, shape, k, rows, tp, relaxed, space.nproc, members=m) for k, m in ladder.items()
+                       if table.may_hold_state(key + (m,)))
     return out
+
+
+def _bound_or_estimate(table: TemplateTable, key: tuple) -> float:
+    bound = table.bound(key)
+    # out of time (table.out_of_time: unproven): the rest by estimate, not dropped
+    return table.estimate(key) if bound is None else bound
 
 
 class ShareProgram:
@@ -407,8 +456,10 @@ def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
             f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
             f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
             f"one nproc-per-node out of {nprocs}" + ("; one tp degree across replicas (GPT-2)" if one_tp else "") +
-            "; each template the exact planner's optimum for its replica; each plan predicted with the "
-            "faster of the replicated and the sharded optimizer across replicas")
+            "; each template the exact planner's optimum for its replica (where no template holds the "
+            "replica's whole optimizer state: with that state sharded over the largest power of two <= the type's "
+            "k >= 2 replicas); each "
+            "plan predicted with the faster of the replicated and the sharded optimizer across replicas")
 
 
 @dataclass
