@@ -35,6 +35,19 @@ stages:
 - {{layers: [1, 2], ranks: [1], tp: 1, dp: 1, embedding: false, head: true}}
 device_groups: [[0], [1]]
 """
+SP_PLAN = """model: gpt2-tiny
+n_layer: 2
+world_size: 4
+pp: 2
+microbatch_size: 2
+num_microbatches: 2
+global_batch_size: 4
+schedule: 1f1b
+stages:
+- {layers: [0, 1], ranks: [0, 1], tp: 2, dp: 1, embedding: true, head: false, sequence_parallel: true}
+- {layers: [1, 2], ranks: [2, 3], tp: 2, dp: 1, embedding: false, head: true, sequence_parallel: true}
+device_groups: [[0, 1], [2, 3]]
+"""
 BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
 
 
@@ -64,6 +77,7 @@ def files(tmp_path_factory):
     from hrlplan.search.hrl.policy import generalist_path
     (d / "truncated.pth").write_bytes(generalist_path().read_bytes()[:300])
     (d / "good.yaml").write_text(PLAN.format(pp=2, tp=1))
+    (d / "sp_tp2.yaml").write_text(SP_PLAN)
     (d / "rank_beyond.yaml").write_text(PLAN.format(pp=2, tp=1).replace("ranks: [1]", "ranks: [5]")
                                         .replace("[[0], [1]]", "[[0], [5]]"))
     device = {"rank": 0, "node": 0, "local_rank": 0, "hostname": "h", "kind": "cpu", "name": "cpu",
@@ -267,6 +281,9 @@ CASES = [
      ["planner.plan_file", "2 layers", "arch.n_layer=6"]),
     ("plan-world-size", "host", ["planner=manual", "planner.plan_file={tmp}/good.yaml", "arch.n_layer=2",
                                  "cluster.nproc_per_node=1"], ["planner.plan_file", "2 ranks", "cluster.nproc_per_node"]),
+    ("plan-sp-seq-len", "host", ["planner=manual", "planner.plan_file={tmp}/sp_tp2.yaml", "arch.n_layer=2",
+                                 "cluster.nproc_per_node=4", "data.seq_len=63"],
+     ["data.seq_len=63", "not divisible by tp 2", "sequence_parallel"]),
     ("plan-rank-beyond-world", "host", ["planner=manual", "planner.plan_file={tmp}/rank_beyond.yaml"],
      ["planner.plan_file", "rank 5", "world_size 2"]),
     ("cli-show-plan-rank-beyond-world", "cli", ["show-plan", "{tmp}/rank_beyond.yaml"], ["rank_beyond.yaml", "rank 5"]),

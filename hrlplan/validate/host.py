@@ -15,6 +15,7 @@ from hrlplan import config as c
 from hrlplan.data.sudoku import dataset_exists, resolve_preset
 from hrlplan.errors import ConfigError, UserError, one_line
 from hrlplan.families import LM_DATA, Family, family_of
+from hrlplan.plan.checks import sequence_parallel_length_refusal
 from hrlplan.validate.consistency import override_keys
 from hrlplan.validate.environ import check_environment_variables
 from hrlplan.validate.files import read_file, refuse_on
@@ -51,6 +52,9 @@ def check_environment(config: Any, launching: bool = True, overrides: Optional[S
         plan = check_manual_plan(config, _explicit(config, overrides), shape, spec, launching)
         train = dict(train, context_parallel=plan.cp)   # the plan decides cp: the device check below refuses it
         short = context_parallel_length_refusal(plan.cp, int(data.get("seq_len") or 0)) if lm and plan.cp > 1 else None
+        if short:
+            raise ConfigError("data.seq_len", data.get("seq_len"), message=short)
+        short = sequence_parallel_length_refusal(plan, int(data.get("seq_len") or 0)) if lm else ""
         if short:
             raise ConfigError("data.seq_len", data.get("seq_len"), message=short)
     if train.get("device") == "cuda":
