@@ -97,11 +97,19 @@ def test_buckets_are_the_runtimes_cut_and_cost_in_node_first_across_nodes():
     dev = two_nodes.devices
     intra, inter = 100e9 * dev.bw_eff, 10e9 * dev.bw_eff
     for b in buckets:
-        # in-node ring of 2, then two rails (one rank per node) of half the bucket, then two
-        # broadcasts of a half in each node
-        in_node = b.nbytes / intra + 2 * 1e-6
+        # a reduce-scatter in each node of 2 (half its ring all-reduce), then two rails (one rank per
+        # node) of half the bucket, then an all-gather in node (replica_sync.scatter_in_node)
+        in_node = (b.nbytes / intra + 2 * 1e-6) / 2
         across = b.nbytes / 2 / inter + 2 * 5e-6
-        spread = 2 * (b.nbytes / 2 / intra + 1e-6)
+        assert b.seconds == pytest.approx(in_node + across + in_node)
+    uneven = sync_buckets(plan, meta, Simulator(meta, two_node_cluster(per_node=3), CostOptions()), list(range(4)),
+                          cap_bytes=cap)
+    for b in uneven:
+        # nodes of 3 and 1: one rail; the node of 3 all-reduces (a ring of 3), its two members off
+        # the rail receive the sum by broadcast
+        in_node = 2 * 2 / 3 * b.nbytes / intra + 2 * 2 * 1e-6
+        across = b.nbytes / inter + 2 * 5e-6
+        spread = b.nbytes / intra + 2 * 1e-6
         assert b.seconds == pytest.approx(in_node + across + spread)
     flat = sync_buckets(plan, meta, one_node, list(range(4)), cap_bytes=cap)
     for b in flat:   # one node: one ring over the four

@@ -37,3 +37,11 @@ def test_a_tied_models_embedding_is_its_tied_unit_and_the_rest():
     units = embedding_unit_params(tied)
     assert units["embed"] == float(tied.head_matmul_params)
     assert sum(units.values()) == pytest.approx(float(tied.embedding_params))
+
+
+def test_nodes_of_one_member_per_rail_reduce_scatter_and_all_gather_in_node():
+    from hrlplan.cost.replica_sync import node_hierarchy, scatter_in_node
+
+    assert scatter_in_node(node_hierarchy((0, 1, 2, 3), [0, 0, 1, 1]))      # two rails, each node one of each
+    assert not scatter_in_node(node_hierarchy((0, 1, 2, 3), [0, 0, 0, 1]))  # one rail, two members off it
+    assert not scatter_in_node(node_hierarchy((0, 1), [0, 1]))              # flat: one member per node

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Dict, List, NamedTuple, Tuple
 
 from hrlplan.cost.replica_sync import (BUCKET_MB, RankSet, bucket_key, cut_buckets, embedding_unit_params,
-                                       node_hierarchy, unit_holders, unit_order, unit_rank_sets)
+                                       node_hierarchy, scatter_in_node, unit_holders, unit_order,
+                                       unit_rank_sets)
 from hrlplan.cost.simulator import Simulator
 
 
@@ -88,7 +89,9 @@ class _UnitItem(NamedTuple):
 
 def bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: float, sharded: bool = False):
     """A bucket's all-reduce: one ring over its ranks, or in-node first (node all-reduce, the rails'
-    all-reduces of 1/rails each across nodes, each rail's part broadcast in its node). sharded: (the
+    all-reduces of 1/rails each across nodes, each rail's part broadcast in its node; where the
+    nodes hold a rail each, replica_sync.scatter_in_node, a reduce-scatter and an all-gather in node
+    instead of the all-reduce and the broadcasts). sharded: (the
     reduce, the gather after the step) as the sharded optimizer splits them (cost/replica_sync.py):
     a ring's reduce-scatter and all-gather, each half its all-reduce (its first or second half), or
     the in-node-first phases with the broadcasts in node moved after the step."""
@@ -100,6 +103,9 @@ def bucket_seconds(sim: Simulator, devices, node_of, ranks: RankSet, nbytes: flo
     in_node = max(_ring_allreduce_s(sim, [devices[r] for r in node], nbytes) for node in hier.nodes)
     across = max(_ring_allreduce_s(sim, [devices[r] for r in rail], part) for rail in hier.rails)
     spread = max(len(hier.rails) * _broadcast_s(sim, [devices[r] for r in node], part) for node in hier.nodes)
+    if scatter_in_node(hier):   # the in-node reduce-scatter and all-gather: half the all-reduce each
+        # (the sharded optimizer's gathers after the step still broadcast each rail's part: hetero_zero.py)
+        return (in_node / 2.0 + across, spread) if sharded else in_node / 2.0 + across + in_node / 2.0
     return (in_node + across, spread) if sharded else in_node + across + spread
 
 

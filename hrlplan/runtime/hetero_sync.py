@@ -31,7 +31,9 @@ What it does, exactly:
   bucket across nodes, then each rail's part broadcast within its node. Each phase is issued once
   the previous one is complete on this rank (checked at every hook, then waited for in finish()),
   on groups of its own, and never ahead of an earlier bucket's same phase, so every group sees
-  its collectives in the bucket order.
+  its collectives in the bucket order. Where every node holds exactly one member per rail
+  (replica_sync.scatter_in_node) the first phase is a reduce-scatter in node (member i keeps its
+  node's sum of rail part i) and the third an all-gather of the parts: half an all-reduce each.
 - Sharded optimizer (cost/replica_sync.replica_optimizer, hetero_zero.py): a set of two or more
   members reduce-scatters each bucket instead (flat), or runs the in-node-first phases but the last
   (each rail member keeps its rail's part: the broadcast in node comes after the step); finish()
@@ -53,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from hrlplan.cost.replica_sync import (BUCKET_MB, Hierarchy, Holder, RankSet, bucket_key, cut_buckets,  # noqa: F401
-                                       member_slice, node_hierarchy, rail_slices, unit_rank_sets)
+                                       member_slice, node_hierarchy, rail_slices, scatter_in_node, unit_rank_sets)
 from hrlplan.plan import PipelinePlan
 from hrlplan.runtime.tensor_parallel import qkv_row_order
 
@@ -181,6 +183,8 @@ class _Reduce:
         self.bucket, self.buf, self.groups = bucket, buf, groups
         self.works: List[object] = []
         self.part: Optional[torch.Tensor] = None
+        # what the phase in flight receives in padded slots, and where in buf it lands once complete
+        self.landing: List[Tuple[torch.Tensor, int, int]] = []
         self.issued = 0   # phases issued, of `phases`
         self.phases = self.PHASES - 1 if scatter and groups.hier is not None else self.PHASES
         if groups.hier is None:
@@ -202,11 +206,23 @@ class _Reduce:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        self._land()
+
+    def _land(self) -> None:
+        """Copy what a completed reduce-scatter or all-gather in node received into buf."""
+        for piece, start, end in self.landing:
+            self.buf[start:end].copy_(piece)
+        self.landing = []
 
     def issue_next(self) -> None:
+        """The next phase (module docstring), the previous one complete on this rank."""
         g, buf = self.groups, self.buf
         parts = rail_slices(buf.numel(), len(g.hier.rails))
-        if self.issued == 0 and g.node_reduce is not None:
+        self._land()
+        slot = parts[0][1] - parts[0][0]   # the largest part: rail_slices puts the extra values first
+        if scatter_in_node(g.hier) and g.node_reduce is not None and self.issued in (0, 2):
+            self._issue_in_node_slots(parts, slot)
+        elif self.issued == 0 and g.node_reduce is not None:
             self.works = [dist.all_reduce(buf, group=g.node_reduce, async_op=True)]
         elif self.issued == 1 and g.rail is not None and parts[g.rail][1] > parts[g.rail][0]:
             start, end = parts[g.rail]
@@ -217,6 +233,26 @@ class _Reduce:
         else:
             self.works = []
         self.issued += 1
+
+    def _issue_in_node_slots(self, parts: List[Tuple[int, int]], slot: int) -> None:
+        """Phase 1 as a reduce-scatter (this member keeps its node's sum of its rail's part) or phase 3
+        as an all-gather of the rails' parts, on parts padded to equal slots (gloo's equal parts).
+        A node group's rank i is its member i (new_group sorts), rail i."""
+        g, buf = self.groups, self.buf
+        start, end = parts[g.rail]
+        if self.issued == 0:
+            padded = buf.new_zeros(slot * len(parts))
+            for i, (a, b) in enumerate(parts):
+                padded[i * slot:i * slot + b - a].copy_(buf[a:b])
+            mine = buf.new_empty(slot)
+            self.works = [dist.reduce_scatter_single(mine, padded, group=g.node_reduce, async_op=True)]
+            self.landing = [(mine[:end - start], start, end)]
+        else:
+            mine = buf.new_zeros(slot)
+            mine[:end - start].copy_(buf[start:end])
+            gathered = buf.new_empty(slot * len(parts))
+            self.works = [dist.all_gather_single(gathered, mine, group=g.node_spread, async_op=True)]
+            self.landing = [(gathered[i * slot:i * slot + b - a], a, b) for i, (a, b) in enumerate(parts) if i != g.rail]
 
 
 class GradientReducer:
