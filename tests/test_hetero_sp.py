@@ -18,16 +18,18 @@ def _model(arch):
     return build_full_model(compose(arch)["arch"], 0, materialized=False)   # on the meta device
 
 
-def sp_replica_plan(arch, model_name: str, batch_sizes=(4, 4), sp_first: bool = False) -> Plan:
+def sp_replica_plan(arch, model_name: str, batch_sizes=(4, 4), sp_first: bool = False, split: bool = True) -> Plan:
     """Replica A: every layer on rank 0 (tp 1); replica B: two stages at tp 2 with sequence
-    parallelism on ranks 1-2 and 3-4. sp_first: B is pipelines[0] (ranks 0-3; A on rank 4), so
-    it holds every parameter's canonical copy (the gradient norm's, the checkpoint's)."""
+    parallelism on ranks 1-2 and 3-4 (split=False: one stage on ranks 1-2). sp_first: B is
+    pipelines[0] (A on the last rank), so it holds every parameter's canonical copy (the gradient
+    norm's, the checkpoint's)."""
     model = _model(arch)
     modules = get_modules(model)
     whole = PipelineTemplate(model, [modules])
-    split = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 2])
-    order = [split, whole] if sp_first else [whole, split]
-    plan = build_plan(order, {whole: 2, split: 2}, world_size=5, global_batch_size=8,
+    cut = [modules[:3], modules[3:]] if split else [modules]
+    sp = PipelineTemplate(model, cut, tp=[2] * len(cut))
+    order = [sp, whole] if sp_first else [whole, sp]
+    plan = build_plan(order, {whole: 2, sp: 2}, world_size=1 + 2 * len(cut), global_batch_size=8,
                       batch_sizes=list(batch_sizes), model=model_name)
     for stage in plan.pipelines[0 if sp_first else 1].stages:
         stage.sequence_parallel = True
@@ -40,17 +42,18 @@ def test_llama_sp_replica_beside_a_plain_one_resumes_sharded_on_the_one_process_
     """Step 1 with each replica stepping its whole model, steps 2-3 resumed from that checkpoint with
     the optimizer sharded across the replicas: one process's curve (the norms' gradients are Partial
     under sequence parallelism until replicate_partial_grads sums them; without it step 2 is off). The
-    SP replica comes first: its Replicate norm weights are the ones the checkpoint and the norm read."""
+    SP replica (one stage at tp 2: the stage boundaries are the other tests') comes first: its Replicate
+    norm weights are the ones the checkpoint and the norm read."""
     from hrlplan.compose import compose
     from hrlplan.launch.local_run import train_plan
     from hrlplan.runtime.reference import train_single_process
     from tests._sharded_optimizer_runs import train_sharded
 
-    plan = sp_replica_plan(LLAMA, "llama-tiny", (6, 2), sp_first=True)
+    plan = sp_replica_plan(LLAMA, "llama-tiny", (6, 2), sp_first=True, split=False)
     config = compose([*LLAMA, "train.steps=3", "train.checkpoint_interval=1", "logger.mode=disabled"])
     first = train_plan(plan, dict(config, train=dict(config["train"], stop_after=1)), tmp_path)
     second = train_sharded(plan, dict(config, train=dict(config["train"], resume="auto")), tmp_path)
-    assert second["sharded"] == [True] * 5
+    assert second["sharded"] == [True] * 3
     losses = {h["step"]: h["train/lm_loss"] for h in first["history"] + second["history"]}
     assert sorted(losses) == [1, 2, 3]
     reference = [h["loss"] for h in train_single_process(config, 3)]
