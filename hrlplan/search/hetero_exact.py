@@ -430,38 +430,6 @@ def replicas_of(options: List[Option], spaces: Dict[int, HeteroSpace], table: Te
     return out
 
 
-def what_did_not_fit(table: TemplateTable, spaces: Dict[int, HeteroSpace], global_batch: int) -> str:
-    """Where no option of the sub-space fits: per device type, its largest replica and why (its
-    devices cannot hold the training state, or no configuration of it fits with one grid row's
-    activations), in one line."""
-    parts = []
-    for nproc, space in spaces.items():
-        for t in space.types:
-            shape = max(space.replica_shapes(t), key=lambda s: (s.size, s.per_node))
-            key = (nproc, t, shape, row_grid(global_batch, DEFAULT_SHARE_STEPS)[0], TP_ANY)
-            devices = space.shape_devices(t, shape, 0)
-            sim = table.sim
-            capacity = sum(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in devices)
-            need = STATE_BYTES_PER_PARAM * float(table.meta.total_params)
-            why = (f"its {len(devices)} devices hold {capacity / 2**30:.0f} GiB, the state needs {need / 2**30:.0f} GiB"
-                   if not table.may_hold_state(key) else
-                   f"no configuration of its {len(devices)} devices fits (state and activations)")
-            parts.append(f"{t} at nproc {nproc}: {why}")
-    return "no replica of the sub-space fits: " + "; ".join(parts)
-
-
-def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
-    """The sub-space exact proves over, as plan_info.json's planner.heterogeneous.sub_space says it."""
-    return (f"replicas grouped by device type (per type: k replicas of one shape -- q devices on each of j "
-            f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
-            f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
-            f"one nproc-per-node out of {nprocs}" + ("; one tp degree across replicas (GPT-2)" if one_tp else "") +
-            "; each template the exact planner's optimum for its replica (where no template holds the "
-            "replica's whole optimizer state: with that state sharded over the largest power of two <= the type's "
-            "k >= 2 replicas); each "
-            "plan predicted with the faster of the replicated and the sharded optimizer across replicas")
-
-
 @dataclass
 class ShareSearch:
     """What the share loops of one replica search share: the model, the budget, the best plan so far

@@ -4,13 +4,13 @@ sub-space (search/hetero_exact.py), both under one share search and one time bud
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hrlplan.search.hetero import HeteroSpace, same_tp_required
 from hrlplan.search.hetero_anchor import anchored_note, search_anchored
-from hrlplan.search.hetero_exact import (DEFAULT_MAX_ROUNDS, DEFAULT_SHARE_STEPS, DEFAULT_TIME_S, TP_ANY, ShareSearch,
-                                         TemplateTable, describe_sub_space, enumerate_options, nproc_candidates,
-                                         row_grid, what_did_not_fit)
+from hrlplan.search.hetero_exact import (DEFAULT_MAX_ROUNDS, DEFAULT_SHARE_STEPS, DEFAULT_TIME_S,
+                                         STATE_BYTES_PER_PARAM, TP_ANY, ShareSearch, TemplateTable, enumerate_options,
+                                         nproc_candidates, row_grid)
 
 
 def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, incumbent_s: float,
@@ -66,3 +66,35 @@ def search_hetero(sim, meta, cluster, planner_cfg: Dict[str, Any], train_cfg, in
             "template_searches": table.searches, "options": n_options, "time_s": time.perf_counter() - t0,
             "out_of_time": table.out_of_time or "hetero_time_s" in gave_up, "anchored": anchored["info"],
             "nproc_per_node": sorted(spaces)}
+
+
+def what_did_not_fit(table: TemplateTable, spaces: Dict[int, HeteroSpace], global_batch: int) -> str:
+    """Where no option of the sub-space fits: per device type, its largest replica and why (its
+    devices cannot hold the training state, or no configuration of it fits with one grid row's
+    activations), in one line."""
+    parts = []
+    for nproc, space in spaces.items():
+        for t in space.types:
+            shape = max(space.replica_shapes(t), key=lambda s: (s.size, s.per_node))
+            key = (nproc, t, shape, row_grid(global_batch, DEFAULT_SHARE_STEPS)[0], TP_ANY)
+            devices = space.shape_devices(t, shape, 0)
+            sim = table.sim
+            capacity = sum(sim.devices.memory_limit(d, sim.opts.memory_margin) for d in devices)
+            need = STATE_BYTES_PER_PARAM * float(table.meta.total_params)
+            why = (f"its {len(devices)} devices hold {capacity / 2**30:.0f} GiB, the state needs {need / 2**30:.0f} GiB"
+                   if not table.may_hold_state(key) else
+                   f"no configuration of its {len(devices)} devices fits (state and activations)")
+            parts.append(f"{t} at nproc {nproc}: {why}")
+    return "no replica of the sub-space fits: " + "; ".join(parts)
+
+
+def describe_sub_space(grid: List[int], nprocs: List[int], one_tp: bool) -> str:
+    """The sub-space exact proves over, as plan_info.json's planner.heterogeneous.sub_space says it."""
+    return (f"replicas grouped by device type (per type: k replicas of one shape -- q devices on each of j "
+            f"nodes, q dividing nproc-per-node: a node slice, whole nodes or a slice across nodes -- one "
+            f"template, equal rows per replica on a grid of {grid[0]} rows (B/{len(grid)})), "
+            f"one nproc-per-node out of {nprocs}" + ("; one tp degree across replicas (GPT-2)" if one_tp else "") +
+            "; each template the exact planner's optimum for its replica (where no template holds the "
+            "replica's whole optimizer state: with that state sharded over the largest power of two <= the type's "
+            "k >= 2 replicas); each "
+            "plan predicted with the faster of the replicated and the sharded optimizer across replicas")
