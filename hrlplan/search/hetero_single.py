@@ -47,9 +47,10 @@ SCREEN_SHARE = 0.25
 SINGLE_TIME_SHARE = 0.75   # of planner.hetero_time_s: the wall-clock safety (single_time_cap)
 # of planner.hetero_time_s: the proof pass's safety, from the search's start (45 s: 18 s), so the
 # replica search (SINGLE_TIME_SHARE of it from the planning's start) keeps at least 15.75 s of 45.
-# bench/planner.py's four mixed clusters the work bound had left unproven prove within it at load
-# 0.5-11 (screen and proof: 1-8.4 s at load 0.5); on llama-70b h800-h20-256 / three-type-256 the
-# proof pass cannot finish and spends the 4-5 s the screen leaves of it (load 10)
+# bench/planner.py's four mixed clusters the work bound had left unproven prove within it (load 8-11
+# in the bench; alone at load 6 llama-70b h800-h20-mix's screen took 12.4 s and its proof was cut);
+# on llama-70b h800-h20-256 / three-type-256 the proof pass cannot finish and spends the 4-5 s the
+# screen leaves of the share (load 10)
 PROOF_TIME_SHARE = 0.4
 # the proof pass's simulator calls, in planner.hetero_single_simulations (1600: 12,800 calls; the whole
 # search took 417-6,324 on bench/planner.py's mixed clusters)
