@@ -3,7 +3,7 @@ each, the planner's single template and its best replica plan, and that replica 
 (cross_replica_reduce_s, the part of it exposed after the pipeline, and what it lost to the single
 template on sync). Pure simulation.
 
-    python bench/hetero_sync.py [--budget-s 50] [--plans DIR] [--out FILE]
+    python bench/hetero_sync.py [--budget-s 50] [--plans DIR] [--out FILE] [--instances hspmd,gen3,...]
 
 --plans DIR: where a plan file for an instance exists (saved by an earlier run), that plan is
 re-predicted on this tree besides the fresh search, so one replica plan's sync is compared across
@@ -31,7 +31,7 @@ from hrlplan.search.config import ExactPlannerConfig  # noqa: E402
 from hrlplan.search.instances import load_meta, load_preset_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hetero import generated  # noqa: E402
+from hetero import generated, hspmd_uneven  # noqa: E402
 
 # bench/hetero.py's GPT-2 instances whose best replica plan lost (or tied) on sync last round
 INSTANCES = [("preset", "gpt2", "a100-v100-mix", 128), ("preset", "gpt2-xl", "a100-v100-mix", 256),
@@ -43,7 +43,18 @@ def instance(spec):
     if spec[0] == "preset":
         _, arch, preset, gbs = spec
         return arch, load_preset_config(preset), gbs
+    if spec[0] == "hspmd":   # bench/hetero.py's HSPMD instance
+        return "llama-7b", hspmd_uneven(), 312
     return generated(spec[1])
+
+
+def named_instance(name: str):
+    """--instances: 'hspmd' or 'genN' (bench/hetero.py's generated seed N)."""
+    if name == "hspmd":
+        return ("hspmd",)
+    if name.startswith("gen") and name[3:].isdigit():
+        return ("generated", int(name[3:]))
+    raise SystemExit(f"bench/hetero_sync.py: error: --instances: {name!r} is neither hspmd nor genN")
 
 
 def sync_parts(predicted) -> dict:
@@ -102,9 +113,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=50.0)
     ap.add_argument("--plans", default="", help="directory of replica plans to save / re-predict")
     ap.add_argument("--out", default="bench/results/hetero_sync.json")
+    ap.add_argument("--instances", default="", help="comma-separated hspmd / genN (default: the GPT-2 list)")
     args = ap.parse_args(argv)
     rows = []
-    for spec in INSTANCES:
+    for spec in [named_instance(n) for n in args.instances.split(",")] if args.instances else INSTANCES:
         row = run(spec, args.budget_s, Path(args.plans) if args.plans else None)
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
