@@ -60,18 +60,75 @@ def test_llama_sp_replica_beside_a_plain_one_resumes_sharded_on_the_one_process_
     assert [losses[s] for s in (1, 2, 3)] == pytest.approx(reference, abs=1e-5)
 
 
+def _packed_sp_plan():
+    """Replica A [wte, wpe, h0 | h1, ln_f, head] at tp 2 with sequence parallelism on ranks 0-3, replica B
+    the whole model on rank 4; the packed tests' 2-layer GPT-2 (tests/test_packing_hetero.py)."""
+    from test_packing_hetero import GPT2 as PACKED
+
+    model = _model(PACKED)
+    modules = get_modules(model)
+    split = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 2])   # wte, wpe, h0 | h1, ln_f, head
+    whole = PipelineTemplate(model, [modules])
+    plan = build_plan([split, whole], {split: 2, whole: 1}, world_size=5, global_batch_size=4, batch_sizes=[2, 2],
+                      model="gpt2-tiny")
+    for stage in plan.pipelines[0].stages:
+        stage.sequence_parallel = True
+    validate(plan)
+    return plan
+
+
+def _memory_case(sp: bool):
+    """The split plan, replica B at tp 2 with or without sequence parallelism; 2 steps of batch 8."""
+    plan = sp_replica_plan(LLAMA, "llama-tiny")
+    for stage in plan.pipelines[1].stages:
+        stage.sequence_parallel = sp
+    return plan, [*LLAMA, "train.global_batch_size=8"]
+
+
+def _predicted_tensors(plan: Plan, overrides) -> list:
+    """plan_memory's `tensors` per rank for a 2-step run of `overrides`, as
+    tests/_memory_runs.measure_and_predict predicts them."""
+    from hrlplan.compose import compose
+    from hrlplan.cost.plans import options_for_train, plan_memory
+    from hrlplan.model_meta import introspect
+    from test_memory import cpu_cluster
+
+    cfg = compose([*overrides, "logger.mode=disabled", "train.steps=2", "train.checkpoint_interval=0"])
+    meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
+    return [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size), options_for_train(cfg["train"]))]
+
+
+@pytest.fixture(scope="module")
+def five_rank_runs(tmp_path_factory):
+    """The 5-rank runs of the tests below, one after another in ONE launch (tests/_one_launch_runs.py;
+    a launch is most of a tiny run's time): the memory cases first, as in a launch of their own, then
+    the packed SP replica, then GPT-2's sharded run with small gradient buckets."""
+    from _one_launch_runs import train_in_one_launch
+    from test_packing_hetero import GPT2 as PACKED, STEPS as PACKED_STEPS
+
+    sharded = sp_replica_plan(GPT2, "gpt2-tiny")
+    sharded.meta["replica_optimizer"] = "sharded"   # as tests/_sharded_optimizer_runs.train_sharded sets it
+    runs = {f"memory-sp={sp}": (*_memory_case(sp), 2) for sp in (True, False)}
+    runs["packed-sp"] = (_packed_sp_plan(), [*PACKED, "data.packing=document"], PACKED_STEPS)
+    runs["gpt2-sharded"] = (sharded, GPT2, 3)
+    # several buckets, each sliced over its set
+    return train_in_one_launch(runs, tmp_path_factory.mktemp("five_ranks"),
+                               env={"gpt2-sharded": {"HRLPLAN_GRAD_BUCKET_MB": "0.05"}})
+
+
 @pytest.mark.slow
-def test_gpt2_sp_replica_beside_a_plain_one_sharded_matches_one_process(tmp_path, monkeypatch):
+def test_gpt2_sp_replica_beside_a_plain_one_sharded_matches_one_process(five_rank_runs):
     """GPT-2's blocks at tp 2 (nn.Linear, q/k/v regrouped) and at tp 1 (Conv1D) reduce whole across the
     replicas, sliced over each bucket's ranks by the sharded optimizer; the SP replica's layer norms'
     weights and biases are Replicate DTensors."""
-    from tests._sharded_optimizer_runs import compare_sharded_with_one_process
+    from hrlplan.compose import compose
+    from hrlplan.runtime.reference import train_single_process
 
-    monkeypatch.setenv("HRLPLAN_GRAD_BUCKET_MB", "0.05")   # several buckets, each sliced over its set
-    losses, reference, summary = compare_sharded_with_one_process(sp_replica_plan(GPT2, "gpt2-tiny"), GPT2,
-                                                                  tmp_path, steps=3)
-    assert summary["sharded"] == [True] * 5
-    assert losses == pytest.approx(reference, abs=1e-5)
+    run = five_rank_runs["gpt2-sharded"]
+    assert run["sharded"] == [True] * 5
+    config = compose([*GPT2, "train.steps=3", "train.checkpoint_interval=0", "logger.mode=disabled"])
+    assert run["losses"] == pytest.approx([h["loss"] for h in train_single_process(config, 3)], abs=1e-5)
+
 
 def _refusal(plan: Plan) -> str:
     with pytest.raises(PlanError) as info:
@@ -120,26 +177,15 @@ def test_data_seq_len_off_the_sp_replicas_tp_is_named():
 
 
 @pytest.mark.slow
-def test_packed_documents_through_an_sp_replica_train_as_one_process(tmp_path):
+def test_packed_documents_through_an_sp_replica_train_as_one_process(five_rank_runs, tmp_path):
     """data.packing=document: the SP replica's stages send sequence shards while every rank reads its
     rows' whole positions and document ids; per-document attention on the gathered sequence."""
-    from _plan_options import train_with_options
-    from test_packing_hetero import GPT2 as PACKED, STEPS, _one_process
+    from test_packing_hetero import GPT2 as PACKED, _one_process
 
     from hrlplan.compose import compose
 
-    model = _model(PACKED)
-    modules = get_modules(model)
-    split = PipelineTemplate(model, [modules[:3], modules[3:]], tp=[2, 2])   # wte, wpe, h0 | h1, ln_f, head
-    whole = PipelineTemplate(model, [modules])
-    plan = build_plan([split, whole], {split: 2, whole: 1}, world_size=5, global_batch_size=4, batch_sizes=[2, 2],
-                      model="gpt2-tiny")
-    for stage in plan.pipelines[0].stages:
-        stage.sequence_parallel = True
-    validate(plan)
     assert compose(PACKED)["arch"]["vocab_size"] % 2 == 0   # the vocabulary-parallel embedding reduce-scatters
-    run = train_with_options(plan, [*PACKED, "data.packing=document"], tmp_path / "sp", STEPS)
-    assert run["losses"] == pytest.approx(_one_process(tmp_path), abs=1e-5)
+    assert five_rank_runs["packed-sp"]["losses"] == pytest.approx(_one_process(tmp_path), abs=1e-5)
 
 
 # ---------------------------------------------------------------- the simulator
@@ -186,19 +232,16 @@ def test_an_sp_replica_is_predicted_as_the_homogeneous_sp_pipeline():
 
 
 @pytest.mark.slow
-def test_measured_peak_of_an_sp_replica_within_10pct_of_the_prediction(tmp_path):
-    """The plan above (llama, replica B at tp 2 with and without sequence parallelism), two steps in one
-    launch: every rank's live tensor storage within 10% of plan_memory's (tests/test_sp_memory.py's
-    check), and sequence parallelism's saving on replica B measured as predicted."""
-    from _memory_runs import assert_peak_within_10pct, measure_and_predict
+def test_measured_peak_of_an_sp_replica_within_10pct_of_the_prediction(five_rank_runs):
+    """The plan above (llama, replica B at tp 2 with and without sequence parallelism), two steps each:
+    every rank's live tensor storage within 10% of plan_memory's (tests/test_sp_memory.py's check), and
+    sequence parallelism's saving on replica B measured as predicted."""
+    from _memory_runs import assert_peak_within_10pct
 
-    cases = {}
+    runs = {}
     for sp in (True, False):
-        plan = sp_replica_plan(LLAMA, "llama-tiny")
-        for stage in plan.pipelines[1].stages:
-            stage.sequence_parallel = sp
-        cases[sp] = (plan, [*LLAMA, "train.global_batch_size=8"])
-    runs = measure_and_predict(cases, tmp_path)
+        measured = [m["peak"] for m in five_rank_runs[f"memory-sp={sp}"]["memory"]]
+        runs[sp] = measured, _predicted_tensors(*_memory_case(sp))
     for sp, (measured, predicted) in runs.items():
         assert_peak_within_10pct(f"sp={sp}", measured, predicted)
     saved = [[a - b for a, b in zip(runs[False][k], runs[True][k])] for k in (0, 1)]
