@@ -5,8 +5,9 @@ resumes and ends with the uninterrupted run's loss under the same W&B run id; a 
 without warning resumes from its last periodic checkpoint; a 2-point Hydra multirun through
 hydra-submitit-launcher writes both sweep directories and W&B runs; the offline W&B folder holds
 the config, the plan artifact, the metrics and the timeline image; the plain sbatch example runs.
-The interrupted and killed jobs hold at a step (tests/_hold.py) until the test's signal or requeue
-has landed: nothing depends on how fast the job trains."""
+The kill and the interruption are two faults of one job (a job start is most of each test's time);
+it holds at a step (tests/_hold.py) until the test's requeue or signal has landed: nothing depends
+on how fast the job trains."""
 from __future__ import annotations
 
 import json
@@ -109,8 +110,10 @@ def slurm():
         stop_local_slurm()
 
 
-STEPS = 16     # the interrupted and killed jobs hold at step HOLD_AT until the test's signal has landed
+STEPS = 16     # the killed-then-preempted job holds at step HOLD_AT until the test's signal has landed
 HOLD_AT = 6
+INTERVAL = HOLD_AT - 2                 # its periodic checkpoints: the kill lands 2 steps after one
+RESUMED_HOLD = INTERVAL + HOLD_AT      # where the restarted job holds (its own HOLD_AT-th step) for the preemption
 
 
 def pp2_config(root: Path, steps: int = STEPS, world: int = 2) -> dict:
@@ -163,19 +166,45 @@ def test_plan_for_other_rank_count_fails_before_training(slurm, tmp_path):
     assert not (tmp_path / "job" / "run" / "metrics.jsonl").exists()
 
 
-def test_interrupted_job_requeues_resumes_and_matches(straight, tmp_path, monkeypatch):
-    run_dir_ref, results_ref = straight
-    hold = StepHold(tmp_path / "hold", HOLD_AT)
-    job, _ = submit_held(pp2_config(tmp_path), tmp_path / "job", hold, monkeypatch)
-    run_dir = tmp_path / "job" / "run"
+@pytest.fixture(scope="module")
+def killed_then_preempted(slurm, tmp_path_factory):
+    """One job through both faults (a job start is most of each test's time): killed without warning
+    at step HOLD_AT, then, back from its periodic checkpoint at INTERVAL, preempted while it holds at its
+    own HOLD_AT-th step (RESUMED_HOLD); it ends at STEPS. Each fault lands while both tasks wait at the
+    hold: nothing depends on how fast the job trains or restarts."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    root = tmp_path_factory.mktemp("faults")
+    config = pp2_config(root)
+    config["train"]["checkpoint_interval"] = INTERVAL
+    hold = StepHold(root / "hold", HOLD_AT)
+    with MonkeyPatch.context() as monkeypatch:
+        job, pids = submit_held(config, root / "job", hold, monkeypatch)
+    # The held tasks wrote their markers and wait for the release: clear the markers now, so the
+    # restarted job's own (at RESUMED_HOLD) are the only ones the second wait can see.
+    for marker in root.glob("hold.held.*"):
+        marker.unlink()
+    # `scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart.
+    subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, capture_output=True, timeout=60)
+    deadline = time.time() + 120
+    while not all(gone(pid) for pid in pids.values()):
+        assert time.time() < deadline, f"tasks {pids} still alive 120 s after scontrol requeue"
+        time.sleep(0.2)
+    hold.wait_held(2, alive=lambda: not job.done(), timeout_s=240, why=lambda: f"job {job.job_id}")
     job._interrupt()  # what a preemption sends: SIGTERM, then USR2
     hold.wait_stopping(1, alive=lambda: not job.done(), why=lambda: f"job {job.job_id}")
-    hold.release()    # the stop vote of step HOLD_AT sees the signal
+    hold.release()    # the stop vote of step RESUMED_HOLD sees the signal
     results = wait_results(job, timeout_s=300)
+    return job, root / "job" / "run", results
+
+
+def test_interrupted_job_requeues_resumes_and_matches(straight, killed_then_preempted):
+    _, results_ref = straight
+    _, run_dir, results = killed_then_preempted
     summary = results[0]
     assert summary["final_step"] == STEPS
     # The requeued job resumed from the preemption's checkpoint (it did not start over).
-    assert summary["history"][0]["step"] == HOLD_AT + 1
+    assert summary["history"][0]["step"] == RESUMED_HOLD + 1
     assert summary["history"][-1]["train/lm_loss"] == pytest.approx(
         results_ref[0]["history"][-1]["train/lm_loss"], abs=1e-6)
     log = (run_dir / "train.log").read_text()
@@ -235,33 +264,21 @@ def test_reference_job_wandb_folder(straight):
     check_offline_wandb_folder(folders[0])
 
 
-def test_job_killed_without_warning_resumes_from_periodic_checkpoint(slurm, tmp_path, monkeypatch):
-    """`scontrol requeue` as a node failure would: SIGTERM (no checkpoint), SIGKILL 5 s later, restart.
-    The job holds at step HOLD_AT (a periodic checkpoint at `interval` behind it) until both tasks are gone."""
-    steps, interval = STEPS, HOLD_AT - 2
-    config = pp2_config(tmp_path, steps=steps)
-    config["train"]["checkpoint_interval"] = interval
-    hold = StepHold(tmp_path / "hold", HOLD_AT)
-    job, pids = submit_held(config, tmp_path / "job", hold, monkeypatch)
-    run_dir = tmp_path / "job" / "run"
-    subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, capture_output=True, timeout=60)
-    deadline = time.time() + 120
-    while not all(gone(pid) for pid in pids.values()):
-        assert time.time() < deadline, f"tasks {pids} still alive 120 s after scontrol requeue"
-        time.sleep(0.2)
-    hold.release()    # for the requeued job, which holds at its own HOLD_AT-th step otherwise
-    results = wait_results(job, timeout_s=300)
-    assert results[0]["final_step"] == steps
+def test_job_killed_without_warning_resumes_from_periodic_checkpoint(killed_then_preempted):
+    """The kill (killed_then_preempted) lands while the job holds at step HOLD_AT, a periodic checkpoint
+    at INTERVAL behind it, until both tasks are gone."""
+    job, run_dir, results = killed_then_preempted
+    assert results[0]["final_step"] == STEPS
     records = read_metrics(run_dir)
     resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", job.task(0).stdout() or "")]
     assert resumed, "the requeued job did not resume from a checkpoint"
-    assert resumed[-1] == interval   # the periodic checkpoint before the kill
-    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))   # no step lost
+    assert resumed[0] == INTERVAL   # the periodic checkpoint before the kill
+    assert sorted({r["step"] for r in records}) == list(range(1, STEPS + 1))   # no step lost
     # The steps trained between that checkpoint and the kill were trained again, to the same loss.
-    assert [r["step"] for r in records] == [*range(1, HOLD_AT + 1), *range(interval + 1, steps + 1)]
+    assert [r["step"] for r in records] == [*range(1, HOLD_AT + 1), *range(INTERVAL + 1, STEPS + 1)]
     first = {r["step"]: r["train/lm_loss"] for r in records[:HOLD_AT]}
     again = {r["step"]: r["train/lm_loss"] for r in records[HOLD_AT:]}
-    for s in range(interval + 1, HOLD_AT + 1):
+    for s in range(INTERVAL + 1, HOLD_AT + 1):
         assert again[s] == pytest.approx(first[s], abs=1e-6)
 
 
