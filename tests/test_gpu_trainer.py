@@ -3,6 +3,7 @@ per-rank memory figures."""
 import torch
 
 from hrlplan.runtime import trainer
+from hrlplan.runtime.train_core import pick_device
 
 
 def test_pick_device_under_per_task_binding(monkeypatch):
@@ -13,10 +14,10 @@ def test_pick_device_under_per_task_binding(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
-    assert trainer.pick_device("auto") == torch.device("cuda", 0)
-    assert trainer.pick_device("cuda", 3) == torch.device("cuda", 0)
+    assert pick_device("auto") == torch.device("cuda", 0)
+    assert pick_device("cuda", 3) == torch.device("cuda", 0)
     assert current == [torch.device("cuda", 0)] * 2
-    assert trainer.pick_device("cpu", 3) == torch.device("cpu")
+    assert pick_device("cpu", 3) == torch.device("cpu")
 
 
 def test_make_optimizer_flags(monkeypatch):

@@ -42,8 +42,8 @@ from hrlplan.runtime.memory import MemoryMeter
 from hrlplan.runtime.mfu import mfu
 from hrlplan.runtime.hetero import HeteroPipelineEngine
 from hrlplan.runtime.torch_engine import TorchPipelineEngine
-from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, nonfinite_check,  # noqa: F401
-                                        pick_device, raise_if_nonfinite, train_config, warmup_cosine)
+from hrlplan.runtime.train_core import (LRSchedule, TrainAdapter, TrainCore, nonfinite_check, raise_if_nonfinite,
+                                        train_config, warmup_cosine)
 
 
 def lr_lambda(train: Any, total_steps: int):

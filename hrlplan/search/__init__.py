@@ -151,13 +151,14 @@ def _manual(meta, cluster, cfg, sim, t0) -> Tuple[Plan, Dict[str, Any]]:
         any_plan = predict_any_plan(plan, meta, cluster, sim=sim)
         devices = rank_devices(plan)
         result = SimResult(any_plan["feasible"], any_plan["step_time_s"], reason=any_plan["reason"],
+                           over_memory=bool(any_plan.get("time_only")),
                            bubble_fraction=any_plan["bubble_fraction"],
                            memory_bytes={devices[r]: m for r, m in enumerate(any_plan["memory_bytes_per_rank"])},
                            breakdown=dict(any_plan["breakdown"], memory_bytes_per_device={}),
                            stages=any_plan["stages"])
     else:
         result = sim.evaluate(layout_of(plan), detail=True)
-    over_memory = not result.feasible and result.reason.startswith("out of memory")
+    over_memory = not result.feasible and result.over_memory
     if over_memory:
         if not cfg.get("allow_over_memory"):
             raise UserError(f"{cfg['plan_file']} does not fit: {result.reason}. Use more pipeline stages, a smaller "
