@@ -66,7 +66,8 @@ def _worker(runs: List[Tuple[str, object, str, Dict[str, str]]]) -> Optional[Dic
 def train_in_one_launch(runs: Dict[str, Tuple[Plan, Sequence[str], int]], run_root: Path,
                         env: Optional[Dict[str, Dict[str, str]]] = None) -> Dict[str, Dict[str, Any]]:
     """{name: (plan, overrides, steps)} of one world size, trained one after another in one launch (in
-    this order) -> {name: {"losses", "memory" (each rank's measured split), "sharded" (per rank)}};
+    this order; each writes into run_root/name) -> {name: {"losses", "memory" (each rank's measured
+    split), "sharded" (per rank)}}; no W&B and no checkpoints unless a run's overrides ask for them;
     env: {name: environment variables set while that run trains}. A plan with plan.meta
     replica_optimizer=sharded trains with the sharded optimizer, as tests/_sharded_optimizer_runs.py's."""
     from hrlplan.compose import compose
@@ -77,7 +78,8 @@ def train_in_one_launch(runs: Dict[str, Tuple[Plan, Sequence[str], int]], run_ro
     assert len(worlds) == 1, f"one launch trains plans of one world size, not {sorted(worlds)}"
     group = []
     for name, (plan, overrides, steps) in runs.items():
-        cfg = compose([*overrides, "logger.mode=disabled", f"train.steps={steps}", "train.checkpoint_interval=0"])
+        # a run's overrides come after the defaults: it may checkpoint (train.checkpoint_interval, stop_after)
+        cfg = compose(["logger.mode=disabled", "train.checkpoint_interval=0", *overrides, f"train.steps={steps}"])
         config = copy.deepcopy(as_config(cfg))
         config.run_dir = str(Path(run_root) / str(name))
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)

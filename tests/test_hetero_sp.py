@@ -95,7 +95,8 @@ def _predicted_tensors(plan: Plan, overrides) -> list:
 
     cfg = compose([*overrides, "logger.mode=disabled", "train.steps=2", "train.checkpoint_interval=0"])
     meta = introspect(cfg["arch"], seq_len=int(cfg["data"]["seq_len"]))
-    return [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size), options_for_train(cfg["train"]))]
+    options = options_for_train(cfg["train"])
+    return [row["tensors"] for row in plan_memory(plan, meta, cpu_cluster(plan.world_size), options)]
 
 
 @pytest.fixture(scope="module")

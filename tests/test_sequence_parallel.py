@@ -233,13 +233,15 @@ def test_sequence_parallel_run_resumes_on_its_loss_curve(tmp_path):
     weights: stopped after 2 steps and resumed, the run repeats the uninterrupted one's losses."""
     from hrlplan.plan import homogeneous_plan
 
+    from _one_launch_runs import train_in_one_launch
+
     plan = homogeneous_plan("llama-tiny", 2, [(0, 2)], dp=1, tp=2, microbatch_size=2, num_microbatches=4,
-                            schedule="1f1b")
-    sp = {"sequence_parallel": True}
-    straight = train_with_options(plan, LLAMA, tmp_path / "straight", 4, stage_options=sp)["losses"]
+                            schedule="1f1b", sequence_parallel=True)
     saving = ["train.checkpoint_interval=2"]
-    first = train_with_options(plan, LLAMA, tmp_path / "run", 4, stage_options=sp,
-                               extra=[*saving, "train.stop_after=2"])["losses"]
-    resumed = train_with_options(plan, LLAMA, tmp_path / "run", 4, stage_options=sp,
+    # the uninterrupted run and the stopped one share a launch; the resume is a launch of its own
+    runs = train_in_one_launch({"straight": (plan, LLAMA, 4),
+                                "run": (plan, [*LLAMA, *saving, "train.stop_after=2"], 4)}, tmp_path)
+    straight, first = runs["straight"]["losses"], runs["run"]["losses"]
+    resumed = train_with_options(plan, LLAMA, tmp_path / "run", 4, stage_options={"sequence_parallel": True},
                                  extra=[*saving, "train.resume=auto"])["losses"]
     assert first + resumed == pytest.approx(straight, abs=1e-6)
