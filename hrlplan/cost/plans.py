@@ -26,7 +26,8 @@ from hrlplan.cost.model import CostOptions, Layout
 from hrlplan.cost.replica_optimizer import (RankParams, rank_params, state_bytes, state_saving_bytes,
                                             stepped_fraction)
 from hrlplan.cost.replica_sync import SHARDED, replica_optimizer
-from hrlplan.cost.replica_sync_cost import SyncBucket, bucket_finish, bucket_launches, exposed_gathers, sync_buckets
+from hrlplan.cost.replica_sync_cost import (SyncBucket, bucket_finish, bucket_launches, exposed_gathers,
+                                            replica_own_step_s, sync_buckets)
 from hrlplan.cost.simulator import Simulator
 from hrlplan.errors import UserError
 from hrlplan.schedules import resolve_schedule
@@ -243,7 +244,7 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
         finish_s = max(bucket_finish(buckets, bucket_launches(plan, meta, buckets, end, window), end).values())
     world_collectives = 2 * ov.allreduce(plan.world_size, 4, ov.allreduce_latency)   # gradient norm, loss
     step = (finish_s + world_collectives + optimizer + ov.step) * scale
-    own_steps = [r.step_time_s for r in results]
+    own_steps = [replica_own_step_s(r) for r in results]   # as this executor runs the replica alone
     gather_s = 0.0
     if sharded:
         stepping = _sharded_optimizer_s(sim, plan, layouts, owned, contention)
@@ -254,7 +255,7 @@ def predict_any_plan(plan, meta, cluster, opts: Optional[CostOptions] = None,
         gather_s = exposed_gathers(plan, meta, gathers, stepped, next_step, _first_forward(plan, results, scale))
         step = (next_step + gather_s) * scale
         # a replica's own step bounds the plan with the optimizer it steps here
-        own_steps = [r.step_time_s - r.breakdown.get("optimizer_s", 0.0)
+        own_steps = [replica_own_step_s(r) - r.breakdown.get("optimizer_s", 0.0)
                      + scale * max(stepping[k] for st in pipe.stages for k in st.ranks)
                      for r, pipe in zip(results, plan.as_pipelines())]
     # never under a replica's own step (hetero_exact bounds a plan by its slowest replica's), nor under

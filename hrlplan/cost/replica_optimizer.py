@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, NamedTuple
 
-from hrlplan.cost.replica_sync import node_hierarchy, unit_holders, unit_order, unit_rank_sets
+from hrlplan.cost.replica_sync import embedding_unit_params, node_hierarchy, unit_holders, unit_order, unit_rank_sets
 
 MOMENT_BYTES = 8   # AdamW's two fp32 moments (memory.state_split's "optimizer")
 MASTER_BYTES = 4   # the sharded optimizer's fp32 master of each value it steps
@@ -28,7 +28,7 @@ class RankParams(NamedTuple):
 
 def unit_params(meta) -> Dict[str, float]:
     """Parameters per unit as the runtime cuts them (a tied head's weight is the embedding's)."""
-    out = {"embed": float(meta.embedding_params), "final": float(meta.head_params)}
+    out = dict(embedding_unit_params(meta), final=float(meta.head_params))
     out.update({f"block{i}": float(p) for i, p in enumerate(meta.block_params)})
     return out
 
@@ -37,7 +37,7 @@ def rank_params(plan, meta, sharded: bool, node_of=None) -> Dict[int, RankParams
     """Per plan rank holding a stage: what it holds, steps and keeps masters of (module docstring).
     node_of: plan rank -> its node (None: one node)."""
     pipes = plan.as_pipelines()
-    embed = ["embed"]
+    embed = list(embedding_unit_params(meta))   # the runtime's embedding units
     order = unit_order(plan.n_layer, embed)
     unit_sets, _ = unit_rank_sets(pipes, unit_holders(pipes, plan.n_layer, embed,
                                                       "embed" if meta.tied_embeddings else None), order)

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hrlplan.cost.model import Layout
 from hrlplan.cost.plans import predict_any_plan
 from hrlplan.cost.replica_sync import REPLICATED, SHARDED
+from hrlplan.cost.replica_sync_cost import replica_own_step_s
 from hrlplan.errors import UserError
 from hrlplan.plan import HETERO_SCHEDULES, Plan
 from hrlplan.plan.checks import HETERO_SEQUENCE_PARALLEL
@@ -302,7 +303,10 @@ def sharding_saves_at_most_s(sim, layout: Layout, result=None) -> float:
     if not result.feasible:
         return 0.0
     fixed = sim.devices.overheads.optimizer_fixed(1, layout.tp) * sim.devices.time_scale
-    return max(0.0, float(result.breakdown.get("optimizer_s", 0.0)) - fixed)
+    # and what its homogeneous step pays that the heterogeneous executor does not run (the tied
+    # embedding's all-reduce, cost/replica_sync_cost.replica_own_step_s): cost/plans.py bounds by that
+    return max(0.0, float(result.breakdown.get("optimizer_s", 0.0)) - fixed) \
+        + result.step_time_s - replica_own_step_s(result)
 
 
 def hetero_plan(meta, cluster, replicas: List[Replica], schedule: str, planner_meta: Dict[str, Any],
