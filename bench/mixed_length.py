@@ -195,31 +195,29 @@ def _line_rows(args, meta, spans, full, per_kind, sq, n_docs, useful) -> Dict[st
             for kind in ("F", "B")}
 
 
-def _row_deviations(args, meta, spans, calibration, passes, full, per_kind) -> Dict[str, List[List[float]]]:
-    """{F, B}: per stage, how far each calibration row timed once (every pass between the rounds' steps)
-    strays from the calibrated line (cost/lengths.relative_deviations): what a step's rows, each timed
-    once, do too -- the spread expected_step draws from."""
-    from hrlplan.cost.lengths import relative_deviations
+def _row_spread(args, meta, spans, calibration, passes, full, per_kind):
+    """How each calibration row timed once (every pass between the rounds' steps) strays from the
+    calibrated line (cost/lengths.RowSpread): what a step's rows, each timed once, do too."""
+    from hrlplan.cost.lengths import RowSpread
 
     work = _line_rows(args, meta, spans, full, per_kind, [c[2] for c in calibration], [c[0] for c in calibration],
                       [c[1] for c in calibration])
-    out: Dict[str, List[List[float]]] = {"F": [], "B": []}
+    timed: Dict[str, List[List[float]]] = {"F": [], "B": []}
+    predicted: Dict[str, List[List[float]]] = {"F": [], "B": []}
     for kind in ("F", "B"):
         for k in range(args.pp):
-            timed, predicted = [], []
-            for one_pass in passes:
-                for i, row in enumerate(one_pass):
-                    if row is not None:
-                        timed.append(row[kind][k][0])
-                        predicted.append(full[kind][k] * work[kind][k][i])
-            out[kind].append(relative_deviations(timed, predicted))
-    return out
+            rows = [(row[kind][k][0], full[kind][k] * work[kind][k][i])
+                    for one_pass in passes for i, row in enumerate(one_pass) if row is not None]
+            timed[kind].append([t for t, _ in rows])
+            predicted[kind].append([p for _, p in rows])
+    return RowSpread.from_timings(timed, predicted)
 
 
-def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens, deviations=None, draws=200):
+def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens, spread=None, draws=200):
     """Per packing and step, the simulator's step: `predicted`, the mean step when each row's forward
     and backward (each stage's RowShares from the calibration rows) stray from the line as the
-    calibration rows timed once do (cost/lengths.expected_step over `deviations`); `line`, the
+    calibration rows of like size timed once do, about the line (cost/lengths.expected_step over
+    `spread`); `line`, the
     deterministic timeline of the line's rows; `one_table` with forward and backward together (as the
     dispatch costs them); `flops_only` with the planner's FLOP shares alone (what an uncalibrated
     planner would say)."""
@@ -244,8 +242,8 @@ def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens,
     by_kind = {p: [_line_rows(args, meta, spans, full, per_kind, *x) for x in zip(squares[p], docs[p], tokens[p])]
                for p in M.PACKINGS}
     line = {p: [step_of_work(w["F"], w["B"]) for w in by_kind[p]] for p in M.PACKINGS}
-    predicted = line if deviations is None else {
-        p: [expected_step(step_of_work, w["F"], w["B"], deviations, draws=draws, seed=i) for i, w in enumerate(by_kind[p])]
+    predicted = line if spread is None else {
+        p: [expected_step(step_of_work, w["F"], w["B"], spread, full, draws=draws, seed=i) for i, w in enumerate(by_kind[p])]
         for p in M.PACKINGS}
     return predicted, line, over(shares), over(None)
 
@@ -275,9 +273,9 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
               for p in P}
     passes = [p for r in timing["rounds"] for p in r["calibration"]]
-    deviations = _row_deviations(args, meta, spans, timing["calibration_rows"], passes, full, per_kind)
+    spread = _row_spread(args, meta, spans, timing["calibration_rows"], passes, full, per_kind)
     predicted, line, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs,
-                                                        tokens, deviations)
+                                                        tokens, spread)
     rows_t, rows_sq, rows_docs = [], [], []
     for rnd in timing["rounds"]:
         for p in P:
@@ -295,9 +293,10 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
               "loads": [(r["load_before"], r["load_after"]) for r in timing["rounds"]],
               "full_row_s": full, "row_fit": fit, "calibration": calibration, "row_shares": [vars(x) for x in shares],
               "row_shares_by_kind": {kind: [vars(x) for x in v] for kind, v in per_kind.items()},
-              "row_deviations": {kind: [{"rows": len(v), "mean": statistics.fmean(v), "rms": statistics.fmean(
-                  x * x for x in v) ** 0.5, "median": statistics.median(v)} for v in pools]
-                  for kind, pools in deviations.items()},
+              "row_spread": {"neighbours": spread.neighbours, **{kind: [{
+                  "rows": len(v), "mean": statistics.fmean(d for _, d in v),
+                  "rms": statistics.fmean(d * d for _, d in v) ** 0.5} for v in stages]
+                  for kind, stages in spread.pairs.items()}},
               "attention_share": {"full_row": fit["per_square_s"] * args.budget ** 2 / full_row_s,
                                   "document_rows": fit["per_square_s"] * statistics.fmean(
                                       x for sq in squares["document"] for x in sq) / statistics.fmean(rows_t)},

@@ -5,7 +5,7 @@ calibration passes (for reports measured before a change of the fit):
 
 between (default): the passes timed between the rounds' steps, as the bench now fits; before: the
 passes timed before the rounds (which fed the dispatch); all: both. Prints per packing the predicted
-mean step (the rows straying as the chosen passes' rows do: cost/lengths.expected_step) against the
+mean step (the rows straying as the chosen passes' rows of like size do: cost/lengths.expected_step) against the
 measured one (median of rounds, min-max; "in" where inside), the deterministic line's, and the
 predicted balanced / document.
 """
@@ -36,10 +36,10 @@ def reanalyse(path: str, which: str = "between") -> dict:
               "all": report["calibration_passes_before"] + report["calibration_passes"]}[which]
     full, shares, _, per_kind = ML._calibrate(args, calibration, passes)
     meta = introspect(as_config(compose(M.overrides(args))).arch, args.budget)
-    deviations = ML._row_deviations(args, meta, report["spans"], calibration, passes, full, per_kind)
+    spread = ML._row_spread(args, meta, report["spans"], calibration, passes, full, per_kind)
     predicted, line, _, _ = ML._simulated(args, meta, report["spans"], full, shares, per_kind, report["square_sums"],
                                           report["documents_per_micro_batch"], report["useful_tokens_per_micro_batch"],
-                                          deviations)
+                                          spread)
     out = {"passes": which, "packings": {}}
     for p in M.PACKINGS:
         measured = report["packings"][p]["mean_step_s_per_round"]

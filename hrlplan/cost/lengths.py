@@ -27,6 +27,7 @@ on which documents it holds: its sum of squared lengths. This module
 """
 from __future__ import annotations
 
+import bisect
 import os
 import random
 import statistics
@@ -284,31 +285,70 @@ def pipeline_step(schedule: str, pp: int, fwd: Sequence[Sequence[float]], bwd: S
     return max(free)
 
 
-def relative_deviations(timed: Sequence[float], predicted: Sequence[float]) -> List[float]:
-    """How far rows timed once stray from their predicted times, each as timed / predicted - 1 (rows
-    predicted at no time left out): the pool expected_step draws from. Not centred: single timings
-    skew long (a preempted row), so their mean sits above the median a calibration fits."""
-    return [t / p - 1.0 for t, p in zip(timed, predicted) if p > 0]
+@dataclass(frozen=True)
+class RowSpread:
+    """How rows timed once stray from their predicted times: per kind ("F", "B") and stage, the
+    (predicted seconds, timed / predicted - 1) pairs of measured rows, sorted by predicted seconds. A
+    row's pool is the deviations of the `neighbours` rows nearest it in predicted seconds, centred on
+    their mean: small rows stray more, relatively, than large ones (timer and call overheads against
+    the work; the bench's calibration rows and its steps' rows alike: rms 5-11% in the smallest
+    quarter, 2-5% in the largest), while where a neighbourhood's mean lies is the calibrated line's
+    lack of fit at those rows, which does not carry over to other rows (the steps' smallest rows sat
+    1-4% below the line where the calibration's sat 0-2.5% above)."""
+    pairs: Dict[str, List[List[Tuple[float, float]]]]
+    neighbours: int
+
+    @classmethod
+    def from_timings(cls, timed: Dict[str, Sequence[Sequence[float]]], predicted: Dict[str, Sequence[Sequence[float]]],
+                     neighbours: Optional[int] = None) -> "RowSpread":
+        """timed[kind][stage], predicted[kind][stage]: rows timed once and their predicted seconds (rows
+        predicted at no time left out). neighbours: default a sixth of a stage's rows, at least 12."""
+        pairs = {kind: [sorted((p, t / p - 1.0) for t, p in zip(times, preds) if p > 0)
+                        for times, preds in zip(timed[kind], predicted[kind])] for kind in ("F", "B")}
+        if any(not stage for kind in pairs.values() for stage in kind):
+            raise ValueError("RowSpread needs at least one timed row predicted above zero for every kind and stage")
+        fewest = min(len(stage) for kind in pairs.values() for stage in kind)
+        return cls(pairs, min(fewest, neighbours if neighbours is not None else max(12, fewest // 6)))
+
+    def pool(self, kind: str, stage: int, seconds: float) -> List[float]:
+        """The deviations of the `neighbours` rows of (kind, stage) nearest `seconds` in predicted time,
+        less their mean."""
+        pairs = self.pairs[kind][stage]
+        lo = hi = bisect.bisect_left(pairs, (seconds, float("-inf")))
+        while hi - lo < self.neighbours:   # widen towards the nearer side
+            if lo > 0 and (hi == len(pairs) or seconds - pairs[lo - 1][0] <= pairs[hi][0] - seconds):
+                lo -= 1
+            else:
+                hi += 1
+        near = [d for _, d in pairs[lo:hi]]
+        mean = statistics.fmean(near)
+        return [d - mean for d in near]
 
 
 def expected_step(step_of_work: Callable[[List[List[float]], List[List[float]]], float],
                   forward_work: Sequence[Sequence[float]], backward_work: Sequence[Sequence[float]],
-                  deviations: Dict[str, Sequence[Sequence[float]]], draws: int = 200, seed: int = 0) -> float:
+                  spread: Optional[RowSpread], unit: Dict[str, Sequence[float]], draws: int = 200,
+                  seed: int = 0) -> float:
     """The mean of step_of_work(forward, backward) over `draws` steps whose [stage][micro-batch] work
-    is the predicted work times 1 + a deviation drawn (with replacement) from deviations["F"][stage]
-    or deviations["B"][stage] -- the measured rows' own (relative_deviations). With no deviations,
-    the deterministic step. Deviations of mean zero can only lengthen it (a step is a maximum over
-    paths of sums: convex in the durations)."""
-    if not any(len(pool) for kind in ("F", "B") for pool in deviations.get(kind, ())):
+    is the predicted work times 1 + a deviation drawn (with replacement) from the pool of measured
+    rows of like size (spread.pool at unit[kind][stage] x work: the row's predicted seconds). A step
+    is the longest path through the schedule, a maximum of sums, convex in the durations: rows that
+    stray either way lengthen it on average -- more the more paths are near-critical (a balanced
+    packing's; the slowest of several replicas) -- so the deterministic timeline of the predicted
+    rows falls short of the mean step. spread None: that deterministic step."""
+    if spread is None:
         return step_of_work([list(r) for r in forward_work], [list(r) for r in backward_work])
-    for kind, work in (("F", forward_work), ("B", backward_work)):
-        if len(deviations.get(kind, ())) != len(work) or not all(len(pool) for pool in deviations[kind]):
-            raise ValueError(f"deviations[{kind!r}] needs a non-empty pool for each of the {len(work)} stages")
+    works = {"F": forward_work, "B": backward_work}
+    for kind, work in works.items():
+        if len(spread.pairs[kind]) != len(work) or len(unit[kind]) != len(work):
+            raise ValueError(f"the spread and unit of {kind!r} need one entry for each of the {len(work)} stages")
+    pools = {kind: [[spread.pool(kind, k, unit[kind][k] * w) for w in row] for k, row in enumerate(work)]
+             for kind, work in works.items()}
     rng = random.Random(seed)
     total = 0.0
     for _ in range(draws):
-        strayed = {kind: [[w * (1.0 + rng.choice(pool)) for w in row] for row, pool in zip(work, deviations[kind])]
-                   for kind, work in (("F", forward_work), ("B", backward_work))}
+        strayed = {kind: [[w * (1.0 + rng.choice(pool)) for w, pool in zip(row, row_pools)]
+                          for row, row_pools in zip(work, pools[kind])] for kind, work in works.items()}
         total += step_of_work(strayed["F"], strayed["B"])
     return total / draws
 
