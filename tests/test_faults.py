@@ -86,10 +86,10 @@ def _output(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.out").read_text() + (run_dir.parent / f"{run_dir.name}.err").read_text()
 
 
-def _wait_held(hold: StepHold, run_dir: Path, proc: subprocess.Popen) -> dict:
-    """Until both workers wait at FAULT_AT (step FAULT_AT trained and logged); {rank: pid}."""
+def _wait_held(hold: StepHold, run_dir: Path, proc: subprocess.Popen, step: int = FAULT_AT) -> dict:
+    """Until both workers wait at the hold, which is the run's step `step` (trained and logged); {rank: pid}."""
     hold.wait_held(2, alive=lambda: proc.poll() is None, why=lambda: _output(run_dir)[-4000:])
-    assert max(_losses(run_dir)) == FAULT_AT
+    assert max(_losses(run_dir)) == step
     return hold.held_pids()
 
 
@@ -103,9 +103,9 @@ def _ends_within(proc: subprocess.Popen, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def _assert_same_curve(resumed: dict, full: dict, first: int) -> None:
-    assert sorted(resumed) == list(range(1, CHECK + 1))
-    for step in range(first, CHECK + 1):
+def _assert_same_curve(resumed: dict, full: dict, first: int, last: int = CHECK) -> None:
+    assert sorted(resumed) == list(range(1, last + 1))
+    for step in range(first, last + 1):
         assert resumed[step] == pytest.approx(full[step], abs=TOL), (step, resumed[step], full[step])
 
 
@@ -186,36 +186,64 @@ def test_a_rank_killed_mid_step_ends_the_job_and_auto_resume_continues_the_curve
 
 
 # ---------------------------------------------------------------- Ctrl-C / SIGTERM to the main process
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, tmp_path, common, straight):
-    run = tmp_path / "signalled"
-    hold = StepHold(tmp_path / "hold", FAULT_AT)
-    proc = _start(run, *common, "train.checkpoint_interval=0", env=hold.env)
-    _wait_held(hold, run, proc)
+SIGTERM_AT = 2 * FAULT_AT   # the resumed run holds at its own FAULT_AT-th step: FAULT_AT steps after the resume
+
+
+def _stop_by(sig: signal.Signals, run: Path, hold: StepHold, proc: subprocess.Popen, step: int) -> dict:
+    """`sig` to the main process while both workers hold at the run's step `step`; what the stop left,
+    read at once (the next run of the directory moves `latest` on)."""
+    _wait_held(hold, run, proc, step)
     os.kill(proc.pid, sig)
     hold.wait_stopping(2, alive=lambda: proc.poll() is None, why=lambda: _output(run)[-4000:])
     hold.release()
     took = _ends_within(proc, EXIT_WITHIN_S)
-    out = _output(run)
-    assert proc.returncode == 128 + sig, out[-3000:]
+    path = run / "checkpoints" / f"step_{step:06d}"
+    saved = [torch.load(path / f"extra_rank{rank}.pt", weights_only=True)["step"] if path.exists() else None
+             for rank in (0, 1)]
+    return dict(returncode=proc.returncode, out=_output(run), took=took, last_logged=max(_losses(run)),
+                problem=ckpt.checkpoint_problem(path) if path.exists() else "missing",
+                latest=ckpt.latest_checkpoint(run / "checkpoints"), saved_steps=saved)
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory, common):
+    """One run stopped by both signals (a start is most of each test's time): SIGINT while it holds at
+    FAULT_AT, then, resumed (train.resume=auto), SIGTERM while it holds at SIGTERM_AT. {signal: what
+    that stop left}, "run" and "losses" (per step, after both)."""
+    root = tmp_path_factory.mktemp("signalled")
+    run = root / "signalled"
+    stops = {}
+    hold = StepHold(root / "hold-int", FAULT_AT)
+    proc = _start(run, *common, "train.checkpoint_interval=0", env=hold.env)
+    stops[signal.SIGINT] = _stop_by(signal.SIGINT, run, hold, proc, FAULT_AT)
+    hold = StepHold(root / "hold-term", FAULT_AT)   # the resumed process's FAULT_AT-th step boundary
+    proc = _start(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}",
+                  env=hold.env)
+    stops[signal.SIGTERM] = _stop_by(signal.SIGTERM, run, hold, proc, SIGTERM_AT)
+    return dict(stops, run=run, losses=_losses(run))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_main_process_stops_cleanly_with_a_checkpoint(sig, signalled, straight):
+    stop, run = signalled[sig], signalled["run"]
+    out = stop["out"]
+    assert stop["returncode"] == 128 + sig, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     stops = [line for line in out.splitlines() if re.match(rf"\[hrlplan\] stopped by {sig.name} at step \d+", line)]
     assert len(stops) == 1, out[-3000:]
     step = int(re.search(r"at step (\d+)", stops[0]).group(1))
     path = run / "checkpoints" / f"step_{step:06d}"
     assert f"checkpoint {path};" in stops[0] and "train.resume=auto" in stops[0] and f"train.resume={path}" in stops[0]
-    print(f"stopped at step {step}, {took:.1f} s after {sig.name}")
+    print(f"stopped at step {step}, {stop['took']:.1f} s after {sig.name}")
 
     # a complete checkpoint of the step the run stopped at, named by `latest`
-    assert step == FAULT_AT and max(_losses(run)) == step
-    assert ckpt.checkpoint_problem(path) is None and ckpt.latest_checkpoint(run / "checkpoints") == path
-    for rank in (0, 1):
-        assert torch.load(path / f"extra_rank{rank}.pt", weights_only=True)["step"] == step
+    assert step == (FAULT_AT if sig == signal.SIGINT else SIGTERM_AT) and stop["last_logged"] == step
+    assert stop["problem"] is None and stop["latest"] == path
+    assert stop["saved_steps"] == [step, step]   # extra_rank0.pt and extra_rank1.pt
 
-    if sig == signal.SIGINT:   # the resume is the same for both signals: once keeps the suite short
-        pretrain(run, *common, "train.checkpoint_interval=0", "train.resume=auto", f"train.stop_after={CHECK}")
-        _assert_same_curve(_losses(run), straight[1], step + 1)
+    if sig == signal.SIGINT:   # the run resumed after it continues the uninterrupted curve (to SIGTERM_AT)
+        _assert_same_curve(signalled["losses"], straight[1], step + 1, last=SIGTERM_AT)
 
 
 def _stubborn(marker: str) -> None:
