@@ -190,6 +190,10 @@ def killed_then_preempted(slurm, tmp_path_factory):
     while not all(gone(pid) for pid in pids.values()):
         assert time.time() < deadline, f"tasks {pids} still alive 120 s after scontrol requeue"
         time.sleep(0.2)
+    # A stop marker the killed tasks may have left (the requeue's SIGTERM): the preemption's wait below
+    # must see the restarted job's own.
+    for marker in root.glob("hold.stopping.*"):
+        marker.unlink()
     hold.wait_held(2, alive=lambda: not job.done(), timeout_s=240, why=lambda: f"job {job.job_id}")
     job._interrupt()  # what a preemption sends: SIGTERM, then USR2
     hold.wait_stopping(1, alive=lambda: not job.done(), why=lambda: f"job {job.job_id}")
