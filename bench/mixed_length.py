@@ -217,10 +217,9 @@ def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens,
     """Per packing and step, the simulator's step: `predicted`, the mean step when each row's forward
     and backward (each stage's RowShares from the calibration rows) stray from the line as the
     calibration rows of like size timed once do, about the line (cost/lengths.expected_step over
-    `spread`); `line`, the
-    deterministic timeline of the line's rows; `one_table` with forward and backward together (as the
-    dispatch costs them); `flops_only` with the planner's FLOP shares alone (what an uncalibrated
-    planner would say)."""
+    `spread`); `line`, the deterministic timeline of the line's rows; `one_table` with forward and
+    backward together (as the dispatch costs them); `flops_only` with the planner's FLOP shares alone
+    (what an uncalibrated planner would say)."""
     from hrlplan.cost.lengths import expected_step, micro_batch_multipliers
     from hrlplan.cost.timeline import simulate_timeline
 
