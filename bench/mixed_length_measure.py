@@ -16,7 +16,9 @@ flipping round to round). A step's time is those measured durations walked throu
 simulator's prediction: the fixed-length micro-batch's per-stage forward and backward, timed the same
 way (one document filling a row: what the planner costs), through the simulator's timeline with each
 micro-batch's work multipliers (cost/lengths.micro_batch_multipliers; simulate_timeline's
-micro_batch_work). Optional real training runs (--train-rounds) give the loss curves of `document`
+micro_batch_work), averaged over draws in which each row strays from that line as the calibration's
+rows of like size, timed once, do (cost/lengths.RowSpread, expected_step: a step is a maximum over
+paths, so straying rows lengthen it on average). Optional real training runs (--train-rounds) give the loss curves of `document`
 and the trainer's `balanced` (data.packing=balanced), which hold the same documents every step.
 """
 from __future__ import annotations
