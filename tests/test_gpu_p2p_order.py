@@ -90,6 +90,7 @@ def _engine(pipe, schedule: str, s: int, t: int):
     eng.pipe, eng.me, eng.gid, eng.tp_index = pipe, (0, s), s, t
     eng.stage, eng.first, eng.last = pipe.stages[s], s == 0, s == n - 1
     eng.device, eng.hidden = torch.device("cpu"), HIDDEN
+    eng.sequence_shards = 1   # no sequence parallelism in these stages
     eng.recorder = StepRecorder(eng.device)
     eng.parts = {s: _Part(eng.first, eng.last)}
     eng.recv_fwd_from, eng.send_fwd_to, eng.recv_bwd_from, eng.send_bwd_to = hetero.stage_links(pipe.stages, s, t)

@@ -126,8 +126,8 @@ def test_a_plan_marked_proven_is_never_beaten_on_generated_instances():
         for cfg in (dict(asdict(HRLPlannerConfig()), train_steps=0, samples=24, greedy_configs=4,
                          refine_evaluations=24, progress=False),
                     dict(asdict(RandomPlannerConfig()), samples=48, seed=seed)):
-            try:
-                other, _ = make_plan(inst.meta, inst.cluster, dict(cfg, **extra), train)
+            try:   # in the space the claim is about: a replica plan may beat it (tests/test_hetero_planner.py)
+                other, _ = make_plan(inst.meta, inst.cluster, dict(cfg, heterogeneous=False, **extra), train)
             except UserError:
                 continue
             assert other.meta["predicted"]["step_time_s"] >= best * (1 - 1e-9), (seed, inst.label, cfg["name"])
