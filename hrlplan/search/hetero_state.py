@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from hrlplan.cost.memory import STATE_BYTES_PER_PARAM
 from hrlplan.cost.replica_optimizer import MASTER_BYTES, MOMENT_BYTES
 from hrlplan.cost.simulator import Simulator
 
-WHOLE_STATE_BYTES = 16.0   # per parameter at dp 1 with the replicated optimizer (cost/memory.state_split)
+WHOLE_STATE_BYTES = float(STATE_BYTES_PER_PARAM)   # per parameter at dp 1, replicated optimizer
 # a relaxation, not a plan: the state of a set of so many members that its moments and masters
 # vanish; no replica holds less, so a bound computed with it bounds every members count
 UNBOUNDED_MEMBERS = 10 ** 9
