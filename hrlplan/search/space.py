@@ -231,8 +231,7 @@ class SearchSpace:
         """Sequence parallelism on every tp > 1 layout, not searched: it moves the same bytes as the
         all-reduces it replaces (an all-gather and a reduce-scatter each) and holds less activation
         memory, so no layout is faster or smaller without it (cost.model.StageCostModel.stage).
-        A planner whose plans run on hrlplan's own executor (heterogeneous pipelines, which has no
-        sequence parallelism) sets allow_sequence_parallel = False."""
+        The replica search's space (hrlplan's own executor) follows plan/checks.HETERO_SEQUENCE_PARALLEL."""
         return self.allow_sequence_parallel and c.tp > 1
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
