@@ -43,7 +43,8 @@ from hrlplan.data import dispatch as D  # noqa: E402
 from hrlplan.data.code_corpus import CodeCorpus, prepare_code_corpus  # noqa: E402
 from hrlplan.data.packing import PackedDocuments, predictions, split_documents  # noqa: E402
 
-import mixed_length_measure as M  # noqa: E402 (bench/, beside this file)
+import mixed_length_analysis as A  # noqa: E402 (bench/, beside this file)
+import mixed_length_measure as M  # noqa: E402
 
 
 def gpt2_coefficients(n_embd: int, n_layer: int, vocab: int):
@@ -116,225 +117,6 @@ def run_layout(stream: PackedDocuments, replicas: int, args, linear: float, quad
     return out
 
 
-# ---------------------------------------------------------------- measured (--measure)
-def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[str, float]:
-    """time = fixed + per_square * (sum of squared lengths) + per_document * (documents), least squares."""
-    import numpy as np
-
-    x = np.column_stack([np.ones(len(times)), np.asarray(squares, float), np.asarray(docs, float)])
-    coef, *_ = np.linalg.lstsq(x, np.asarray(times, float), rcond=None)
-    residual = np.asarray(times) - x @ coef
-    return {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
-            "rms_residual_s": float(np.sqrt(np.mean(residual ** 2)))}
-
-
-def _calibrate(args, calibration, passes: List[List[Dict]]):
-    """From the calibration rows (median over the passes), per stage and kind (forward, backward, and
-    the two together) the least-squares line time = fixed + per_square * S + per_document * n +
-    per_useful * U (the per-document term left out where it comes out negative: it then only absorbs
-    noise); its value at the one-document row is the fixed-length micro-batch (`full`), and its
-    RowShares are the terms' shares of that value, so the prediction of a row is the fitted line's.
-    (Normalising by the timed one-document row instead put that row's own timing noise, a few ms,
-    into every row's fixed work: the steps came out 2-6% off.) Returns full ({F, B}: per stage), the
-    RowShares of F + B per stage, the fits, and the RowShares per kind ({"F": [...], "B": [...]})."""
-    import numpy as np
-
-    from hrlplan.cost.lengths import RowShares
-
-    # a pass timed between a round's steps leaves rows out (None) where the round has fewer steps than the
-    # calibration; a row no pass timed is left out of the fit
-    timed = [i for i in range(len(calibration)) if any(c[i] is not None for c in passes)]
-    med = [{kind: [statistics.median(c[i][kind][k][0] for c in passes if c[i] is not None) for k in range(args.pp)]
-            for kind in ("F", "B")} for i in timed]
-    x = np.array([[1.0, sq, n, u] for n, u, sq, *_ in (calibration[i] for i in timed)], dtype=float)
-    at_one = np.array([1.0, float(args.budget) ** 2, 1.0, float(args.budget)])
-
-    def fitted(times):
-        coef, *_ = np.linalg.lstsq(x, times, rcond=None)
-        if coef[2] < 0:
-            kept = [0, 1, 3]
-            part, *_ = np.linalg.lstsq(x[:, kept], times, rcond=None)
-            coef = np.zeros(4)
-            coef[kept] = part
-        one = float(coef @ at_one)
-        shares = RowShares(attention=float(coef[1]) * args.budget ** 2 / one, per_document=float(coef[2]) / one,
-                           useful=float(coef[3]) * args.budget / one)
-        return one, shares, {"fixed_s": float(coef[0]), "per_square_s": float(coef[1]), "per_document_s": float(coef[2]),
-                             "per_useful_token_s": float(coef[3]), "one_document_row_s": one,
-                             "one_document_row_timed_s": float(times[0]), "rows_s": times.tolist(),
-                             "rms_residual_s": float(np.sqrt(np.mean((times - x @ coef) ** 2)))}
-
-    full: Dict[str, List[float]] = {"F": [], "B": []}
-    shares, fits, per_kind = [], [], {"F": [], "B": []}
-    for k in range(args.pp):
-        for kind in ("F", "B"):
-            one, kind_shares, _ = fitted(np.array([m[kind][k] for m in med]))
-            full[kind].append(one)
-            per_kind[kind].append(kind_shares)
-        _, together, fit = fitted(np.array([m["F"][k] + m["B"][k] for m in med]))
-        shares.append(together)
-        fits.append(fit)
-    return full, shares, fits, per_kind
-
-
-def _slowest_replica(args, table) -> float:
-    """A step's measured time: each replica's micro-batches (replica-major) walked through 1F1B, the slowest."""
-    from hrlplan.cost.lengths import pipeline_step
-
-    m = args.micro_batches
-    return max(pipeline_step("1f1b", args.pp, [row[r * m:(r + 1) * m] for row in table["F"]],
-                             [row[r * m:(r + 1) * m] for row in table["B"]]) for r in range(args.dp))
-
-
-def _line_rows(args, meta, spans, full, per_kind, sq, n_docs, useful) -> Dict[str, List[List[float]]]:
-    """{F, B}: [stage][row] the calibrated line's work multipliers of rows with these squares, documents
-    and real tokens (times full[kind][stage]: their predicted seconds)."""
-    from hrlplan.cost.lengths import micro_batch_multipliers
-
-    return {kind: micro_batch_multipliers(meta, spans, args.budget, sq, n_docs, useful, per_kind[kind])
-            for kind in ("F", "B")}
-
-
-def _row_spread(args, meta, spans, calibration, passes, full, per_kind):
-    """How each calibration row timed once (every pass between the rounds' steps) strays from the
-    calibrated line (cost/lengths.RowSpread): what a step's rows, each timed once, do too."""
-    from hrlplan.cost.lengths import RowSpread
-
-    work = _line_rows(args, meta, spans, full, per_kind, [c[2] for c in calibration], [c[0] for c in calibration],
-                      [c[1] for c in calibration])
-    timed: Dict[str, List[List[float]]] = {"F": [], "B": []}
-    predicted: Dict[str, List[List[float]]] = {"F": [], "B": []}
-    for kind in ("F", "B"):
-        for k in range(args.pp):
-            rows = [(row[kind][k][0], full[kind][k] * work[kind][k][i])
-                    for one_pass in passes for i, row in enumerate(one_pass) if row is not None]
-            timed[kind].append([t for t, _ in rows])
-            predicted[kind].append([p for _, p in rows])
-    return RowSpread.from_timings(timed, predicted)
-
-
-def _simulated(args, meta, spans, full, shares, per_kind, squares, docs, tokens, spread=None, draws=200):
-    """Per packing and step, the simulator's step: `predicted`, the mean step when each row's forward
-    and backward (each stage's RowShares from the calibration rows) stray from the line as the
-    calibration rows of like size timed once do, about the line (cost/lengths.expected_step over
-    `spread`); `line`, the deterministic timeline of the line's rows; `one_table` with forward and
-    backward together (as the dispatch costs them); `flops_only` with the planner's FLOP shares alone
-    (what an uncalibrated planner would say)."""
-    from hrlplan.cost.lengths import expected_step, micro_batch_multipliers
-    from hrlplan.cost.timeline import simulate_timeline
-
-    zero = [0.0] * args.pp
-    m = args.micro_batches
-
-    def replica_step(work, back):
-        return simulate_timeline("1f1b", args.pp, 1, m, full["F"], full["B"], zero, zero, zero, zero,
-                                 micro_batch_work=work, backward_work=back).makespan
-
-    def step_of_work(work, back):   # the slowest replica's (rows replica-major)
-        return max(replica_step([w[r * m:(r + 1) * m] for w in work],
-                                None if back is None else [b[r * m:(r + 1) * m] for b in back]) for r in range(args.dp))
-
-    def over(row_shares):
-        return {p: [step_of_work(micro_batch_multipliers(meta, spans, args.budget, *x, row_shares), None)
-                    for x in zip(squares[p], docs[p], tokens[p])] for p in M.PACKINGS}
-
-    by_kind = {p: [_line_rows(args, meta, spans, full, per_kind, *x) for x in zip(squares[p], docs[p], tokens[p])]
-               for p in M.PACKINGS}
-    line = {p: [step_of_work(w["F"], w["B"]) for w in by_kind[p]] for p in M.PACKINGS}
-    predicted = line if spread is None else {
-        p: [expected_step(step_of_work, w["F"], w["B"], spread, full, draws=draws, seed=i) for i, w in enumerate(by_kind[p])]
-        for p in M.PACKINGS}
-    return predicted, line, over(shares), over(None)
-
-
-def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
-    P = M.PACKINGS
-    timed = timing["timed_steps"]
-    useful = [sum(prepared["lengths"][s]) for s in timed]
-    squares = {p: [[sum(prepared["lengths"][s][i] ** 2 for i in g) for g in prepared["assignments"][p][s]]
-                   for s in timed] for p in P}
-    docs = {p: [[len(g) for g in prepared["assignments"][p][s]] for s in timed] for p in P}
-    per_round, steps_measured, spreads, paired = [], {p: [] for p in P}, {p: [] for p in P}, {p: [] for p in P}
-    for rnd in timing["rounds"]:
-        steps = {p: [_slowest_replica(args, t) for t in rnd["tables"][p]] for p in P}
-        per_round.append({p: sum(useful) / sum(steps[p]) for p in P})
-        for p in P:
-            steps_measured[p].append(statistics.fmean(steps[p]))
-            paired[p] += [d / x for d, x in zip(steps["document"], steps[p])]
-            for t in rnd["tables"][p]:
-                per_mb = [sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp))
-                          for j in range(args.micro_batches * args.dp)]
-                spreads[p].append(max(per_mb) / statistics.fmean(per_mb))
-    # the calibration passes timed between the rounds' steps, in their conditions (those timed in a burst
-    # before the rounds, which fed the dispatch, came out 1-5% faster than the steps on a busy host)
-    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"],
-                                                     [p for r in timing["rounds"] for p in r["calibration"]])
-    tokens = {p: [[sum(prepared["lengths"][s][i] for i in g) for g in prepared["assignments"][p][s]] for s in timed]
-              for p in P}
-    passes = [p for r in timing["rounds"] for p in r["calibration"]]
-    spread = _row_spread(args, meta, spans, timing["calibration_rows"], passes, full, per_kind)
-    predicted, line, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, squares, docs,
-                                                        tokens, spread)
-    rows_t, rows_sq, rows_docs = [], [], []
-    for rnd in timing["rounds"]:
-        for p in P:
-            for i, t in enumerate(rnd["tables"][p]):
-                for j in range(args.micro_batches * args.dp):
-                    rows_t.append(sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp)))
-                    rows_sq.append(squares[p][i][j])
-                    rows_docs.append(docs[p][i][j])
-    fit = _fit(rows_t, rows_sq, rows_docs)
-    full_row_s = sum(full["F"]) + sum(full["B"])
-    report = {"settings": dict(vars(args)), "spans": spans, "timed_steps": timed, "useful_tokens_per_step": useful,
-              "square_sums": squares, "documents_per_micro_batch": docs, "useful_tokens_per_micro_batch": tokens,
-              "dispatch_seconds": quantiles(prepared["dispatch_seconds"]),
-              "dispatch_methods": dict(Counter(prepared["dispatch_methods"])),
-              "loads": [(r["load_before"], r["load_after"]) for r in timing["rounds"]],
-              "full_row_s": full, "row_fit": fit, "calibration": calibration, "row_shares": [vars(x) for x in shares],
-              "row_shares_by_kind": {kind: [vars(x) for x in v] for kind, v in per_kind.items()},
-              "row_spread": {"neighbours": spread.neighbours, **{kind: [{
-                  "rows": len(v), "mean": statistics.fmean(d for _, d in v),
-                  "rms": statistics.fmean(d * d for _, d in v) ** 0.5} for v in stages]
-                  for kind, stages in spread.pairs.items()}},
-              "attention_share": {"full_row": fit["per_square_s"] * args.budget ** 2 / full_row_s,
-                                  "document_rows": fit["per_square_s"] * statistics.fmean(
-                                      x for sq in squares["document"] for x in sq) / statistics.fmean(rows_t)},
-              "packings": {}}
-    for p in P:
-        mean_pred = statistics.fmean(predicted[p])
-        report["packings"][p] = {
-            "useful_tokens_per_cpu_s": quantiles([r[p] for r in per_round]),
-            "mean_step_s_per_round": quantiles(steps_measured[p]),
-            "predicted_mean_step_s": mean_pred,
-            "predicted_mean_step_s_flops_only": statistics.fmean(flops_only[p]),
-            "predicted_mean_step_s_one_table": statistics.fmean(one_table[p]),
-            "predicted_mean_step_s_line": statistics.fmean(line[p]),
-            "predicted_within_round_spread": min(steps_measured[p]) <= mean_pred <= max(steps_measured[p]),
-            "line_within_round_spread": min(steps_measured[p]) <= statistics.fmean(line[p]) <= max(steps_measured[p]),
-            "predicted_over_measured": mean_pred / statistics.median(steps_measured[p]),
-            "micro_batch_slowest_over_mean": quantiles(spreads[p]),
-            "document_step_over_this_paired": quantiles(paired[p])}
-    for p in ("min_max", "balanced"):
-        report[f"{p}_over_document"] = {
-            "measured_per_round": [r[p] / r["document"] for r in per_round],
-            "measured": quantiles([r[p] / r["document"] for r in per_round]),
-            "predicted": sum(predicted["document"]) / sum(predicted[p]),
-            "predicted_flops_only": sum(flops_only["document"]) / sum(flops_only[p]),
-            "predicted_one_table": sum(one_table["document"]) / sum(one_table[p]),
-            "predicted_line": sum(line["document"]) / sum(line[p])}
-    tables = [t for rnd in timing["rounds"] for p in P for t in rnd["tables"][p]]
-    report["same_documents"] = {
-        "loss_max_abs_difference": max(abs(a["loss"] - b["loss"]) for rnd in timing["rounds"]
-                                       for a, b in zip(rnd["tables"]["document"], rnd["tables"]["balanced"])),
-        "loss_mean": statistics.fmean(t["loss"] for t in tables),
-        "gradient_max_abs_difference": max(t["gradient_max_abs_difference"] for t in tables),
-        "gradient_max_abs": max(t["gradient_max_abs"] for t in tables)}
-    measured_rank = sorted(P, key=lambda p: statistics.median(steps_measured[p]))
-    predicted_rank = sorted(P, key=lambda p: statistics.fmean(predicted[p]))
-    report["ranking"] = {"measured": measured_rank, "predicted": predicted_rank}
-    return report
-
-
 def measure(args) -> Dict:
     import tempfile
 
@@ -342,6 +124,7 @@ def measure(args) -> Dict:
     from hrlplan.config import as_config
     from hrlplan.model_meta import introspect
     from hrlplan.models.hf import build_stage_modules
+    from hrlplan.runtime.calibrate.attention_curve import measure_attention_curve
     from hrlplan.runtime.trainer import build_full_model
 
     corpus = CodeCorpus.load(prepare_code_corpus(args.path, args.vocab, 2000, 0))
@@ -351,20 +134,25 @@ def measure(args) -> Dict:
     spans = M.spans_of(args)
     stages = build_stage_modules(build_full_model(cfg.arch, args.seed), spans)
     calibration = M.calibration_rows(args, corpus.eot_id, documents)
+    rows = [row for row, _ in calibration]
     # 3 passes (about 15 s each at 6 held-out steps): they only feed the dispatch (the prediction fits the
-    # passes timed between the rounds' steps); a pass's rows vary by a few percent, the fit of their medians far less
+    # passes timed between the rounds' steps); a pass's rows vary by a few percent, the fit of their medians far less.
+    # The dispatch balances the squared lengths (data/dispatch.py's model), so its line is fitted on them.
     before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(3)]
-    full, shares, _, _ = _calibrate(args, calibration, before)
+    full, shares, _, _ = A._calibrate(args, rows, before, A.RowAttention(None, args.budget))
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
+    # the per-document attention kernel as the stages call it (heads, head width, one thread): the prediction's
+    # attention measure (hrlplan/cost/attention_curve.py)
+    curve = measure_attention_curve(args.n_head, args.n_embd // args.n_head, args.budget)
     timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
-    timing["before"], timing["calibration_rows"] = before, calibration
-    report = _analyse(args, prepared, timing, meta, spans)
+    timing["before"], timing["calibration_rows"], timing["attention_curve"] = before, rows, curve
+    report = A._analyse(args, prepared, timing, meta, spans)
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
     # the raw calibration passes (timed between the rounds' steps, the last of a round partial; those before the rounds, which
     # fed the dispatch) and their rows, to re-fit offline
     report["calibration_passes"] = [p for r in timing["rounds"] for p in r["calibration"]]
     report["calibration_passes_before"] = timing["before"]
-    report["calibration_rows"] = [[n, u, sq] for n, u, sq, _ in calibration]
+    report["calibration_rows"] = [[r.documents, r.useful, r.squares, list(r.lengths)] for r in rows]
     if args.train_rounds:
         with tempfile.TemporaryDirectory(prefix="mixed_length_") as workdir:
             runs = M.training_runs(args, Path(workdir))

@@ -27,9 +27,25 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 PACKINGS = ("document", "min_max", "balanced")
+
+
+@dataclass(frozen=True)
+class Row:
+    """A packed row as the line sees it: its documents, real tokens, squared lengths and (where known)
+    the documents' lengths."""
+    documents: int
+    useful: int
+    squares: float
+    lengths: Optional[Tuple[int, ...]] = None
+
+
+def step_rows(lengths: List[int], assignment: List[List[int]]) -> List[Row]:
+    return [Row(len(g), sum(lengths[i] for i in g), float(sum(lengths[i] ** 2 for i in g)),
+                tuple(lengths[i] for i in g)) for g in assignment]
 
 
 def quantiles(values: List[float]) -> Dict[str, float]:
@@ -145,7 +161,7 @@ HELD_OUT_ATTENTION_RATIO = 3.5
 
 
 def calibration_rows(args, eot_id: int, documents):
-    """(documents, useful tokens, squared lengths, (inputs, targets)) per calibration row, in steps of
+    """(Row, (inputs, targets)) per calibration row, in steps of
     args.micro_batches rows: first the fixed-length micro-batch the planner costs (one document filling
     the row) that many times, then HELD_OUT_STEPS steps of the validation split, each packed in arrival
     order, by the min-max dispatch and by the pipeline-aware one (data/dispatch.py)."""
@@ -161,7 +177,7 @@ def calibration_rows(args, eot_id: int, documents):
     for _ in range(m):
         one = torch.randint(1, args.vocab, (args.budget + 1,), generator=g)
         one[one == eot_id] = 1
-        out.append((1, args.budget, args.budget ** 2,
+        out.append((Row(1, args.budget, float(args.budget) ** 2, (args.budget,)),
                     to_wire(pack_micro_batches([one], [[0]], args.budget, eot_id), args.budget, 1)))
     base = D.Bin(args.budget, 1.0, 0, args.budget ** 2 / HELD_OUT_ATTENTION_RATIO)
     for step in range(HELD_OUT_STEPS):
@@ -175,7 +191,7 @@ def calibration_rows(args, eot_id: int, documents):
                 row = [pieces[i] for i in group]
                 held = [predictions(x) for x in row]
                 wire = to_wire(documents.pack(row, [list(range(len(row)))]), max(sum(held), 1), 1)
-                out.append((len(row), sum(held), sum(n * n for n in held), wire))
+                out.append((Row(len(row), sum(held), float(sum(n * n for n in held)), tuple(held)), wire))
     return out
 
 

@@ -190,10 +190,12 @@ def simulator_attention_shares(sim, layout) -> List[RowShares]:
 def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int, square_sums: Sequence[float],
                             documents: Optional[Sequence[int]] = None, useful: Optional[Sequence[int]] = None,
                             shares: Optional[Sequence[RowShares]] = None,
-                            rows_per_micro_batch: int = 1) -> List[List[float]]:
+                            rows_per_micro_batch: int = 1, attention_unit: Optional[float] = None) -> List[List[float]]:
     """[stage][micro-batch]: its work over that of a fixed-length micro-batch of `budget` tokens a row
     (one document filling each row), the micro-batch the simulator costs. square_sums[j]: micro-batch
-    j's sum of squared document lengths; documents[j], useful[j]: its document count and real tokens
+    j's attention, by default its sum of squared document lengths; with attention_unit, in any measure
+    whose one-document row is attention_unit (a timed kernel's seconds: cost/attention_curve.py);
+    documents[j], useful[j]: its document count and real tokens
     (needed where the shares count them); shares: each stage's RowShares (simulator_attention_shares,
     or measured), default the FLOP counts' attention share. Every row pays its fixed work (fixed shapes)."""
     shares = list(shares) if shares is not None else stage_attention_shares(meta, spans, budget)
@@ -204,10 +206,11 @@ def micro_batch_multipliers(meta, spans: Sequence[Tuple[int, int]], budget: int,
     if any(x.useful for x in shares) and useful is None:
         raise ValueError("a useful-token share needs each micro-batch's real tokens (useful)")
     r = rows_per_micro_batch
+    unit = float(attention_unit) if attention_unit is not None else float(budget * budget)
     out = []
     for x in shares:
         fixed = 1.0 - x.attention - x.per_document - x.useful
-        out.append([(r * fixed + x.attention * sq / (budget * budget)
+        out.append([(r * fixed + x.attention * sq / unit
                      + (x.per_document * documents[j] if x.per_document else 0.0)
                      + (x.useful * useful[j] / budget if x.useful else 0.0)) / r
                     for j, sq in enumerate(square_sums)])
