@@ -32,7 +32,7 @@ ALLOWED: Set[Tuple[str, str]] = set()
 # Inside hrlplan.runtime.calibrate: the measuring helpers at the bottom, the orchestration on top;
 # each module imports only lower ranks (none its own rank, so no cycles), none the package itself.
 CALIBRATE = "hrlplan.runtime.calibrate"
-CALIBRATE_ORDER = {"blocks": 0, "compute": 1, "comm": 1, "collectives": 1, "record": 2, "worker": 3}
+CALIBRATE_ORDER = {"blocks": 0, "attention_curve": 0, "compute": 1, "comm": 1, "collectives": 1, "record": 2, "worker": 3}
 
 
 def _modules() -> Dict[str, Path]:

@@ -35,6 +35,7 @@ calibration["measurements"] for inspection.
 The package, imports one way (each module imports only those above it in this list, plus
 hrlplan.measure's timers and fits, the models, cost and the runtime's stages):
   blocks.py       the stages every micro-benchmark runs (block_stage) and REPEATS
+  attention_curve.py  the per-document attention kernel timed by length (packed documents: cost/attention_curve.py)
   compute.py      blocks, the optimizer, the pipeline's per-op overhead, contention, the one-process step
   comm.py         the ping-pong, the real two-stage pipeline hop, tensor-parallel stages
   collectives.py  FSDP2 over a pair, all-reduces over groups of every size
