@@ -127,6 +127,7 @@ def measure(args) -> Dict:
     from hrlplan.runtime.calibrate.attention_curve import measure_attention_curve
     from hrlplan.runtime.trainer import build_full_model
 
+    reused = M.reuse_freed_memory()
     corpus = CodeCorpus.load(prepare_code_corpus(args.path, args.vocab, 2000, 0))
     documents = PackedDocuments(corpus.train_tokens, corpus.val_tokens, corpus.eot_id, args.budget, args.seed)
     cfg = as_config(compose(M.overrides(args)))
@@ -150,6 +151,7 @@ def measure(args) -> Dict:
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
     # the raw calibration passes (timed between the rounds' steps, the last of a round partial; those before the rounds, which
     # fed the dispatch) and their rows, to re-fit offline
+    report["freed_memory_reused"] = reused
     report["calibration_passes"] = [p for r in timing["rounds"] for p in r["calibration"]]
     report["calibration_passes_before"] = timing["before"]
     report["calibration_rows"] = [[r.documents, r.useful, r.squares, list(r.lengths)] for r in rows]
