@@ -140,14 +140,14 @@ def measure(args) -> Dict:
     # passes timed between the rounds' steps); a pass's rows vary by a few percent, the fit of their medians far less.
     # The dispatch balances the squared lengths (data/dispatch.py's model), so its line is fitted on them.
     before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(3)]
-    full, shares, _, _ = A._calibrate(args, rows, before, A.RowAttention(None, args.budget))
+    full, shares, _, _ = A.calibrate(args, rows, before, A.RowAttention(None, args.budget))
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
     # the per-document attention kernel as the stages call it (heads, head width, one thread): the prediction's
     # attention measure (hrlplan/cost/attention_curve.py)
     curve = measure_attention_curve(args.n_head, args.n_embd // args.n_head, args.budget)
     timing = M.timed_rounds(args, prepared["batches"], stages, calibration)
     timing["before"], timing["calibration_rows"], timing["attention_curve"] = before, rows, curve
-    report = A._analyse(args, prepared, timing, meta, spans)
+    report = A.analyse(args, prepared, timing, meta, spans)
     report["micro_batch_times_s"] = [r["tables"] for r in timing["rounds"]]
     # the raw calibration passes (timed between the rounds' steps, the last of a round partial; those before the rounds, which
     # fed the dispatch) and their rows, to re-fit offline

@@ -38,7 +38,7 @@ class RowAttention:
         return self.of(Row(1, self.budget, float(self.budget) ** 2, (self.budget,)), kind)
 
 
-def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[str, float]:
+def squares_fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[str, float]:
     """time = fixed + per_square * (sum of squared lengths) + per_document * (documents), least squares."""
     import numpy as np
 
@@ -49,7 +49,7 @@ def _fit(times: List[float], squares: List[float], docs: List[float]) -> Dict[st
             "rms_residual_s": float(np.sqrt(np.mean(residual ** 2)))}
 
 
-def _calibrate(args, calibration: List[Row], passes: List[List[Dict]], attention: RowAttention):
+def calibrate(args, calibration: List[Row], passes: List[List[Dict]], attention: RowAttention):
     """From the calibration rows (median over the passes), per stage and kind (forward, backward, and
     the two together) the least-squares line time = fixed + per_square * S + per_document * n +
     per_useful * U (the per-document term left out where it comes out negative: it then only absorbs
@@ -102,7 +102,7 @@ def _calibrate(args, calibration: List[Row], passes: List[List[Dict]], attention
     return full, shares, fits, per_kind
 
 
-def _slowest_replica(args, table) -> float:
+def slowest_replica(args, table) -> float:
     """A step's measured time: each replica's micro-batches (replica-major) walked through 1F1B, the slowest."""
     from hrlplan.cost.lengths import pipeline_step
 
@@ -111,7 +111,7 @@ def _slowest_replica(args, table) -> float:
                              [row[r * m:(r + 1) * m] for row in table["B"]]) for r in range(args.dp))
 
 
-def _line_rows(args, meta, spans, per_kind, rows: List[Row], attention: RowAttention) -> Dict[str, List[List[float]]]:
+def line_rows(args, meta, spans, per_kind, rows: List[Row], attention: RowAttention) -> Dict[str, List[List[float]]]:
     """{F, B}: [stage][row] the calibrated line's work multipliers of these rows (times full[kind][stage]:
     their predicted seconds)."""
     from hrlplan.cost.lengths import micro_batch_multipliers
@@ -122,12 +122,12 @@ def _line_rows(args, meta, spans, per_kind, rows: List[Row], attention: RowAtten
             for kind in ("F", "B")}
 
 
-def _row_spread(args, meta, spans, calibration: List[Row], passes, full, per_kind, attention: RowAttention):
+def row_spread(args, meta, spans, calibration: List[Row], passes, full, per_kind, attention: RowAttention):
     """How each calibration row timed once (every pass between the rounds' steps) strays from the
     calibrated line (cost/lengths.RowSpread): what a step's rows, each timed once, do too."""
     from hrlplan.cost.lengths import RowSpread
 
-    work = _line_rows(args, meta, spans, per_kind, calibration, attention)
+    work = line_rows(args, meta, spans, per_kind, calibration, attention)
     timed: Dict[str, List[List[float]]] = {"F": [], "B": []}
     predicted: Dict[str, List[List[float]]] = {"F": [], "B": []}
     for kind in ("F", "B"):
@@ -139,7 +139,7 @@ def _row_spread(args, meta, spans, calibration: List[Row], passes, full, per_kin
     return RowSpread.from_timings(timed, predicted)
 
 
-def _simulated(args, meta, spans, full, shares, per_kind, rows: Dict[str, List[List[Row]]], attention: RowAttention,
+def simulated(args, meta, spans, full, shares, per_kind, rows: Dict[str, List[List[Row]]], attention: RowAttention,
                spread=None, draws=200):
     """Per packing and step, the simulator's step: `predicted`, the mean step when each row's forward
     and backward (each stage's RowShares from the calibration rows) stray from the line as the
@@ -168,7 +168,7 @@ def _simulated(args, meta, spans, full, shares, per_kind, rows: Dict[str, List[L
             [r.useful for r in step], row_shares, attention_unit=measure.unit(kind)), None)
             for step in rows[p]] for p in M.PACKINGS}
 
-    by_kind = {p: [_line_rows(args, meta, spans, per_kind, step, attention) for step in rows[p]] for p in M.PACKINGS}
+    by_kind = {p: [line_rows(args, meta, spans, per_kind, step, attention) for step in rows[p]] for p in M.PACKINGS}
     line = {p: [step_of_work(w["F"], w["B"]) for w in by_kind[p]] for p in M.PACKINGS}
     predicted = line if spread is None else {
         p: [expected_step(step_of_work, w["F"], w["B"], spread, full, draws=draws, seed=i) for i, w in enumerate(by_kind[p])]
@@ -176,7 +176,7 @@ def _simulated(args, meta, spans, full, shares, per_kind, rows: Dict[str, List[L
     return predicted, line, over(shares, attention), over(None, RowAttention(None, args.budget))
 
 
-def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
+def analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     """The report of a measured run: timing["calibration_rows"] are Rows, timing["attention_curve"] the
     timed kernel (or None: the squared lengths)."""
     P = M.PACKINGS
@@ -188,7 +188,7 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     attention = RowAttention(timing.get("attention_curve"), args.budget)
     per_round, steps_measured, spreads, paired = [], {p: [] for p in P}, {p: [] for p in P}, {p: [] for p in P}
     for rnd in timing["rounds"]:
-        steps = {p: [_slowest_replica(args, t) for t in rnd["tables"][p]] for p in P}
+        steps = {p: [slowest_replica(args, t) for t in rnd["tables"][p]] for p in P}
         per_round.append({p: sum(useful) / sum(steps[p]) for p in P})
         for p in P:
             steps_measured[p].append(statistics.fmean(steps[p]))
@@ -200,10 +200,10 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
     # the calibration passes timed between the rounds' steps, in their conditions (those timed in a burst
     # before the rounds, which fed the dispatch, came out 1-5% faster than the steps on a busy host)
     passes = [p for r in timing["rounds"] for p in r["calibration"]]
-    full, shares, calibration, per_kind = _calibrate(args, timing["calibration_rows"], passes, attention)
+    full, shares, calibration, per_kind = calibrate(args, timing["calibration_rows"], passes, attention)
     tokens = {p: [[r.useful for r in step] for step in rows[p]] for p in P}
-    spread = _row_spread(args, meta, spans, timing["calibration_rows"], passes, full, per_kind, attention)
-    predicted, line, one_table, flops_only = _simulated(args, meta, spans, full, shares, per_kind, rows, attention,
+    spread = row_spread(args, meta, spans, timing["calibration_rows"], passes, full, per_kind, attention)
+    predicted, line, one_table, flops_only = simulated(args, meta, spans, full, shares, per_kind, rows, attention,
                                                         spread)
     rows_t, rows_sq, rows_docs = [], [], []
     for rnd in timing["rounds"]:
@@ -213,7 +213,7 @@ def _analyse(args, prepared: Dict, timing: Dict, meta, spans) -> Dict:
                     rows_t.append(sum(t[kind][k][j] for kind in ("F", "B") for k in range(args.pp)))
                     rows_sq.append(squares[p][i][j])
                     rows_docs.append(docs[p][i][j])
-    fit = _fit(rows_t, rows_sq, rows_docs)
+    fit = squares_fit(rows_t, rows_sq, rows_docs)
     full_row_s = sum(full["F"]) + sum(full["B"])
     report = {"settings": dict(vars(args)), "spans": spans, "timed_steps": timed, "useful_tokens_per_step": useful,
               "square_sums": squares, "documents_per_micro_batch": docs, "useful_tokens_per_micro_batch": tokens,

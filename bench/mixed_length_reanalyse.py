@@ -37,15 +37,15 @@ def reanalyse(path: str, which: str = "between", squares: bool = False) -> dict:
     passes = {"between": report["calibration_passes"], "before": report["calibration_passes_before"],
               "all": report["calibration_passes_before"] + report["calibration_passes"]}[which]
     attention = A.RowAttention(curve, args.budget)
-    full, shares, _, per_kind = A._calibrate(args, calibration, passes, attention)
+    full, shares, _, per_kind = A.calibrate(args, calibration, passes, attention)
     meta = introspect(as_config(compose(M.overrides(args))).arch, args.budget)
-    spread = A._row_spread(args, meta, report["spans"], calibration, passes, full, per_kind, attention)
+    spread = A.row_spread(args, meta, report["spans"], calibration, passes, full, per_kind, attention)
     lengths = report.get("row_lengths") or {}
     rows = {p: [[M.Row(n, u, sq, tuple(lengths[p][s][j]) if lengths else None)
                  for j, (n, u, sq) in enumerate(zip(*x))]
                 for s, x in enumerate(zip(report["documents_per_micro_batch"][p], report["useful_tokens_per_micro_batch"][p],
                                           report["square_sums"][p]))] for p in M.PACKINGS}
-    predicted, line, _, _ = A._simulated(args, meta, report["spans"], full, shares, per_kind, rows, attention, spread)
+    predicted, line, _, _ = A.simulated(args, meta, report["spans"], full, shares, per_kind, rows, attention, spread)
     out = {"passes": which, "attention": "squares" if curve is None else "timed kernel", "packings": {}}
     for p in M.PACKINGS:
         measured = report["packings"][p]["mean_step_s_per_round"]
