@@ -118,6 +118,14 @@ def _check_replica_sequence_parallel(pipe, where: str, err) -> None:
                   "sequence parallelism shards it; make it a multiple of the tp or set sequence_parallel false")
 
 
+def sequence_parallel_divides(seq_len: int, tp: int, cp: int = 1) -> bool:
+    """Whether sequence parallelism over `tp` can shard a sequence of `seq_len` positions: both runtimes
+    give every tp rank an equal slice of the (cp-local, under context parallelism) sequence
+    (models/hf.HFStage, runtime/hetero.py) and refuse an uneven one. The planners' spaces plan a
+    layout without sequence parallelism where it does not divide (search/space.SearchSpace)."""
+    return tp <= 1 or seq_len % (tp * max(1, cp)) == 0
+
+
 def sequence_parallel_length_refusal(plan: Plan, seq_len: int) -> str:
     """Why data.seq_len cannot run `plan`'s sequence parallelism ("" where it can): each tp group shards
     the sequence (a heterogeneous replica its own seq_len where it sets one, checked by validate)."""
@@ -125,10 +133,13 @@ def sequence_parallel_length_refusal(plan: Plan, seq_len: int) -> str:
     for pipe in pipes:
         if getattr(pipe, "seq_len", None) is not None:
             continue
-        tp = max((s.tp for s in pipe.stages if s.sequence_parallel), default=1)
-        if tp > 1 and seq_len % tp:
-            return (f"data.seq_len={seq_len} is not divisible by tp {tp}, over which the plan's sequence parallelism "
-                    f"shards it; set data.seq_len to a multiple of {tp} or use a plan without sequence_parallel")
+        sharded = [s for s in pipe.stages if s.sequence_parallel]
+        tp = max((s.tp for s in sharded), default=1)
+        cp = max((s.cp for s in sharded), default=1)
+        if not sequence_parallel_divides(seq_len, tp, cp):
+            by = f"tp {tp}" if cp == 1 else f"tp {tp} x cp {cp}"
+            return (f"data.seq_len={seq_len} is not divisible by {by}, over which the plan's sequence parallelism "
+                    f"shards it; set data.seq_len to a multiple of {tp * cp} or use a plan without sequence_parallel")
     return ""
 
 

@@ -346,6 +346,7 @@ class GradientReducer:
         for item in bucket.items:
             if item.param.grad is None:
                 item.param.grad = torch.zeros_like(item.param)
+            refuse_partial_grad(item.name, item.param.grad)
             if item.whole:
                 part = to_hf(self._whole_contribution(item.param.grad, weight), self.layout_of(item.name))
             else:
@@ -441,6 +442,20 @@ class GradientReducer:
         if any(item.whole for item in bucket.items):
             dist.all_reduce(flat, group=self.groups[bucket.ranks].whole)
         return flat
+
+
+def refuse_partial_grad(name: str, grad: torch.Tensor) -> None:
+    """A gradient is packed as its Shard placement says, or else as Replicate (each tp rank holds the
+    whole value). A Partial one -- SequenceParallel's norm weights: each tp rank's sum over its own
+    positions -- is neither: packed as Replicate it would be summed across replicas but never over tp
+    (a per-rank partial sum for the update). tensor_parallel.replicate_partial_grads sums it over tp
+    at the step's last accumulation, before this reducer's hook; one still Partial here is a bug, so
+    it stops the step rather than train on a wrong gradient."""
+    partial = [p for p in getattr(grad, "placements", ()) if p.is_partial()]
+    if partial:
+        raise RuntimeError(f"hetero_sync: the gradient of {name} is Partial over tp ({partial[0]}) when its bucket is packed; "
+                           "the cross-replica reduce needs it Replicate or Shard "
+                           "(runtime/tensor_parallel.replicate_partial_grads sums it over tp first)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

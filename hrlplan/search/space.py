@@ -17,6 +17,7 @@ from hrlplan.cost.context_parallel import context_parallel_degrees
 from hrlplan.cost.model import Layout
 from hrlplan.errors import UserError
 from hrlplan.plan import RECOMPUTE_MODES, Plan, homogeneous_plan
+from hrlplan.plan.checks import sequence_parallel_divides
 from hrlplan.search.placement import place_on_ranks
 from hrlplan.cluster import node_bandwidth, node_orders
 from hrlplan.search.splits import in_flight
@@ -228,11 +229,14 @@ class SearchSpace:
         return (False,)
 
     def sequence_parallel(self, c: Config) -> bool:
-        """Sequence parallelism on every tp > 1 layout, not searched: it moves the same bytes as the
-        all-reduces it replaces (an all-gather and a reduce-scatter each) and holds less activation
-        memory, so no layout is faster or smaller without it (cost.model.StageCostModel.stage).
+        """Sequence parallelism on every tp > 1 layout whose sequence it shards evenly, not searched: it
+        moves the same bytes as the all-reduces it replaces (an all-gather and a reduce-scatter each)
+        and holds less activation memory, so no layout is faster or smaller without it
+        (cost.model.StageCostModel.stage). Where tp (x cp) does not divide the sequence the runtimes
+        refuse it (plan/checks.sequence_parallel_divides): such a layout is planned and priced without.
         The replica search's space (hrlplan's own executor) follows plan/checks.HETERO_SEQUENCE_PARALLEL."""
-        return self.allow_sequence_parallel and c.tp > 1
+        return self.allow_sequence_parallel and c.tp > 1 \
+            and sequence_parallel_divides(int(self.meta.seq_len or 0), c.tp, c.cp)
 
     def groups(self, c: Config) -> Tuple[Tuple[int, ...], ...]:
         devs = self.ordered_devices(c.pool, c.type_order, c.node_order)
