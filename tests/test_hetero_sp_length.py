@@ -144,3 +144,33 @@ def test_a_gradient_replicate_partial_grads_settled_packs_as_replicate(one_rank_
     assert module.weight.grad.placements == (Replicate(),)
     reducer._start(Bucket((0,), (Item("block.0", "w", module.weight, False, 4),)))
     assert torch.equal(started[0], torch.arange(4.0) * 0.5)
+
+
+# ---------------------------------------------------------------- pricing the norms' all-reduces
+def _one_stage_tp2(sp: bool):
+    from hrlplan.cost.model import Layout
+    return Layout(spans=((0, 4),), groups=((0, 1),), tp=2, dp=1, microbatch_size=1, num_microbatches=2,
+                  schedule="1f1b", sequence_parallel=sp)
+
+
+@pytest.mark.parametrize("model_type, per_norm", [("gpt2", 2), ("llama", 1)])
+def test_sequence_parallel_charges_one_all_reduce_per_partial_norm_gradient(monkeypatch, model_type, per_norm):
+    """A tp-2 stage of 4 blocks with the final norm: 9 norms, each a weight (RMSNorm) or a weight and a
+    bias (LayerNorm) whose gradient is Partial, all-reduced over tp once a step (replicate_partial_grads)."""
+    from hrlplan.cost import simulator
+    from hrlplan.cost.device_model import all_reduce_time
+    meta = toy_meta(n_layer=4, hidden=256, seq=32)
+    meta.model_type = model_type
+    cluster = _two_types(8)   # devices 0 and 1: one node's, 2 us apart
+    sim = Simulator(meta, cluster)
+    (bw, lat), _ = sim.links((0, 1), 2, 1)
+    one = all_reduce_time(256 * 4.0, 2, bw, lat)   # a hidden-size float32 vector's ring all-reduce
+    assert one > 2 * lat > 0
+    with_sp, without = sim.evaluate(_one_stage_tp2(True), detail=True), sim.evaluate(_one_stage_tp2(False), detail=True)
+    charged = with_sp.stages[0]["partial_grad_reduce_s"]
+    assert charged == pytest.approx(9 * per_norm * one * sim.devices.time_scale)
+    assert without.stages[0]["partial_grad_reduce_s"] == 0.0
+    monkeypatch.setattr(simulator._StepRun, "partial_grad_reduces", lambda self, k: 0.0)
+    uncharged = Simulator(meta, cluster)
+    assert with_sp.step_time_s - uncharged.evaluate(_one_stage_tp2(True)).step_time_s == pytest.approx(charged)
+    assert uncharged.evaluate(_one_stage_tp2(False)).step_time_s == without.step_time_s   # no SP: unchanged

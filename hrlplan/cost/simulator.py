@@ -11,8 +11,11 @@ from hrlplan.cost import quota_cpu
 from hrlplan.cost.device_model import all_reduce_time
 from hrlplan.cost.model import GiB, CostOptions, DeviceModel, Layout, StageCostModel
 from hrlplan.cost.timeline import simulate_shared_timeline, simulate_timeline
+from hrlplan.families import family_of_meta
 
 ZB_INPUT_GRAD_SHARE = 0.5   # a split-backward schedule's input-gradient (B) share; the rest is weight-gradient (W)
+# the gradients sequence parallelism leaves Partial are those of float32 parameters (bf16 runs autocast)
+PARTIAL_GRAD_BYTES = 4.0
 
 
 def zb_input_shares(n_stages: int, calibrated: Optional[float]) -> List[float]:
@@ -254,7 +257,7 @@ class _StepRun:
         reserved = [0.0] * lay.pp
         for k, c in enumerate(self.stage_costs):
             pos = lay.stage_group(k)
-            t.reduce[pos] += c.last_bwd_extra
+            t.reduce[pos] += c.last_bwd_extra + self.partial_grad_reduces(k)
             t.sync[pos] += c.dp_sync
             if k == min(j for j in range(self.n) if lay.stage_group(j) == pos):   # its backward ends the rank's
                 t.tail[pos] = self.root_sync_tail(k, c.dp_sync)
@@ -275,6 +278,24 @@ class _StepRun:
         fixed = self.ov.optimizer_fixed(lay.dp, lay.tp)
         t.optimizer = [x + fixed for x in t.optimizer]
         return t
+
+    def partial_grad_reduces(self, k: int) -> float:
+        """Stage k's all-reduces over its tp ranks of the gradients sequence parallelism leaves Partial
+        (each tp rank's sum over its own positions): its norms' weights and LayerNorm biases -- two norms
+        a block, the final one on the last stage -- one all-reduce each per step
+        (tensor_parallel.replicate_partial_grads at the step's last backward on hrlplan's executor;
+        torch's engine as its optimizer first touches them). Hidden-size vectors, so mostly latency;
+        charged where the calibrated reduces of the last backward are (t.reduce: the position's end)."""
+        lay, meta = self.layout, self.sim.meta
+        tp = lay.tp_of(k)
+        if not lay.sequence_parallel or tp < 2:
+            return 0.0
+        start, end = lay.spans[k]
+        norms = 2 * (end - start) + (1 if k == self.n - 1 else 0)
+        params = norms * (1 if family_of_meta(meta).llama_blocks else 2)   # RMSNorm: a weight; LayerNorm: and a bias
+        nbytes = float(meta.hidden_size) * PARTIAL_GRAD_BYTES
+        (bw, lat), _ = self.sim.links(self.groups[k], tp, lay.dp)
+        return params * self.ov.allreduce(tp, nbytes, all_reduce_time(nbytes, tp, bw, lat))
 
     def root_sync_tail(self, k: int, dp_sync: float) -> float:
         """The gradient sync of stage k's own parameters (embedding; final norm, head, a tied head's
@@ -368,6 +389,7 @@ class _StepRun:
                 "first_fwd_extra_s": c.first_fwd_extra * scale,   # FSDP's all-gathers before the first forward
                 "last_bwd_extra_s": c.last_bwd_extra * scale,     # its reduces in the step's last backward
                 "dp_sync_s": c.dp_sync * scale, "params": c.params,
+                "partial_grad_reduce_s": self.partial_grad_reduces(k) * scale,   # sequence parallelism's norms
                 # the part of it exposed after the rank's whole backward however long that is (root_sync_tail)
                 "dp_sync_tail_s": (self.root_sync_tail(k, c.dp_sync) if k == min(
                     j for j in range(self.n) if lay.stage_group(j) == pos) else 0.0) * scale,
