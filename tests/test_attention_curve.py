@@ -1,10 +1,10 @@
 """The per-document attention kernel's timed curve (cost/attention_curve.py) and its use as a row's attention."""
 import pytest
 
-from hrlplan.cost.attention_curve import GRID, AttentionCurve
+from hrlplan.cost.attention_curve import AttentionCurve, grid_lengths
 from hrlplan.cost.lengths import RowShares, micro_batch_multipliers
 from hrlplan.model_meta import introspect
-from hrlplan.runtime.calibrate.attention_curve import lengths_up_to, measure_attention_curve
+from hrlplan.runtime.calibrate.attention_curve import measure_attention_curve
 
 
 def _curve():
@@ -29,11 +29,17 @@ def test_a_curve_needs_increasing_lengths_and_a_time_for_each():
         AttentionCurve((1, 10), (1.0,), (1.0, 1.0))
 
 
-def test_the_grid_straddles_the_cpu_kernels_block_switches():
-    for switch in (192, 512, 768):   # aten/src/ATen/native/cpu/FlashAttentionKernel.cpp
-        assert switch - 1 in GRID and switch in GRID
-    assert lengths_up_to(600) == tuple(n for n in GRID if n < 600) + (600,)
-    assert lengths_up_to(512)[-2:] == (511, 512)
+def test_the_grid_takes_both_ends_of_every_tooth_and_each_cpu_kernel_switch():
+    grid = grid_lengths(2048)
+    assert grid[:32] == tuple(range(1, 33)) and grid[-1] == 2048
+    # the forward's sawtooth drops at each multiple of 16; the backward steps at each multiple of 512;
+    # the query blocks switch at 192 and 768 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
+    for switch in list(range(48, 2049, 16)) + [192, 512, 768, 1024, 1536]:
+        assert switch - 1 in grid and switch in grid
+    assert len(grid) == 32 + 2 * (2048 // 16 - 2)
+    assert grid_lengths(600)[-3:] == (591, 592, 600) and grid_lengths(20) == tuple(range(1, 21))
+    with pytest.raises(ValueError, match="budget"):
+        grid_lengths(0)
 
 
 def squares_curve(budget, seconds_per_square):

@@ -12,8 +12,14 @@ calibration line averaged those regimes and missed rows of long documents agains
 short ones by 3-15% in the backward.
 
 An AttentionCurve is that kernel timed (runtime/calibrate/attention_curve.py: the model's heads and
-head width, one thread, each length's forward and backward) at a grid of lengths that straddles the
-kernel's block switches; between grid points it is linear, past the last it grows with the square.
+head width, one thread, each length's forward and backward) at every length up to 32 and, past it, at
+each multiple of 16 and the length before it (`grid_lengths`); between grid points it is linear, past
+the last it grows with the square. The kernel is a sawtooth of period 16 (timed on this host, heads 4
+x width 8): the forward rises through each 16 tokens and drops at the multiple -- 496 -> 511 tokens
+1.26 -> 1.51 ms, 512 tokens 1.33 ms; 1008 -> 1023 3.80 -> 4.12 ms, 1024 4.01 ms -- and the backward
+steps up at each multiple of 512 (1023 -> 1024: 11.8 -> 12.7 ms; 1535 -> 1536: 24.1 -> 25.1 ms). A
+coarser grid (powers and halves, round 7's) read lengths between its points through the teeth: up to
+7.5% high on a backward between 896 and 1024 tokens.
 A row's attention is `row_seconds` (one block's); the calibration line fits a coefficient on it
 (it came out at the stage's block count, 1.98-2.01 for two blocks: bench/mixed_length.py), so a
 level shift of the whole machine does not matter, only the curve's shape.
@@ -24,10 +30,22 @@ import bisect
 from dataclasses import dataclass
 from typing import Dict, Iterable, Sequence, Tuple
 
-# lengths the kernel's time is taken at: powers and halves up to 2048, and both sides of each block
-# switch of torch's CPU kernel (query blocks at 192 and 768 queries, key blocks of 512)
-GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 191, 192, 224, 256, 320, 384, 448, 511, 512, 576,
-        640, 704, 767, 768, 832, 896, 1024, 1152, 1280, 1536, 1792, 2048, 3072, 4096)
+# every length up to SMALL (short documents, cheap to time), then both ends of each tooth
+SMALL = 32
+TOOTH = 16
+
+
+def grid_lengths(budget: int) -> Tuple[int, ...]:
+    """The lengths the kernel is timed at, up to `budget`: 1..SMALL, then each multiple of TOOTH and
+    the length before it (both sides of every drop of the sawtooth and of the switches at 192, 512,
+    768 and 1024), and the budget itself (a row's longest document)."""
+    if budget < 1:
+        raise ValueError("an attention curve needs a budget of at least one token")
+    teeth = {n for k in range(SMALL // TOOTH + 1, budget // TOOTH + 1) for n in (TOOTH * k - 1, TOOTH * k)}
+    return tuple(sorted({n for n in range(1, SMALL + 1)} | teeth | {budget}) if budget > SMALL
+                 else range(1, budget + 1))
+
+
 KINDS = ("F", "B")
 
 

@@ -15,12 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from hrlplan.cost.attention_curve import GRID, AttentionCurve
-
-
-def lengths_up_to(budget: int, grid: Sequence[int] = GRID) -> tuple:
-    """The grid's lengths up to the budget, and the budget itself (a row's longest document)."""
-    return tuple(sorted({n for n in grid if n < budget} | {budget}))
+from hrlplan.cost.attention_curve import AttentionCurve, grid_lengths
 
 
 def _time_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, repeats: int):
@@ -40,9 +35,9 @@ def _time_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, re
 def measure_attention_curve(heads: int, head_width: int, budget: int, dtype: torch.dtype = torch.float32,
                             repeats: int = 7, lengths: Optional[Sequence[int]] = None,
                             seed: int = 0) -> AttentionCurve:
-    """One block's per-document attention, forward and backward, at each of `lengths` (default the
-    grid up to `budget`), on one thread."""
-    lengths = tuple(lengths) if lengths is not None else lengths_up_to(budget)
+    """One block's per-document attention, forward and backward, at each of `lengths` (default
+    cost/attention_curve.grid_lengths(budget)), on one thread."""
+    lengths = tuple(lengths) if lengths is not None else grid_lengths(budget)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
