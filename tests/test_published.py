@@ -4,7 +4,6 @@ committed figure for that row; the committed output (bench/published.json, regen
 tree) is the one the docs print and reports each source on its own. Regenerate it after a cost-model
 change: python bench/published.py --json bench/published.json --docs docs/cost-model.md"""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,23 +41,45 @@ def committed(source_key):
     return next(s for s in bench_output()["sources"] if s["source"] == source_key)
 
 
-@pytest.mark.parametrize("source_key", sorted(ONE_ROW))
-def test_one_row_per_source_through_the_command_line_is_the_bench_figure(tmp_path, source_key):
-    """The row as a user runs it: their plan.yaml and the keys typed out here, not the bench's command."""
+def _command(source_key, folder):
+    """The row's plan.yaml as a user writes it, and the command they type for it (the keys of ONE_ROW)."""
     import published
     import published_sources
 
     name, keys = ONE_ROW[source_key]
     source = published_sources.BY_KEY[source_key]
     row = next(r for r in source.rows if r.name == name)
-    published.write_plan_file(row, tmp_path / "plan.yaml", source)
-    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    published.write_plan_file(row, folder / "plan.yaml", source)
+    return [sys.executable, str(ROOT / "pretrain.py"), "mode=plan", "planner=manual",
+            f"planner.plan_file={folder / 'plan.yaml'}", "arch=gpt2", "train.dtype=bfloat16", *keys,
+            f"run_dir={folder / 'run'}", "logger.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def command_line(tmp_path_factory):
+    """{source key: (its folder, the finished command)}: the three commands run as written, in one
+    process (tests/_plan_commands.py: a preset cluster starts no workers, and starting Python is most
+    of each command's time)."""
+    from _plan_commands import run_commands
+
+    folders = {key: tmp_path_factory.mktemp(key) for key in sorted(ONE_ROW)}
+    commands = {key: _command(key, folder) for key, folder in folders.items()}
+    done = run_commands(list(commands.values()), cwd=ROOT)
+    return {key: (folders[key], proc) for key, proc in zip(commands, done)}
+
+
+@pytest.mark.parametrize("source_key", sorted(ONE_ROW))
+def test_one_row_per_source_through_the_command_line_is_the_bench_figure(command_line, source_key):
+    """The row as a user runs it: their plan.yaml and the keys typed out here, not the bench's command."""
+    import published_sources
+
+    name, _ = ONE_ROW[source_key]
+    source = published_sources.BY_KEY[source_key]
+    row = next(r for r in source.rows if r.name == name)
+    folder, done = command_line[source_key]
+    plan = yaml.safe_load((folder / "plan.yaml").read_text())
     assert "predicted" not in plan["meta"]   # the user's file: the figure below is the command's own
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "pretrain.py"), "mode=plan", "planner=manual",
-           f"planner.plan_file={tmp_path / 'plan.yaml'}", "arch=gpt2", "train.dtype=bfloat16", *keys,
-           f"run_dir={run_dir}", "logger.mode=disabled"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run_dir = folder / "run"
     assert done.returncode == 0, done.stderr[-2000:]
     info = json.loads((run_dir / "plan_info.json").read_text())
     assert info["planner"]["simulator"] == "fits"

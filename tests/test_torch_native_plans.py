@@ -57,11 +57,32 @@ def test_the_layouts_span_the_torch_native_options():
     assert any(s.get("compile") and s.get("float8") for s in specs)
 
 
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    """LAYOUTS.predict's row of every layout that loads here: its `pretrain.py mode=plan planner=manual`
+    command (LAYOUTS.command) run as written, the six in one process (tests/_plan_commands.py: a
+    preset cluster starts no workers, and starting Python is most of each command's time), then read
+    as LAYOUTS.predict reads it."""
+    from types import SimpleNamespace
+
+    from _plan_commands import run_commands
+    from test_context_parallel import _checks_know_cp
+
+    workdir = tmp_path_factory.mktemp("torch_native")
+    names = [n for n, spec in LAYOUTS.LAYOUTS.items() if spec.get("cp", 1) == 1 or _checks_know_cp()]
+    commands = [LAYOUTS.command(n, HERE / f"{n}.yaml", workdir / n) for n in names]
+    done = {tuple(cmd): proc for cmd, proc in zip(commands, run_commands(commands, cwd=LAYOUTS.ROOT))}
+    ran = SimpleNamespace(run=lambda cmd, **_: done[tuple(cmd)])   # predict's subprocess.run, already run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LAYOUTS, "subprocess", ran)
+        return {n: LAYOUTS.predict(n, workdir) for n in names}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS.LAYOUTS))
-def test_pretrain_predicts_each_layout_as_fitting(name, tmp_path):
+def test_pretrain_predicts_each_layout_as_fitting(name, predicted):
     _runnable(name)
-    row = LAYOUTS.predict(name, tmp_path)
+    row = predicted[name]
     print(row)
     assert row["fits"], row.get("reason")
     assert 0 < row["step_time_s"] < 600 and 0 < row["peak_memory_gib"] < 80 * 0.9
