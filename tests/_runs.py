@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List
 
@@ -43,7 +44,18 @@ def pretrain(run_dir: Path, *overrides: str, check: bool = True, env: dict = Non
     environment variables)."""
     env = dict(os.environ, WANDB_SILENT="true", HF_HUB_OFFLINE="1", **(env or {}))
     cmd = [sys.executable, str(ROOT / "pretrain.py"), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_to_files(cmd, cwd=ROOT, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_to_files(cmd: List[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) that returns when the command exits: its
+    output goes through files, not pipes, so the local launcher's fork server (which outlives the
+    command by a fraction of a second, holding the pipes' write ends) is not waited for."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=timeout, **popen)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())

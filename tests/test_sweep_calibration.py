@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _runs import run_to_files
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # One job of a sweep, reduced to the cache calls rank 0 makes (hrlplan/launch/planning.py calibrated()):
@@ -87,10 +89,9 @@ def test_a_job_that_dies_while_measuring_does_not_block_the_next(tmp_path):
 def test_a_two_point_sweep_calibrates_once(tmp_path):
     env = dict(os.environ, HRLPLAN_CALIBRATION_CACHE=str(tmp_path / "cache"))
     env.pop("HRLPLAN_PLAN_CACHE", None)
-    out = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "-m", "train.lr=1e-3,2e-3", "mode=plan",
-                          "planner.calibrate=true", "logger.mode=disabled", "arch.n_layer=2", "data.seq_len=32",
-                          f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = run_to_files([sys.executable, str(ROOT / "pretrain.py"), "-m", "train.lr=1e-3,2e-3", "mode=plan",
+                        "planner.calibrate=true", "logger.mode=disabled", "arch.n_layer=2", "data.seq_len=32",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env, timeout=600)
     console = out.stdout + out.stderr
     assert out.returncode == 0, console[-4000:]
     assert all((tmp_path / "sweep" / str(i) / "plan.yaml").is_file() for i in (0, 1)), console[-4000:]
