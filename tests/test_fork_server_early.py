@@ -1,11 +1,11 @@
 """hrlplan/launch/fork_server.py: the fork server started before torch is imported, only where the
 command will start local workers itself, and the launch then forks its workers from that server."""
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from _runs import run_to_files
 from hrlplan.launch.fork_server import RANK_OR_TASK, starts_local_workers
 
 
@@ -41,5 +41,5 @@ def test_the_early_server_imports_nothing_here_and_serves_the_launch(tmp_path, p
         assert len(set(pids.values())) == 2 and os.getpid() not in pids.values(), pids
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = run_to_files([sys.executable, "-c", code], timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
