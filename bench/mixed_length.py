@@ -139,7 +139,7 @@ def measure(args) -> Dict:
     # 3 passes (about 15 s each at 6 held-out steps): they only feed the dispatch (the prediction fits the
     # passes timed between the rounds' steps); a pass's rows vary by a few percent, the fit of their medians far less.
     # The dispatch balances the squared lengths (data/dispatch.py's model), so its line is fitted on them.
-    before = [M.time_calibration(stages, calibration, args.micro_batches) for _ in range(3)]
+    before = [M.time_calibration(stages, calibration, M.step_rows_per_call(args)) for _ in range(3)]
     full, shares, _, _ = A.calibrate(args, rows, before, A.RowAttention(None, args.budget))
     prepared = M.step_batches(args, documents, meta, spans, {"full": full, "shares": shares})
     # the per-document attention kernel as the stages call it (heads, head width, one thread): the prediction's

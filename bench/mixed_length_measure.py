@@ -183,7 +183,7 @@ HELD_OUT_ATTENTION_RATIO = 3.5
 def calibration_rows(args, eot_id: int, documents):
     """(Row, (inputs, targets)) per calibration row, in steps of
     args.micro_batches rows: first the fixed-length micro-batch the planner costs (one document filling
-    the row) that many times, then HELD_OUT_STEPS steps of the validation split, each packed in arrival
+    the row) m x dp times, then HELD_OUT_STEPS steps of the validation split, each packed in arrival
     order, by the min-max dispatch and by the pipeline-aware one (data/dispatch.py)."""
     import torch
 
@@ -194,7 +194,8 @@ def calibration_rows(args, eot_id: int, documents):
     g = torch.Generator().manual_seed(args.seed)
     m = args.micro_batches
     out = []
-    for _ in range(m):
+    # the one-document row as many times as a timed call has rows (`step_rows_per_call`)
+    for _ in range(m * args.dp):
         one = torch.randint(1, args.vocab, (args.budget + 1,), generator=g)
         one[one == eot_id] = 1
         out.append((Row(1, args.budget, float(args.budget) ** 2, (args.budget,)),
@@ -238,6 +239,16 @@ def time_calibration(stages, calibration, micro_batches: int, groups=None) -> Li
     return rows
 
 
+def step_rows_per_call(args) -> int:
+    """Rows a timed call runs: a measured step's (m x dp, the replicas' rows one after another in this
+    thread), so the calibration's rows sit at the positions the steps' do. A row's time depends on its
+    place in the call by a few tenths of a percent (round 8, dp 2: the first row 0.3-0.6% below the
+    line, the second 0.3-0.6% above, the second replica's rows 0.1-0.4% above the first's): timed in
+    calls of m rows, the calibration had no rows at the second replica's places and put dp 2 steps
+    0.2% low."""
+    return args.micro_batches * args.dp
+
+
 def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
     """Per round (packings interleaved, order flipping): per packing and step the {F, B} tables; the
     calibration's passes timed between the round's steps (in the steps' own conditions: passes timed
@@ -254,12 +265,13 @@ def timed_rounds(args, batches: Dict, stages, calibration) -> Dict:
         per = {p: [] for p in PACKINGS}
         # the calibration's steps, one between each two of the round's, starting over when all are timed:
         # a pass per turn (the last one partial, its other rows None)
-        count = len(calibration) // args.micro_batches
+        call = step_rows_per_call(args)
+        count = len(calibration) // call
         passes: List[List] = []
         for t, step in enumerate(timed):
             if t % count == 0:
                 passes.append([None] * len(calibration))
-            mine = time_calibration(stages, calibration, args.micro_batches, [t % count])
+            mine = time_calibration(stages, calibration, call, [t % count])
             passes[-1] = [x if x is not None else y for x, y in zip(mine, passes[-1])]
             gradients = {}
             for p in order:
