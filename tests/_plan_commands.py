@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import List, Sequence
 
@@ -50,6 +51,9 @@ def _run_one(script: str, argv: List[str]) -> dict:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if not isinstance(e.code, (int, type(None))):
                 print(e.code, file=sys.stderr)
+        except Exception:   # what Python prints and exits with for a command that raises
+            traceback.print_exc()
+            code = 1
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
