@@ -1,7 +1,7 @@
 """Mixed-length data (issue 37): `document` packing (arrival order) against `balanced` (cost-aware
 dispatch) on data=code's real document lengths.
 
-    python bench/mixed_length.py --measure [--budget 4096] [--micro-batches 2] [--rounds 4] [--steps 8]
+    python bench/mixed_length.py --measure [--budget 4096] [--micro-batches 2] [--rounds 10] [--steps 8]
 
 --measure (bench/mixed_length_measure.py): every (stage, micro-batch) forward and backward of the real
 pipeline stages timed in one thread's CPU time, document / min-max / balanced interleaved in rounds,
@@ -217,7 +217,8 @@ def main(argv=None) -> Dict:
                         help="cost only the documents' tokens (an unpadded varlen run), not fixed-shape micro-batches")
     parser.add_argument("--out", default=None, help="default bench/results/mixed_length[_measured].json")
     parser.add_argument("--measure", action="store_true", help="real pp-2 training runs of both packings")
-    parser.add_argument("--rounds", type=int, default=4, help="--measure: interleaved rounds of CPU timing")
+    parser.add_argument("--rounds", type=int, default=10, help="--measure: interleaved rounds of CPU timing "
+                        "(ten: an exact prediction falls outside the min-max of n rounds with probability 2^(1-n))")
     parser.add_argument("--warmup", type=int, default=1, help="--measure: first steps left out (and of each run)")
     parser.add_argument("--train-rounds", type=int, default=0,
                         help="--measure: real pp training runs of document and balanced, for the loss curves")
