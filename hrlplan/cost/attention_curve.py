@@ -42,8 +42,7 @@ def grid_lengths(budget: int) -> Tuple[int, ...]:
     if budget < 1:
         raise ValueError("an attention curve needs a budget of at least one token")
     teeth = {n for k in range(SMALL // TOOTH + 1, budget // TOOTH + 1) for n in (TOOTH * k - 1, TOOTH * k)}
-    return tuple(sorted({n for n in range(1, SMALL + 1)} | teeth | {budget}) if budget > SMALL
-                 else range(1, budget + 1))
+    return tuple(sorted(set(range(1, min(budget, SMALL) + 1)) | teeth | {budget}))
 
 
 KINDS = ("F", "B")
